@@ -1,0 +1,35 @@
+# The two commands of the README: `make test` and `make demo`. Both set up .venv on a
+# fresh machine. Torch comes from $(TORCH) and is installed only when it is missing, so
+# that CI can pin the CPU wheel (TORCH=torch==2.13.0) instead of pulling CUDA packages.
+PY ?= python3
+TORCH ?= torch
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+PIP := $(PYTHON) -m pip
+STAMP := $(VENV)/.snapcore-installed
+
+.PHONY: install test lint demo bench clean
+
+$(PYTHON):
+	$(PY) -m venv $(VENV)
+
+install: $(PYTHON)
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
+	$(PIP) install -q "scikit-build-core>=0.10" "nanobind>=2.4"
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PYTHON) -m pytest
+
+demo: install
+	$(PYTHON) -m snapcore.demo
+
+bench: install
+	$(PYTHON) benchmarks/bench_save.py
+
+clean:
+	rm -rf build $(VENV)

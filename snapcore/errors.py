@@ -1,0 +1,91 @@
+"""snapcore's exception classes: one per failure family, all re-exported by the package.
+
+The native extension raises these too (its binding maps C++ exceptions onto them), so a
+caller never needs to know which half of snapcore failed.
+"""
+
+from __future__ import annotations
+
+
+class SnapcoreError(Exception):
+    """Base class of every error snapcore raises on purpose."""
+
+
+class SnapshotNotFound(SnapcoreError, LookupError):
+    """No committed snapshot matches the request (empty store, or no such step)."""
+
+
+class CorruptSnapshot(SnapcoreError):
+    """Data of a committed snapshot does not match its manifest (hash, size, truncation).
+
+    Attributes name what is damaged so an operator can act on it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        tensor: str | None = None,
+        chunk: int | None = None,
+        file: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.tensor = tensor
+        self.chunk = chunk
+        self.file = file
+
+
+class InvalidManifest(CorruptSnapshot):
+    """A manifest is not valid JSON, fails the schema, or points outside its store."""
+
+
+class UnsupportedState(SnapcoreError, TypeError):
+    """A leaf of the state tree is of a type snapcore refuses to save (it never pickles)."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class StateMismatch(SnapcoreError, ValueError):
+    """The state given to restore() cannot take the snapshot (missing key, shape, dtype)."""
+
+
+class SnapshotFailed(SnapcoreError):
+    """A background snapshot failed; raised by handle.wait() and by the next save.
+
+    The original error is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, tier: str | None = None):
+        super().__init__(message)
+        self.step = step
+        self.tier = tier
+
+
+class NativeError(SnapcoreError, RuntimeError):
+    """An error inside the native extension that is not an I/O error."""
+
+
+class CudaError(NativeError):
+    """A CUDA driver call failed, or CUDA is needed and unavailable."""
+
+
+class StorageError(SnapcoreError, OSError):
+    """An I/O error while writing or reading a store; keeps errno and the file name."""
+
+
+__all__ = [
+    "CorruptSnapshot",
+    "CudaError",
+    "InvalidManifest",
+    "NativeError",
+    "SnapcoreError",
+    "SnapshotFailed",
+    "SnapshotNotFound",
+    "StateMismatch",
+    "StorageError",
+    "UnsupportedState",
+]
