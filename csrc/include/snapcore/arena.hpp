@@ -1,0 +1,64 @@
+// The host arena: one block of host memory, sized exactly, optionally backed by a shared
+// memory file, prefaulted and pinned once, then reused for every snapshot.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace snapcore {
+
+class PrimaryContext;
+
+struct ArenaOptions {
+  // Map this file (e.g. under /dev/shm) MAP_SHARED instead of anonymous memory. The file
+  // is created (0600) if needed, sized to the arena, and never unlinked by the arena.
+  std::optional<std::string> shm_path;
+  bool huge_pages = true;  // madvise(MADV_HUGEPAGE); failure is recorded, not raised
+  bool pin = true;         // cuMemHostRegister when CUDA is available
+  bool prefault = true;    // touch every page now, in parallel
+  std::size_t threads = 0;  // for prefaulting; 0 = hardware_threads()
+};
+
+class Arena {
+ public:
+  // Maps round_up(size, page_size()) bytes. Throws std::invalid_argument for size 0,
+  // IoError when a system call fails, CudaError when pinning fails with CUDA available.
+  Arena(std::size_t size, ArenaOptions options);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // Unpins, unmaps and closes the file; idempotent. Every step runs even if an earlier
+  // one failed; the first failure is then thrown.
+  void close();
+
+  [[nodiscard]] std::uintptr_t address() const;  // throws std::invalid_argument once closed
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] std::size_t bytes_held() const noexcept { return held_; }
+  [[nodiscard]] std::size_t bytes_pinned() const noexcept { return pinned_ ? held_ : 0; }
+  [[nodiscard]] bool pinned() const noexcept { return pinned_; }
+  [[nodiscard]] bool huge_pages() const noexcept { return huge_pages_; }
+  [[nodiscard]] bool closed() const noexcept { return base_ == nullptr; }
+  [[nodiscard]] const std::optional<std::string>& shm_path() const noexcept {
+    return shm_path_;
+  }
+
+ private:
+  void map(bool huge_pages);
+  void prefault(std::size_t threads);
+  void pin();
+
+  std::size_t size_ = 0;
+  std::size_t held_ = 0;
+  std::optional<std::string> shm_path_;
+  int fd_ = -1;
+  void* base_ = nullptr;
+  bool huge_pages_ = false;
+  bool pinned_ = false;
+  std::unique_ptr<PrimaryContext> pin_ctx_;  // held while the registration lives
+};
+
+}  // namespace snapcore

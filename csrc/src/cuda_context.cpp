@@ -1,0 +1,30 @@
+#include "snapcore/cuda_context.hpp"
+
+#include "snapcore/error.hpp"
+
+namespace snapcore {
+
+PrimaryContext::PrimaryContext(int device) : device_(device) {
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  SNAP_EXPECT_ARG(device >= 0 && device < cu.device_count(),
+                  "CUDA device " << device << " does not exist (" << cu.device_count()
+                                 << " device(s))");
+  CU_TRY(cu.DeviceGet(&handle_, device));
+  CU_TRY(cu.DevicePrimaryCtxRetain(&ctx_, handle_));
+}
+
+PrimaryContext::~PrimaryContext() {
+  // Nothing to report to from a destructor; the driver keeps the context for other users.
+  (void)shim::CudaDriver::instance().DevicePrimaryCtxRelease(handle_);
+}
+
+ScopedContext::ScopedContext(cu::CUcontext ctx) {
+  CU_TRY(shim::CudaDriver::instance().CtxPushCurrent(ctx));
+}
+
+ScopedContext::~ScopedContext() {
+  cu::CUcontext popped = nullptr;
+  (void)shim::CudaDriver::instance().CtxPopCurrent(&popped);
+}
+
+}  // namespace snapcore

@@ -1,0 +1,150 @@
+#include "snapcore/cuda_copy.hpp"
+
+#include "snapcore/cuda_context.hpp"
+#include "snapcore/error.hpp"
+
+namespace snapcore {
+
+namespace {
+
+cu::CUstream as_stream(std::uintptr_t handle) {
+  return reinterpret_cast<cu::CUstream>(handle);
+}
+
+}  // namespace
+
+CudaEvent::CudaEvent(std::shared_ptr<PrimaryContext> ctx) : ctx_(std::move(ctx)) {
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  ScopedContext current(ctx_->get());
+  CU_TRY(cu.EventCreate(&event_, cu::CU_EVENT_DISABLE_TIMING));
+}
+
+CudaEvent::~CudaEvent() {
+  if (event_ == nullptr) {
+    return;
+  }
+  try {
+    // Destroying an event whose work is pending is allowed: the driver frees it later.
+    ScopedContext current(ctx_->get());
+    (void)shim::CudaDriver::instance().EventDestroy(event_);
+  } catch (...) {
+    // Nothing to report to from a destructor.
+  }
+}
+
+void CudaEvent::record(cu::CUstream stream) {
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  ScopedContext current(ctx_->get());
+  CU_TRY(cu.EventRecord(event_, stream));
+}
+
+void CudaEvent::synchronize() const {
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  ScopedContext current(ctx_->get());
+  CU_TRY(cu.EventSynchronize(event_));
+}
+
+bool CudaEvent::query() const {
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  ScopedContext current(ctx_->get());
+  const cu::CUresult rc = cu.EventQuery(event_);
+  if (rc == cu::CUDA_ERROR_NOT_READY) {
+    return false;
+  }
+  CU_TRY(rc);
+  return true;
+}
+
+void CudaEvent::make_stream_wait(cu::CUstream stream) const {
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  ScopedContext current(ctx_->get());
+  CU_TRY(cu.StreamWaitEvent(stream, event_, cu::CU_EVENT_WAIT_DEFAULT));
+}
+
+CudaCopier::CudaCopier(int device)
+    : device_(device), ctx_(std::make_shared<PrimaryContext>(device)) {
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  ScopedContext current(ctx_->get());
+  // Non-blocking: the side stream must not serialise with the legacy default stream.
+  CU_TRY(cu.StreamCreate(&stream_, cu::CU_STREAM_NON_BLOCKING));
+}
+
+CudaCopier::~CudaCopier() {
+  try {
+    close();
+  } catch (...) {
+    // Nothing to report to from a destructor.
+  }
+}
+
+std::uintptr_t CudaCopier::stream() const {
+  SNAP_EXPECT_ARG(stream_ != nullptr, "CudaCopier is closed");
+  return reinterpret_cast<std::uintptr_t>(stream_);
+}
+
+void CudaCopier::close() {
+  if (stream_ == nullptr) {
+    return;
+  }
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  cu::CUstream stream = stream_;
+  stream_ = nullptr;
+  ScopedContext current(ctx_->get());
+  // Copies still in flight must finish before the stream goes away.
+  const cu::CUresult rc_sync = cu.StreamSynchronize(stream);
+  const cu::CUresult rc_destroy = cu.StreamDestroy(stream);
+  CU_TRY(rc_sync);
+  CU_TRY(rc_destroy);
+}
+
+std::unique_ptr<CudaEvent> CudaCopier::d2h(const std::vector<CopySpec>& copies,
+                                           std::uintptr_t after_stream) {
+  return copy(Direction::DeviceToHost, copies, after_stream);
+}
+
+std::unique_ptr<CudaEvent> CudaCopier::h2d(const std::vector<CopySpec>& copies,
+                                           std::uintptr_t after_stream) {
+  return copy(Direction::HostToDevice, copies, after_stream);
+}
+
+std::unique_ptr<CudaEvent> CudaCopier::copy(Direction dir, const std::vector<CopySpec>& copies,
+                                            std::uintptr_t after_stream) {
+  SNAP_EXPECT_ARG(stream_ != nullptr, "CudaCopier is closed");
+  for (const CopySpec& c : copies) {
+    SNAP_EXPECT_ARG(c.nbytes == 0 || (c.dst != 0 && c.src != 0),
+                    "null address in a copy of " << c.nbytes << " bytes");
+  }
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  ScopedContext current(ctx_->get());
+
+  // The side stream starts only after what the caller has queued so far (the values to
+  // copy are written by it).
+  {
+    CudaEvent ready(ctx_);
+    ready.record(as_stream(after_stream));
+    CU_TRY(cu.StreamWaitEvent(stream_, ready.get(), cu::CU_EVENT_WAIT_DEFAULT));
+  }
+  try {
+    for (const CopySpec& c : copies) {
+      if (c.nbytes == 0) {
+        continue;
+      }
+      if (dir == Direction::DeviceToHost) {
+        CU_TRY(cu.MemcpyDtoHAsync(reinterpret_cast<void*>(c.dst),
+                                  static_cast<cu::CUdeviceptr>(c.src), c.nbytes, stream_));
+      } else {
+        CU_TRY(cu.MemcpyHtoDAsync(static_cast<cu::CUdeviceptr>(c.dst),
+                                  reinterpret_cast<const void*>(c.src), c.nbytes, stream_));
+      }
+    }
+    auto done = std::make_unique<CudaEvent>(ctx_);
+    done->record(stream_);
+    return done;
+  } catch (...) {
+    // Some copies may be queued: let them finish so the caller may free its buffers.
+    (void)cu.StreamSynchronize(stream_);
+    throw;
+  }
+}
+
+}  // namespace snapcore
