@@ -1,0 +1,175 @@
+"""The ``snapcore`` command: ls, inspect, verify, gc, plan."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import CorruptSnapshot, SnapcoreError
+from .store import LocalStore
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    store = LocalStore(args.store)
+    snaps = store.snapshots()
+    if not snaps:
+        print(f"no snapshots in {store.root}")
+        return 0
+    rows = [("STEP", "TIME", "SIZE", "TENSORS", "STATUS")]
+    for s in snaps:
+        if not s.committed:
+            rows.append((str(s.step), "-", "-", "-", "incomplete (interrupted or in progress)"))
+            continue
+        try:
+            m = store.read_manifest(s.step)
+        except SnapcoreError as e:
+            rows.append((str(s.step), "-", "-", "-", f"damaged manifest: {e}"))
+            continue
+        when = dt.datetime.fromtimestamp(m.created_unix).strftime("%Y-%m-%d %H:%M:%S")
+        rows.append(
+            (str(m.step), when, human_bytes(m.stored_bytes), str(len(m.tensors)), "committed")
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    store = LocalStore(args.store)
+    m = store.read_manifest(store.resolve_step(args.step))
+    if args.json:
+        json.dump(m.to_json(), sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"step {m.step}: {len(m.tensors)} tensors, {human_bytes(m.nbytes)} of tensor data")
+    _print_tree(m.tree, m, "", 0)
+    return 0
+
+
+def _print_tree(node: dict[str, Any], m: Any, name: str, depth: int) -> None:
+    (kind, value), *_ = node.items()
+    pad = "  " * depth
+    label = f"{pad}{name}" if name else f"{pad}<root>"
+    if kind == "tensor":
+        t = m.tensors[value]
+        shape = "x".join(map(str, t.shape)) or "scalar"
+        print(f"{label}: {t.dtype} [{shape}] {human_bytes(t.nbytes)}")
+    elif kind == "dict":
+        print(f"{label}/")
+        for k, v in value:
+            _print_tree(v, m, str(k), depth + 1)
+    elif kind in ("list", "tuple"):
+        print(f"{label}/ ({kind} of {len(value)})")
+        for i, v in enumerate(value):
+            _print_tree(v, m, str(i), depth + 1)
+    elif kind == "stateful":
+        print(f"{label}/ ({value['type']})")
+        for k, v in value["state"].get("dict", []):
+            _print_tree(v, m, str(k), depth + 1)
+    else:
+        print(f"{label} = {value!r}")
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .read import verify_snapshot
+
+    store = LocalStore(args.store)
+    step = store.resolve_step(args.step)
+    bar = _Progress(f"verify step {step}", enabled=not args.quiet and sys.stderr.isatty())
+    try:
+        damaged = verify_snapshot(store, step, progress=bar.update)
+    except CorruptSnapshot as e:  # missing or truncated file: nothing to read at all
+        bar.close()
+        print(f"DAMAGED: {e}", file=sys.stderr)
+        return 1
+    bar.close()
+    if damaged:
+        for e in damaged:
+            print(f"DAMAGED: {e}", file=sys.stderr)
+        print(f"step {step}: {len(damaged)} damaged chunk(s)", file=sys.stderr)
+        return 1
+    print(f"step {step}: intact")
+    return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    store = LocalStore(args.store)
+    removed = store.collect_leftovers(full=True, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for p in removed:
+        print(f"{verb} {p}")
+    print(
+        f"{len(removed)} leftover file(s) {verb.split()[-1]}{' (dry run)' if args.dry_run else ''}"
+    )
+    return 0
+
+
+class _Progress:
+    def __init__(self, label: str, *, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(
+            f"\r{self.label} [{bar:<30}] {frac:6.1%} {human_bytes(done)}/{human_bytes(total)}"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="snapcore", description="Inspect and manage snapcore stores.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="list the snapshots of a store")
+    ls.add_argument("store")
+    ls.set_defaults(func=_cmd_ls)
+    ins = sub.add_parser("inspect", help="show the tensors of a snapshot")
+    ins.add_argument("store")
+    ins.add_argument("--step", type=int)
+    ins.add_argument("--json", action="store_true", help="print the manifest")
+    ins.set_defaults(func=_cmd_inspect)
+    ver = sub.add_parser("verify", help="check every chunk's hash (exit 1 if damaged)")
+    ver.add_argument("store")
+    ver.add_argument("--step", type=int)
+    ver.add_argument("--quiet", action="store_true", help="no progress bar")
+    ver.set_defaults(func=_cmd_verify)
+    gc = sub.add_parser("gc", help="remove leftovers of interrupted snapshots")
+    gc.add_argument("store")
+    gc.add_argument("--dry-run", action="store_true")
+    gc.set_defaults(func=_cmd_gc)
+    sub.add_parser("plan", help="what-if for the checkpoint interval (see snapcore plan -h)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        from .scheduler.plan import plan_main
+
+        return plan_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SnapcoreError as e:
+        print(f"snapcore {args.cmd}: {e}", file=sys.stderr)
+        return 1

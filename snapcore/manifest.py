@@ -1,0 +1,335 @@
+"""Manifest of a snapshot (format v1, docs/format.md): build, serialise, parse defensively.
+
+Parsing never trusts the file: JSON size is capped before parsing, the schema is checked,
+then every cross-reference, size and offset is checked before anything is read or
+allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import jsonschema
+import torch
+
+from .errors import InvalidManifest
+
+FORMAT_VERSION = 1
+KIND = "snapcore.snapshot"
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_BYTES = 1 << 62
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in [
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex64",
+        "complex128",
+        "complex32",
+    ]
+    if hasattr(torch, name)
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"snapcore cannot save tensors of dtype {dtype}") from None
+
+
+@dataclass(frozen=True)
+class FileRef:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    file: int
+    offset: int
+    length: int
+    xxh3: str
+    codec: str = "none"
+
+
+@dataclass
+class Blob:
+    nbytes: int
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Piece:
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    blob: int
+    byte_offset: int
+    strides: tuple[int, ...]
+
+
+@dataclass
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: list[Piece]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+
+@dataclass
+class Manifest:
+    step: int
+    created_unix: float
+    writer: dict[str, Any]
+    world_size: int
+    rank_files: list[list[int]]
+    files: list[FileRef]
+    blobs: list[Blob]
+    tensors: list[TensorEntry]
+    tree: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (what a restore moves)."""
+        return sum(b.nbytes for b in self.blobs)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "kind": KIND,
+            "step": self.step,
+            "created_unix": self.created_unix,
+            "writer": self.writer,
+            "world_size": self.world_size,
+            "rank_files": self.rank_files,
+            "files": [{"name": f.name, "size": f.size} for f in self.files],
+            "blobs": [
+                {
+                    "nbytes": b.nbytes,
+                    "chunks": [
+                        {
+                            "file": c.file,
+                            "offset": c.offset,
+                            "length": c.length,
+                            "codec": c.codec,
+                            "xxh3": c.xxh3,
+                        }
+                        for c in b.chunks
+                    ],
+                }
+                for b in self.blobs
+            ],
+            "tensors": [
+                {
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "pieces": [
+                        {
+                            "offsets": list(p.offsets),
+                            "shape": list(p.shape),
+                            "blob": p.blob,
+                            "byte_offset": p.byte_offset,
+                            "strides": list(p.strides),
+                        }
+                        for p in t.pieces
+                    ],
+                }
+                for t in self.tensors
+            ],
+            "tree": self.tree,
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+
+
+@cache
+def _validator() -> jsonschema.protocols.Validator:
+    text = resources.files("snapcore").joinpath("manifest.schema.json").read_text()
+    schema = json.loads(text)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"invalid JSON number {name}")
+
+
+def parse(data: bytes, *, where: str) -> Manifest:
+    """Parse and validate manifest bytes; ``where`` names the file in errors."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise InvalidManifest(f"{where}: manifest of {len(data)} bytes exceeds the 64 MiB cap")
+    try:
+        doc = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise InvalidManifest(f"{where}: not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise InvalidManifest(f"{where}: a manifest must be a JSON object")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise InvalidManifest(
+            f"{where}: format_version {version!r} is not supported (this snapcore reads "
+            f"version {FORMAT_VERSION})"
+        )
+    try:
+        error = jsonschema.exceptions.best_match(_validator().iter_errors(doc))
+    except RecursionError:
+        raise InvalidManifest(f"{where}: the tree is nested too deeply") from None
+    if error is not None:
+        loc = "/".join(str(p) for p in error.absolute_path) or "<top>"
+        raise InvalidManifest(f"{where}: schema violation at {loc}: {error.message[:300]}")
+    m = Manifest(
+        step=doc["step"],
+        created_unix=float(doc["created_unix"]),
+        writer=doc["writer"],
+        world_size=doc["world_size"],
+        rank_files=doc["rank_files"],
+        files=[FileRef(f["name"], f["size"]) for f in doc["files"]],
+        blobs=[
+            Blob(
+                b["nbytes"],
+                [
+                    Chunk(c["file"], c["offset"], c["length"], c["xxh3"], c["codec"])
+                    for c in b["chunks"]
+                ],
+            )
+            for b in doc["blobs"]
+        ],
+        tensors=[
+            TensorEntry(
+                t["dtype"],
+                tuple(t["shape"]),
+                [
+                    Piece(
+                        tuple(p["offsets"]),
+                        tuple(p["shape"]),
+                        p["blob"],
+                        p["byte_offset"],
+                        tuple(p["strides"]),
+                    )
+                    for p in t["pieces"]
+                ],
+            )
+            for t in doc["tensors"]
+        ],
+        tree=doc["tree"],
+    )
+    check(m, where=where)
+    return m
+
+
+def check(m: Manifest, *, where: str) -> None:
+    """Cross-reference checks the schema cannot express (docs/format.md, 'MUST check')."""
+    names = [f.name for f in m.files]
+    if len(set(names)) != len(names):
+        raise InvalidManifest(f"{where}: duplicate file names")
+    for f in m.files:
+        if any(part in ("", ".", "..") for part in f.name.split("/")):
+            raise InvalidManifest(f"{where}: file name {f.name!r} escapes the store")
+        if f.size > MAX_BYTES:
+            raise InvalidManifest(f"{where}: file {f.name} claims {f.size} bytes")
+    for r, idx in enumerate(m.rank_files):
+        if any(i >= len(m.files) for i in idx):
+            raise InvalidManifest(f"{where}: rank {r} names a file index out of range")
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for b_i, b in enumerate(m.blobs):
+        total = 0
+        for c_i, c in enumerate(b.chunks):
+            if c.file >= len(m.files):
+                raise InvalidManifest(f"{where}: blob {b_i} chunk {c_i} names file {c.file}")
+            if c.offset + c.length > m.files[c.file].size:
+                raise InvalidManifest(
+                    f"{where}: blob {b_i} chunk {c_i} [{c.offset}, {c.offset + c.length}) lies "
+                    f"outside {m.files[c.file].name} ({m.files[c.file].size} bytes)"
+                )
+            total += c.length
+            if c.length:
+                spans.setdefault(c.file, []).append((c.offset, c.offset + c.length))
+        if total != b.nbytes:
+            raise InvalidManifest(
+                f"{where}: blob {b_i} has {b.nbytes} bytes but its chunks hold {total}"
+            )
+    for file, ranges in spans.items():
+        ranges.sort()
+        for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
+            if start < end:
+                raise InvalidManifest(f"{where}: overlapping chunks in {m.files[file].name}")
+    for t_i, t in enumerate(m.tensors):
+        what = f"{where}: tensor {t_i}"
+        if t.dtype not in DTYPES:
+            raise InvalidManifest(f"{what}: dtype {t.dtype} is not available in this torch")
+        itemsize = t.torch_dtype.itemsize
+        if math.prod(t.shape) * itemsize > MAX_BYTES:
+            raise InvalidManifest(f"{what}: shape {list(t.shape)} is too large")
+        if len(t.pieces) != 1 or any(t.pieces[0].offsets) or t.pieces[0].shape != t.shape:
+            # Version 1 readers accept exactly one piece covering the tensor (format.md).
+            raise InvalidManifest(f"{what}: pieces must cover the tensor exactly once")
+        for p in t.pieces:
+            if not (len(p.offsets) == len(p.shape) == len(p.strides) == len(t.shape)):
+                raise InvalidManifest(f"{what}: piece rank does not match the tensor")
+            if any(o + s > g for o, s, g in zip(p.offsets, p.shape, t.shape, strict=True)):
+                raise InvalidManifest(f"{what}: piece lies outside the tensor")
+            if p.blob >= len(m.blobs):
+                raise InvalidManifest(f"{what}: piece names blob {p.blob}")
+            if math.prod(p.shape):
+                last = sum((s - 1) * st for s, st in zip(p.shape, p.strides, strict=True))
+                end = p.byte_offset + (last + 1) * itemsize
+                if end > m.blobs[p.blob].nbytes:
+                    raise InvalidManifest(
+                        f"{what}: piece addresses byte {end} of blob {p.blob} "
+                        f"({m.blobs[p.blob].nbytes} bytes)"
+                    )
+            if p.byte_offset % itemsize:
+                raise InvalidManifest(f"{what}: byte_offset is not a multiple of the item size")
+    _check_tree(m.tree, len(m.tensors), where)
+
+
+def _check_tree(node: dict[str, Any], n_tensors: int, where: str) -> None:
+    stack = [node]
+    while stack:
+        (kind, value), *_ = stack.pop().items()
+        if kind == "tensor" and value >= n_tensors:
+            raise InvalidManifest(f"{where}: tree references tensor {value} of {n_tensors}")
+        if kind == "dict":
+            keys = [k for k, _ in value]
+            if len(set(map(repr, keys))) != len(keys):
+                raise InvalidManifest(f"{where}: duplicate keys in a dict node")
+            stack.extend(v for _, v in value)
+        elif kind in ("list", "tuple"):
+            stack.extend(value)
+        elif kind == "stateful":
+            stack.append(value["state"])

@@ -1,0 +1,285 @@
+"""The read path: verified, parallel reads of a committed snapshot into tensors.
+
+Chunks are read straight into their final memory where the layout allows it (a CPU
+tensor of the state, contiguous and alone in its blob) and otherwise into a temporary
+blob buffer; every chunk's xxh3 is checked in the same worker that read it. Both the read
+and the hash release the GIL, so workers run in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from . import _native, settings
+from . import manifest as mf
+from .errors import CorruptSnapshot, StateMismatch, StorageError
+from .layout import contiguous_strides
+from .store import LocalStore
+from .tree import build, restore_into, tensor_paths
+
+TEMP_BATCH_BYTES = 1 << 30  # bounded host memory for blobs that need a temporary buffer
+
+
+@dataclass
+class RestoreInfo:
+    """What restore() did."""
+
+    step: int
+    tier: str = "local"
+    bytes: int = 0
+    seconds: float = 0.0
+    tensors: int = 0
+    damaged: list[str] = field(default_factory=list)
+
+
+class Reader:
+    def __init__(self, store: LocalStore, m: mf.Manifest, *, verify: bool = True) -> None:
+        self.store = store
+        self.m = m
+        self.verify = verify
+        self.paths = tensor_paths(m.tree)
+        self.blob_users: dict[int, list[int]] = {}
+        for i, t in enumerate(m.tensors):
+            self.blob_users.setdefault(t.pieces[0].blob, []).append(i)
+        self.files = [store.file_path(f.name) for f in m.files]
+        for f, path in zip(m.files, self.files, strict=True):
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise CorruptSnapshot(
+                    f"step {m.step}: data file {path} is missing", step=m.step, file=str(path)
+                ) from None
+            if size != f.size:
+                raise CorruptSnapshot(
+                    f"step {m.step}: data file {path} has {size} bytes, the manifest says {f.size}",
+                    step=m.step,
+                    file=str(path),
+                )
+        self._blobs: dict[int, torch.Tensor] = {}
+        self._tensors: dict[int, torch.Tensor] = {}
+
+    # -- chunk reads ------------------------------------------------------------------------
+    def _read_chunk(self, b_i: int, j: int, address: int) -> None:
+        c = self.m.blobs[b_i].chunks[j]
+        path = self.files[c.file]
+        try:
+            _native.read_into(str(path), c.offset, c.length, address)
+        except StorageError:
+            raise
+        except Exception as e:
+            raise CorruptSnapshot(
+                f"step {self.m.step}: cannot read chunk {j} of tensor "
+                f"{self._blob_name(b_i)!r} from {path}: {e}",
+                step=self.m.step,
+                tensor=self._blob_name(b_i),
+                chunk=j,
+                file=str(path),
+            ) from e
+        if self.verify:
+            got = xxhash.xxh3_64_hexdigest((ctypes.c_char * c.length).from_address(address))
+            if got != c.xxh3:
+                raise CorruptSnapshot(
+                    f"step {self.m.step}: tensor {self._blob_name(b_i)!r} chunk {j} in {path} "
+                    f"[{c.offset}, +{c.length}) is damaged: xxh3 {got}, expected {c.xxh3}",
+                    step=self.m.step,
+                    tensor=self._blob_name(b_i),
+                    chunk=j,
+                    file=str(path),
+                )
+
+    def _blob_name(self, b_i: int) -> str:
+        return self.paths.get(self.blob_users.get(b_i, [-1])[0], f"<blob {b_i}>")
+
+    def _chunk_jobs(self, b_i: int, address: int) -> Iterator[tuple[int, int, int]]:
+        pos = 0
+        for j, c in enumerate(self.m.blobs[b_i].chunks):
+            if c.length:
+                yield b_i, j, address + pos
+            pos += c.length
+
+    def read_blobs(self, targets: list[tuple[int, int]]) -> None:
+        """Read blobs into memory: ``targets`` are (blob index, destination address)."""
+        jobs = [job for b_i, addr in targets for job in self._chunk_jobs(b_i, addr)]
+        if not jobs:
+            return
+        threads = min(settings.threads() * 2, len(jobs))
+        if threads <= 1:
+            for job in jobs:
+                self._read_chunk(*job)
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="snapcore-read") as pool:
+            for f in [pool.submit(self._read_chunk, *job) for job in jobs]:
+                f.result()
+
+    # -- tensors ----------------------------------------------------------------------------
+    def blob(self, b_i: int, *, pin: bool = False) -> torch.Tensor:
+        t = self._blobs.get(b_i)
+        if t is None:
+            nbytes = self.m.blobs[b_i].nbytes
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.read_blobs([(b_i, t.data_ptr())])
+            self._blobs[b_i] = t
+        return t
+
+    def view(self, i: int, blob: torch.Tensor) -> torch.Tensor:
+        e = self.m.tensors[i]
+        p = e.pieces[0]
+        dtype = e.torch_dtype
+        size = dtype.itemsize
+        if p.strides == contiguous_strides(e.shape):
+            n = math.prod(e.shape) * size
+            return blob[p.byte_offset : p.byte_offset + n].view(dtype).view(e.shape)
+        usable = blob[: blob.numel() // size * size].view(dtype)
+        return usable.as_strided(e.shape, p.strides, p.byte_offset // size)
+
+    def tensor(self, i: int, path: str = "") -> torch.Tensor:
+        """Saved tensor ``i`` as a new CPU tensor (tied tensors stay tied)."""
+        t = self._tensors.get(i)
+        if t is None:
+            t = self._tensors[i] = self.view(i, self.blob(self.m.tensors[i].pieces[0].blob))
+        return t
+
+    def load_tree(self) -> Any:
+        self.prefetch(list(range(len(self.m.tensors))))
+        return build(self.m.tree, self.tensor)
+
+    def prefetch(self, indices: list[int]) -> None:
+        """Read the blobs of these tensors in one parallel batch."""
+        need = sorted({self.m.tensors[i].pieces[0].blob for i in indices} - self._blobs.keys())
+        bufs = {b: torch.empty(self.m.blobs[b].nbytes, dtype=torch.uint8) for b in need}
+        self.read_blobs([(b, t.data_ptr()) for b, t in bufs.items()])
+        self._blobs.update(bufs)
+
+    def restore(self, state: Any) -> int:
+        """Fill ``state`` in place; returns the number of tensors filled."""
+        targets: dict[int, list[torch.Tensor]] = {}
+        fresh: list[int] = []
+
+        def into(i: int, path: str, target: torch.Tensor) -> torch.Tensor:
+            e = self.m.tensors[i]
+            if target.dtype != e.torch_dtype or tuple(target.shape) != e.shape:
+                raise StateMismatch(
+                    f"{path}: the snapshot holds {e.dtype}{list(e.shape)}, the state has "
+                    f"{mf.dtype_name(target.dtype)}{list(target.shape)}"
+                )
+            targets.setdefault(i, []).append(target)
+            return target
+
+        def new(i: int, path: str) -> torch.Tensor:
+            fresh.append(i)
+            return self.tensor(i, path)
+
+        # Tensors with no counterpart in the state are read while the tree is matched.
+        loaders = restore_into(state, self.m.tree, new, into)
+        self._fill(targets)
+        with torch.no_grad():
+            for obj, sd in loaders:
+                obj.load_state_dict(sd)
+        return len(targets) + len(fresh)
+
+    def _fill(self, targets: dict[int, list[torch.Tensor]]) -> None:
+        direct: list[tuple[int, int]] = []
+        copies: list[tuple[int, torch.Tensor]] = []
+        done: set[int] = set()
+        for i, ts in targets.items():
+            for t in ts:
+                b_i = self.m.tensors[i].pieces[0].blob
+                if t.data_ptr() in done:
+                    continue  # tied: the same memory is filled once
+                if self._direct_ok(i, t):
+                    direct.append((b_i, t.data_ptr()))
+                    done.add(t.data_ptr())
+                else:
+                    copies.append((i, t))
+        self.read_blobs(direct)
+        batch: list[tuple[int, torch.Tensor]] = []
+        size = 0
+        for i, t in copies:
+            batch.append((i, t))
+            size += self.m.blobs[self.m.tensors[i].pieces[0].blob].nbytes
+            if size >= TEMP_BATCH_BYTES:
+                self._copy_batch(batch)
+                batch, size = [], 0
+        self._copy_batch(batch)
+
+    def _direct_ok(self, i: int, t: torch.Tensor) -> bool:
+        e = self.m.tensors[i]
+        p = e.pieces[0]
+        return (
+            t.device.type == "cpu"
+            and t.is_contiguous()
+            and p.byte_offset == 0
+            and p.strides == contiguous_strides(e.shape)
+            and self.m.blobs[p.blob].nbytes == e.nbytes
+            and len(self.blob_users[p.blob]) == 1
+        )
+
+    def _copy_batch(self, batch: list[tuple[int, torch.Tensor]]) -> None:
+        if not batch:
+            return
+        pin = _native.cuda_available() and any(t.device.type == "cuda" for _, t in batch)
+        blobs = {self.m.tensors[i].pieces[0].blob for i, _ in batch} - self._blobs.keys()
+        bufs = {
+            b: torch.empty(self.m.blobs[b].nbytes, dtype=torch.uint8, pin_memory=pin) for b in blobs
+        }
+        self.read_blobs([(b, buf.data_ptr()) for b, buf in bufs.items()])
+        with torch.no_grad():
+            for i, t in batch:
+                b_i = self.m.tensors[i].pieces[0].blob
+                src = self.view(i, bufs.get(b_i, self._blobs.get(b_i)))
+                t.copy_(src)
+        if pin:
+            torch.cuda.synchronize()
+
+
+def verify_snapshot(store: LocalStore, step: int, progress: Any = None) -> list[CorruptSnapshot]:
+    """Read and hash every chunk of a committed snapshot; return what is damaged.
+
+    Memory stays bounded: each worker reuses one buffer of the largest chunk's size.
+    ``progress(done_bytes, total_bytes)`` is called as chunks complete.
+    """
+    m = store.read_manifest(step)
+    reader = Reader(store, m, verify=True)
+    jobs = [(b_i, j) for b_i, b in enumerate(m.blobs) for j, c in enumerate(b.chunks) if c.length]
+    total = sum(m.blobs[b].chunks[j].length for b, j in jobs)
+    biggest = max((m.blobs[b].chunks[j].length for b, j in jobs), default=0)
+    threads = max(1, min(settings.threads(), len(jobs)))
+    buffers = [torch.empty(biggest, dtype=torch.uint8) for _ in range(threads)]
+    free = list(range(threads))
+    import threading
+
+    lock = threading.Lock()
+    damaged: list[CorruptSnapshot] = []
+    done = 0
+
+    def one(b_i: int, j: int) -> None:
+        nonlocal done
+        with lock:
+            k = free.pop()
+        try:
+            reader._read_chunk(b_i, j, buffers[k].data_ptr())
+        except CorruptSnapshot as e:
+            with lock:
+                damaged.append(e)
+        finally:
+            with lock:
+                free.append(k)
+                done += m.blobs[b_i].chunks[j].length
+                if progress is not None:
+                    progress(done, total)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="snapcore-verify") as pool:
+        for f in [pool.submit(one, b, j) for b, j in jobs]:
+            f.result()
+    if progress is not None and not jobs:
+        progress(0, 0)
+    return damaged

@@ -1,0 +1,58 @@
+"""Settings from environment variables: one getter each, and a context-manager override.
+
+Every variable is documented in docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+_overrides: dict[str, Any] = {}
+
+
+def _get(name: str, default: str) -> str:
+    if name in _overrides:
+        return str(_overrides[name])
+    return os.environ.get(name, default)
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Temporarily set settings by variable name, e.g. ``override(SNAPCORE_O_DIRECT="off")``."""
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def o_direct() -> str:
+    """SNAPCORE_O_DIRECT: ``auto`` (O_DIRECT where the file system allows it), or ``off``."""
+    value = _get("SNAPCORE_O_DIRECT", "auto").lower()
+    if value not in ("auto", "off"):
+        raise ValueError(f"SNAPCORE_O_DIRECT must be 'auto' or 'off', not {value!r}")
+    return value
+
+
+def threads() -> int:
+    """SNAPCORE_THREADS: worker threads for copies and reads (0 = one per core)."""
+    n = int(_get("SNAPCORE_THREADS", "0"))
+    return n if n > 0 else max(1, os.cpu_count() or 1)
+
+
+def chunk_bytes() -> int:
+    """SNAPCORE_CHUNK_MB: the largest chunk (unit of hashing and parallel reads), in MiB."""
+    mb = int(_get("SNAPCORE_CHUNK_MB", "64"))
+    if mb <= 0:
+        raise ValueError("SNAPCORE_CHUNK_MB must be positive")
+    return mb << 20
+
+
+def huge_pages() -> bool:
+    """SNAPCORE_HUGE_PAGES: ask for transparent huge pages for the host arena (default on)."""
+    return _get("SNAPCORE_HUGE_PAGES", "1") not in ("0", "off", "false", "no")

@@ -1,0 +1,295 @@
+"""A local store: a directory of step directories (docs/format.md, "Store" and "Commit").
+
+The commit protocol makes a snapshot visible only once its manifest is renamed into
+place after everything it references is durable. Snapshots being written hold a flock on
+a `<token>.pending` file; one nobody holds belongs to a writer that died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import manifest as mf
+from .errors import InvalidManifest, SnapshotNotFound, StorageError
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step-(\d{1,20})$")
+MANIFEST = "manifest.json"
+PENDING_SUFFIX = ".pending"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class SnapshotInfo:
+    step: int
+    path: Path
+    committed: bool
+
+
+class Pending:
+    """A snapshot being written: its step directory, token and the lock that marks it live."""
+
+    def __init__(self, store: LocalStore, step: int) -> None:
+        self.store = store
+        self.step = step
+        self.dir = store.root / step_dir_name(step)
+        self._fd: int | None = None
+        for _ in range(100):
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.token = secrets.token_hex(6)
+            self.lock_path = self.dir / f"{self.token}{PENDING_SUFFIX}"
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            # A collector may claim the fresh lock file between open and flock (it then
+            # deletes it): take the lock, then make sure the file is still ours.
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino:
+                    self._fd = fd
+                    break
+            except OSError:
+                pass
+            os.close(fd)
+        else:
+            raise StorageError(errno.EBUSY, "cannot create a pending-snapshot lock", str(self.dir))
+        fsync_dir(self.dir)
+
+    def data_name(self, rank: int, index: int = 0) -> str:
+        suffix = f"-{index}" if index else ""
+        return f"{step_dir_name(self.step)}/data-{self.token}-r{rank}{suffix}.bin"
+
+    def commit(self, m: mf.Manifest) -> None:
+        """Write the manifest last and atomically: tmp file, fsync, rename, fsync dir."""
+        tmp = self.dir / f"{MANIFEST}.{self.token}.tmp"
+        data = m.dumps()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.dir / MANIFEST)
+        fsync_dir(self.dir)
+        self.release()
+
+    def abort(self) -> None:
+        """Remove what this snapshot wrote; the previous committed one is untouched."""
+        for p in self.dir.glob(f"*{self.token}*"):
+            if p != self.lock_path:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        self.release()
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()  # only if nothing else lives there
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                self.lock_path.unlink()
+            os.close(self._fd)
+            self._fd = None
+
+
+class LocalStore:
+    """A directory store. Thread-safe for readers; one writer per step at a time."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def ensure(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(
+                e.errno, f"cannot create store directory: {e.strerror}", str(self.root)
+            ) from e
+
+    # -- listing ---------------------------------------------------------------------------
+    def snapshots(self) -> list[SnapshotInfo]:
+        """Every step directory, committed or not, in numeric step order."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            m = STEP_DIR.match(name)
+            if m:
+                path = self.root / name
+                out.append(SnapshotInfo(int(m.group(1)), path, (path / MANIFEST).is_file()))
+        out.sort(key=lambda s: s.step)
+        return out
+
+    def committed_steps(self) -> list[int]:
+        return [s.step for s in self.snapshots() if s.committed]
+
+    def resolve_step(self, step: int | None) -> int:
+        steps = self.committed_steps()
+        if not steps:
+            raise SnapshotNotFound(f"no committed snapshot in {self.root}")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise SnapshotNotFound(
+                f"no committed snapshot of step {step} in {self.root} (steps: {_ranges(steps)})"
+            )
+        return step
+
+    def manifest_path(self, step: int) -> Path:
+        return self.root / step_dir_name(step) / MANIFEST
+
+    def read_manifest(self, step: int) -> mf.Manifest:
+        path = self.manifest_path(step)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(mf.MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError:
+            raise SnapshotNotFound(f"no committed snapshot of step {step} in {self.root}") from None
+        m = mf.parse(data, where=str(path))
+        if m.step != step:
+            raise InvalidManifest(f"{path}: manifest says step {m.step}, directory says {step}")
+        return m
+
+    def file_path(self, name: str) -> Path:
+        """Path of a data file named by a manifest; never outside the store."""
+        path = (self.root / name).resolve()
+        root = self.root.resolve()
+        if root not in path.parents:
+            raise InvalidManifest(f"file name {name!r} escapes the store {self.root}")
+        return path
+
+    # -- writing and cleaning --------------------------------------------------------------
+    def begin(self, step: int) -> Pending:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        self.ensure()
+        return Pending(self, step)
+
+    def collect_leftovers(
+        self, *, full: bool = False, step: int | None = None, dry_run: bool = False
+    ) -> list[Path]:
+        """Delete what interrupted snapshots left behind; returns the paths removed.
+
+        A `.pending` file whose flock can be taken belongs to a dead writer. Files in a
+        step directory that are neither referenced by its manifest nor owned by a live
+        writer are leftovers too. Without ``full`` (the cheap pass each save makes) a
+        committed directory is only looked into when it holds a `.pending` file.
+        """
+        removed: list[Path] = []
+        for snap in self.snapshots():
+            if step is not None and snap.step != step:
+                continue
+            try:
+                names = os.listdir(snap.path)
+            except FileNotFoundError:
+                continue
+            if snap.committed and not full and step is None:
+                if not any(n.endswith(PENDING_SUFFIX) for n in names):
+                    continue
+            live: set[str] = set()
+            for name in names:
+                if name.endswith(PENDING_SUFFIX):
+                    if _remove_if_dead(snap.path / name, dry_run):
+                        removed.append(snap.path / name)
+                    else:
+                        live.add(name[: -len(PENDING_SUFFIX)])
+            keep: set[str] = {MANIFEST}
+            if snap.committed:
+                try:
+                    m = self.read_manifest(snap.step)
+                    keep |= {Path(f.name).name for f in m.files}
+                except Exception as e:  # a damaged manifest: keep everything, say so
+                    log.warning("not collecting %s: %s", snap.path, e)
+                    continue
+            for name in names:
+                if name in keep or name.endswith(PENDING_SUFFIX) or any(t in name for t in live):
+                    continue
+                path = snap.path / name
+                if dry_run:
+                    removed.append(path)
+                    continue
+                try:
+                    path.unlink()
+                    removed.append(path)
+                except IsADirectoryError:
+                    continue
+                except FileNotFoundError:
+                    continue
+            if not snap.committed and not live and not dry_run:
+                with contextlib.suppress(OSError):
+                    snap.path.rmdir()
+        if removed:
+            log.info(
+                "removed %d leftover file(s) of interrupted snapshots in %s",
+                len(removed),
+                self.root,
+            )
+        return removed
+
+    def delete(self, step: int) -> None:
+        """Delete a committed snapshot: manifest first, so it is never half-visible."""
+        d = self.root / step_dir_name(step)
+        (d / MANIFEST).unlink()
+        fsync_dir(d)
+        for p in d.iterdir():
+            with contextlib.suppress(OSError):
+                p.unlink()
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def _remove_if_dead(path: Path, dry_run: bool = False) -> bool:
+    """Delete a pending-lock file nobody holds (its writer died); True if deleted.
+
+    The file is unlinked while we hold its lock, so a writer that opened it but had not
+    locked it yet fails its own check and starts over with a new token.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    try:
+        if not dry_run:
+            path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _ranges(steps: list[int]) -> str:
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    return f"{steps[0]}, {steps[1]}, ..., {steps[-1]} ({len(steps)} in all)"
