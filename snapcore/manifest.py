@@ -7,6 +7,7 @@ allocated.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -285,7 +286,7 @@ def check(m: Manifest, *, where: str) -> None:
             )
     for file, ranges in spans.items():
         ranges.sort()
-        for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
+        for (_, end), (start, _) in itertools.pairwise(ranges):
             if start < end:
                 raise InvalidManifest(f"{where}: overlapping chunks in {m.files[file].name}")
     for t_i, t in enumerate(m.tensors):

@@ -207,9 +207,9 @@ class LocalStore:
                 names = os.listdir(snap.path)
             except FileNotFoundError:
                 continue
-            if snap.committed and not full and step is None:
-                if not any(n.endswith(PENDING_SUFFIX) for n in names):
-                    continue
+            quick = snap.committed and not full and step is None
+            if quick and not any(n.endswith(PENDING_SUFFIX) for n in names):
+                continue
             live: set[str] = set()
             for name in names:
                 if name.endswith(PENDING_SUFFIX):
