@@ -1,0 +1,140 @@
+"""Tests of `snapcore plan` (plan_main): parsing, output, and errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+
+import pytest
+
+from snapcore.scheduler.plan import format_duration, parse_duration, plan_main
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("90", 90.0),
+        ("2.5", 2.5),
+        ("20s", 20.0),
+        ("5m", 300.0),
+        ("1.5h", 5400.0),
+        ("1h30m", 5400.0),
+        (" 3M ", 180.0),
+        ("0", 0.0),
+    ],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "5x", "m", "5 m", "-3s", "1h-2m", "inf", "nan", "5m3"])
+def test_parse_duration_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_format_duration() -> None:
+    assert format_duration(45) == "45s"
+    assert format_duration(325) == "5m25s"
+    assert format_duration(7500) == "2h05m"
+    assert format_duration(math.inf) == "never"
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert plan_main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_young_daly_and_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "--mtbf", "24h", "--cost", "5m", "--persist", "remote=5m")
+    assert out["young_s"] == pytest.approx(7200.0)
+    assert out["daly_s"] / 60 == pytest.approx(116.69, abs=0.01)
+    assert out["interval_s"] == out["intervals_s"]["remote"]
+    assert 0 < out["predicted_waste"] < 1
+    parts = out["waste_parts"]
+    assert sum(parts.values()) == pytest.approx(out["predicted_waste"])
+    assert out["target"] == 0.02 and isinstance(out["target_met"], bool)
+
+
+def test_devices_default_llama3_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "--devices", "16384", "--step-time", "5s")
+    assert out["mtbf_s"] / 3600 == pytest.approx(1296 / 419)
+    assert out["target_met"] is False  # restarts alone exceed 2% at this scale
+    assert out["shortfall"] == pytest.approx(out["predicted_waste"] - 0.02)
+    assert all(v % 5 == 0 for v in out["intervals_s"].values())
+    # snapcore's tiered plan beats single-tier Young and Daly on the same model
+    assert out["predicted_waste"] < min(out["young_waste"], out["daly_waste"])
+
+
+def test_rate_per_device_hour_and_target(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(
+        capsys, "--devices", "1000", "--rate-per-device-hour", "1e-6", "--target", "0.05"
+    )
+    assert out["mtbf_s"] == pytest.approx(3600 / 1e-3)
+    assert out["target_met"] is True and out["shortfall"] == 0
+
+
+def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["--mtbf", "3h", "--persist", "local=20s,remote=5m"]) == 0
+    text = capsys.readouterr().out
+    assert "Young (1974)" in text and "Daly (2006)" in text
+    assert "predicted waste" in text and "remote" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mtbf", "3x"], "bad duration"),
+        (["--mtbf", "0"], "--mtbf must be > 0"),
+        ([], "give the failure rate"),
+        (["--mtbf", "3h", "--devices", "8"], "not both"),
+        (["--devices", "0"], "--devices must be >= 1"),
+        (["--mtbf", "3h", "--target", "2"], "--target"),
+        (["--mtbf", "3h", "--persist", "tape=1h"], "unknown tier"),
+        (["--mtbf", "3h", "--persist", "remote"], "tier=duration"),
+        (["--mtbf", "3h", "--persist", "local=20s"], "add a remote tier"),
+        (["--mtbf", "3h", "--cost=-1s"], "bad duration"),
+        (["--mtbf", "3h", "--restart", "soon"], "bad duration"),
+        (["--mtbf", "3h", "--crash-fraction", "1.5"], "--crash-fraction"),
+        (["--devices", "many"], "invalid int value"),
+    ],
+)
+def test_bad_input_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["--help"]) == 0
+    assert "--persist" in capsys.readouterr().out
+
+
+def test_journal_without_reader_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "snapcore.journal", None)  # import raises ImportError
+    assert plan_main(["--journal", "/tmp/store"]) == 2
+    assert "journal reader" in capsys.readouterr().err
+
+
+def test_journal_hook_uses_history(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = types.ModuleType("snapcore.journal")
+    calls: list[str] = []
+
+    def failure_history(store: str) -> tuple[int, float]:
+        calls.append(store)
+        return 99, 100.0  # 99 failures in 100 hours, no prior: Gamma(99.5, 100)
+
+    fake.failure_history = failure_history  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "snapcore.journal", fake)
+    out = run_json(capsys, "--journal", "/tmp/store")
+    assert calls == ["/tmp/store"]
+    # the conservative (90%) rate is above the mean of 0.995 per hour
+    assert 3600 / out["mtbf_s"] == pytest.approx(1.125, abs=0.02)
