@@ -75,8 +75,8 @@ void translate(const std::exception_ptr& p, void*) {
 
 NB_MODULE(_native, m) {
   m.doc() =
-      "snapcore's native core: host arena, parallel copies, CUDA side-stream copies and "
-      "file I/O. Addresses, streams and events are plain integers; nothing here knows "
+      "snapcore's native core: host arena, parallel copies, CUDA side-stream copies and\n"
+      "file I/O. Addresses, streams and events are plain integers; nothing here knows\n"
       "PyTorch.";
 
   nb::register_exception_translator(translate);
@@ -92,8 +92,8 @@ NB_MODULE(_native, m) {
 
   nb::class_<snapcore::Arena>(
       m, "Arena",
-      "Host memory of an exact size (rounded up to the page size only), optionally backed "
-      "by a shared-memory file, prefaulted and pinned once.")
+      "Host memory of an exact size (rounded up to the page size only), optionally\n"
+      "backed by a shared-memory file, prefaulted and pinned once.")
       .def(
           "__init__",
           [](snapcore::Arena* self, std::size_t size, std::optional<std::string> shm_path,
@@ -108,9 +108,10 @@ NB_MODULE(_native, m) {
           },
           "size"_a, nb::kw_only(), "shm_path"_a = nb::none(), "huge_pages"_a = true,
           "pin"_a = true, "prefault"_a = true, "threads"_a = 0, release_gil(),
-          "Maps `size` bytes. With `shm_path`, the file is created (0600) or reused, sized, "
-          "mapped shared and never unlinked. `pin` registers the memory with CUDA when "
-          "CUDA is available and does nothing otherwise. `threads` (0 = all) prefault it.")
+          "Maps `size` bytes. With `shm_path`, the file is created (0600) or reused,\n"
+          "sized, mapped shared and never unlinked. `pin` registers the memory with CUDA\n"
+          "when CUDA is available and does nothing otherwise. `threads` (0 = all)\n"
+          "prefault it.")
       .def_prop_ro("address", &snapcore::Arena::address,
                    "Start address; ValueError once closed.")
       .def_prop_ro("size", &snapcore::Arena::size, "Bytes usable: the size asked for.")
@@ -124,8 +125,8 @@ NB_MODULE(_native, m) {
       .def_prop_ro("shm_path", &snapcore::Arena::shm_path)
       .def_prop_ro("closed", &snapcore::Arena::closed)
       .def("close", &snapcore::Arena::close, release_gil(),
-           "Unpins, unmaps and closes the file (which stays). Idempotent. Every pointer "
-           "into the arena is invalid afterwards.")
+           "Unpins, unmaps and closes the file (which stays). Idempotent.\n"
+           "Every pointer into the arena is invalid afterwards.")
       .def("__enter__", [](snapcore::Arena& self) -> snapcore::Arena& { return self; },
            nb::rv_policy::reference)
       .def(
@@ -141,8 +142,8 @@ NB_MODULE(_native, m) {
         snapcore::copy_host(specs, threads);
       },
       "copies"_a, "threads"_a = 0,
-      "Copies every (dst_address, src_address, nbytes) in parallel on `threads` threads "
-      "(0 = all) of a persistent pool, without the GIL.");
+      "Copies every (dst_address, src_address, nbytes) in parallel on `threads`\n"
+      "threads (0 = all) of a persistent pool, without the GIL.");
 
   nb::class_<snapcore::CudaEvent>(m, "CudaEvent",
                                   "Completes when the copies it was returned for are done.")
@@ -155,13 +156,13 @@ NB_MODULE(_native, m) {
             self.make_stream_wait(reinterpret_cast<snapcore::cu::CUstream>(stream));
           },
           "stream"_a,
-          "Makes work queued later on `stream` (an integer CUstream) wait for this event, "
-          "on the GPU: the calling thread does not block.");
+          "Makes work queued later on `stream` (an integer CUstream) wait for this\n"
+          "event, on the GPU: the calling thread does not block.");
 
   nb::class_<snapcore::CudaCopier>(
       m, "CudaCopier",
-      "Device<->host copies on a non-blocking side stream of its own, ordered after the "
-      "caller's stream.")
+      "Device<->host copies on a non-blocking side stream of its own, ordered after\n"
+      "the caller's stream.")
       .def(nb::init<int>(), "device"_a,
            "Retains `device`'s primary context and creates the side stream in it.")
       .def_prop_ro("device", &snapcore::CudaCopier::device)
@@ -172,8 +173,8 @@ NB_MODULE(_native, m) {
           [](snapcore::CudaCopier& self, const std::vector<CopyTuple>& copies,
              std::uintptr_t after_stream) { return self.d2h(to_specs(copies), after_stream); },
           "copies"_a, "after_stream"_a, release_gil(),
-          "Queues (dst_host, src_device, nbytes) copies after the work already on "
-          "`after_stream` (0 = legacy default stream); returns their completion event. "
+          "Queues (dst_host, src_device, nbytes) copies after the work already on\n"
+          "`after_stream` (0 = legacy default stream); returns their completion event.\n"
           "Buffers must stay alive, and the sources unchanged, until it completes.")
       .def(
           "h2d",
@@ -186,12 +187,12 @@ NB_MODULE(_native, m) {
 
   nb::class_<snapcore::FileWriter>(
       m, "FileWriter",
-      "Writes one file at explicit offsets, through O_DIRECT where the file system takes "
-      "it. write_at and sync may run on several threads at once (disjoint ranges).")
+      "Writes one file at explicit offsets, through O_DIRECT where the file system\n"
+      "takes it. write_at and sync may run on several threads at once (disjoint ranges).")
       .def(nb::init<std::string, bool>(), "path"_a, nb::kw_only(), "direct"_a = true,
            release_gil(),
-           "Creates or truncates `path` (0644). `direct` asks for O_DIRECT; where the file "
-           "system refuses it the writer is buffered and `direct` is False.")
+           "Creates or truncates `path` (0644). `direct` asks for O_DIRECT; where the\n"
+           "file system refuses it the writer is buffered and `direct` is False.")
       .def_prop_ro("direct", &snapcore::FileWriter::direct, "Whether O_DIRECT is in use.")
       .def_prop_ro("path", &snapcore::FileWriter::path)
       .def_prop_ro("bytes_written", &snapcore::FileWriter::bytes_written)
@@ -220,8 +221,8 @@ NB_MODULE(_native, m) {
       },
       "path"_a, "offset"_a, "nbytes"_a, "address"_a, nb::kw_only(), "threads"_a = 1,
       release_gil(),
-      "Reads exactly `nbytes` at `offset` of `path` into `address`. A file too short raises "
-      "NativeError('truncated: ...'); open and read failures raise StorageError.");
+      "Reads exactly `nbytes` at `offset` of `path` into `address`. A file too short\n"
+      "raises NativeError('truncated: ...'); open and read failures raise StorageError.");
   m.def("drop_page_cache", &snapcore::drop_page_cache, "path"_a, release_gil(),
         "Writes back and evicts `path` from the page cache; True when the kernel accepted.");
 }

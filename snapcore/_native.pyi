@@ -1,0 +1,181 @@
+"""
+snapcore's native core: host arena, parallel copies, CUDA side-stream copies and
+file I/O. Addresses, streams and events are plain integers; nothing here knows
+PyTorch.
+"""
+
+from collections.abc import Sequence
+
+def cuda_available() -> bool:
+    """
+    Whether libcuda.so.1 loaded, cuInit succeeded and a device exists. Never raises.
+    """
+
+def cuda_status() -> str:
+    """'ok: N device(s)', or why CUDA is unavailable."""
+
+def page_size() -> int:
+    """
+    The page size: arena granularity and the alignment O_DIRECT writes use.
+    """
+
+def hardware_threads() -> int:
+    """CPUs this process may run on (its affinity mask)."""
+
+class Arena:
+    """
+    Host memory of an exact size (rounded up to the page size only), optionally
+    backed by a shared-memory file, prefaulted and pinned once.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        shm_path: str | None = None,
+        huge_pages: bool = True,
+        pin: bool = True,
+        prefault: bool = True,
+        threads: int = 0,
+    ) -> None:
+        """
+        Maps `size` bytes. With `shm_path`, the file is created (0600) or reused,
+        sized, mapped shared and never unlinked. `pin` registers the memory with CUDA
+        when CUDA is available and does nothing otherwise. `threads` (0 = all)
+        prefault it.
+        """
+
+    @property
+    def address(self) -> int:
+        """Start address; ValueError once closed."""
+
+    @property
+    def size(self) -> int:
+        """Bytes usable: the size asked for."""
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes mapped: size rounded up to the page size."""
+
+    @property
+    def bytes_pinned(self) -> int:
+        """Bytes registered with CUDA (0 when not pinned)."""
+
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def huge_pages(self) -> bool:
+        """Whether madvise(MADV_HUGEPAGE) succeeded."""
+
+    @property
+    def shm_path(self) -> str | None: ...
+    @property
+    def closed(self) -> bool: ...
+    def close(self) -> None:
+        """
+        Unpins, unmaps and closes the file (which stays). Idempotent.
+        Every pointer into the arena is invalid afterwards.
+        """
+
+    def __enter__(self) -> Arena: ...
+    def __exit__(
+        self, exc_type: object | None, exc_value: object | None, traceback: object | None
+    ) -> None: ...
+
+def copy_host(copies: Sequence[tuple[int, int, int]], threads: int = 0) -> None:
+    """
+    Copies every (dst_address, src_address, nbytes) in parallel on `threads`
+    threads (0 = all) of a persistent pool, without the GIL.
+    """
+
+class CudaEvent:
+    """Completes when the copies it was returned for are done."""
+
+    def synchronize(self) -> None:
+        """Blocks until the event completes, without the GIL."""
+
+    def query(self) -> bool:
+        """True when the event has completed."""
+
+    def make_stream_wait(self, stream: int) -> None:
+        """
+        Makes work queued later on `stream` (an integer CUstream) wait for this
+        event, on the GPU: the calling thread does not block.
+        """
+
+class CudaCopier:
+    """
+    Device<->host copies on a non-blocking side stream of its own, ordered after
+    the caller's stream.
+    """
+
+    def __init__(self, device: int) -> None:
+        """Retains `device`'s primary context and creates the side stream in it."""
+
+    @property
+    def device(self) -> int: ...
+    @property
+    def stream(self) -> int:
+        """The side stream, as an integer CUstream."""
+
+    def d2h(self, copies: Sequence[tuple[int, int, int]], after_stream: int) -> CudaEvent:
+        """
+        Queues (dst_host, src_device, nbytes) copies after the work already on
+        `after_stream` (0 = legacy default stream); returns their completion event.
+        Buffers must stay alive, and the sources unchanged, until it completes.
+        """
+
+    def h2d(self, copies: Sequence[tuple[int, int, int]], after_stream: int) -> CudaEvent:
+        """Queues (dst_device, src_host, nbytes) copies; as d2h."""
+
+    def close(self) -> None:
+        """Waits for the side stream, then destroys it. Idempotent."""
+
+class FileWriter:
+    """
+    Writes one file at explicit offsets, through O_DIRECT where the file system
+    takes it. write_at and sync may run on several threads at once (disjoint ranges).
+    """
+
+    def __init__(self, path: str, *, direct: bool = True) -> None:
+        """
+        Creates or truncates `path` (0644). `direct` asks for O_DIRECT; where the
+        file system refuses it the writer is buffered and `direct` is False.
+        """
+
+    @property
+    def direct(self) -> bool:
+        """Whether O_DIRECT is in use."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def bytes_written(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def write_at(self, offset: int, address: int, nbytes: int) -> None:
+        """
+        Writes `nbytes` from `address` at `offset` of the file, without the GIL.
+        """
+
+    def sync(self) -> None:
+        """fdatasync."""
+
+    def close(self) -> None:
+        """Idempotent."""
+
+    def __enter__(self) -> FileWriter: ...
+    def __exit__(
+        self, exc_type: object | None, exc_value: object | None, traceback: object | None
+    ) -> None: ...
+
+def read_into(path: str, offset: int, nbytes: int, address: int, *, threads: int = 1) -> None:
+    """
+    Reads exactly `nbytes` at `offset` of `path` into `address`. A file too short
+    raises NativeError('truncated: ...'); open and read failures raise StorageError.
+    """
+
+def drop_page_cache(path: str) -> bool:
+    """
+    Writes back and evicts `path` from the page cache; True when the kernel accepted.
+    """

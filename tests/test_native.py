@@ -1,0 +1,564 @@
+"""Tests of the native extension snapcore._native (csrc/), through its Python API."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+
+from snapcore import _native
+from snapcore.errors import CudaError, NativeError, SnapcoreError, StorageError
+
+PAGE = _native.page_size()
+MiB = 1 << 20
+
+needs_gpu = pytest.mark.skipif(
+    not _native.cuda_available(), reason=f"no usable CUDA: {_native.cuda_status()}"
+)
+
+
+def view(address: int, n: int) -> ctypes.Array[ctypes.c_char]:
+    """The n bytes at `address`, readable and writable from Python."""
+    return (ctypes.c_char * n).from_address(address)
+
+
+def fill(address: int, data: bytes) -> None:
+    ctypes.memmove(address, data, len(data))
+
+
+def read(address: int, n: int) -> bytes:
+    return ctypes.string_at(address, n)
+
+
+@pytest.fixture
+def shm_path():
+    """A unique path under /dev/shm, removed afterwards."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    path = Path("/dev/shm") / f"snapcore-test-{uuid.uuid4().hex}"
+    yield str(path)
+    path.unlink(missing_ok=True)
+
+
+def o_direct_supported(directory: Path) -> bool:
+    probe = directory / f".odirect-probe-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    os.close(fd)
+    return True
+
+
+# --- machine facts and CUDA status ---------------------------------------------------
+
+
+def test_page_size_and_threads():
+    assert os.sysconf("SC_PAGE_SIZE") == PAGE
+    assert _native.hardware_threads() == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(_native.cuda_available(), reason="CUDA is available here")
+def test_cuda_unavailable_says_why():
+    assert _native.cuda_available() is False
+    status = _native.cuda_status()
+    assert status and not status.startswith("ok")
+    # Asked twice, the answer is the same and nothing raises.
+    assert _native.cuda_status() == status
+    with pytest.raises(CudaError, match="CUDA is unavailable"):
+        _native.CudaCopier(0)
+
+
+def test_native_errors_are_snapcore_errors():
+    assert issubclass(StorageError, OSError) and issubclass(StorageError, SnapcoreError)
+    assert issubclass(CudaError, NativeError) and issubclass(NativeError, RuntimeError)
+
+
+# --- Arena -----------------------------------------------------------------------------
+
+
+def test_arena_size_is_exact_up_to_a_page():
+    with _native.Arena(3 * PAGE + 1, pin=False) as arena:
+        assert arena.size == 3 * PAGE + 1
+        assert arena.bytes_held == 4 * PAGE
+        assert arena.bytes_pinned == 0
+    # Not a power of two: 5 MiB + 3 bytes holds 5 MiB + one page, not 8 MiB.
+    with _native.Arena(5 * MiB + 3, pin=False) as arena:
+        assert arena.bytes_held == 5 * MiB + PAGE
+
+
+def test_arena_memory_is_zeroed_readable_and_writable():
+    n = 3 * MiB + 17
+    with _native.Arena(n, pin=False, threads=2) as arena:
+        assert arena.address % PAGE == 0
+        buf = view(arena.address, n)
+        assert buf.raw == bytes(n)
+        data = random.Random(1).randbytes(n)
+        buf[:] = data
+        assert read(arena.address, n) == data
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_arena_options(prefault, huge_pages):
+    with _native.Arena(4 * MiB, prefault=prefault, huge_pages=huge_pages, pin=False) as arena:
+        if not huge_pages:
+            assert arena.huge_pages is False
+        view(arena.address, 4 * MiB)[4 * MiB - 1] = b"x"
+        assert read(arena.address + 4 * MiB - 1, 1) == b"x"
+
+
+def test_arena_without_cuda_is_not_pinned():
+    if _native.cuda_available():
+        pytest.skip("CUDA is available here; see test_arena_pinned")
+    with _native.Arena(PAGE, pin=True) as arena:
+        assert arena.pinned is False
+        assert arena.bytes_pinned == 0
+
+
+def test_arena_close_is_idempotent_and_final():
+    arena = _native.Arena(PAGE, pin=False)
+    assert arena.closed is False and arena.shm_path is None
+    arena.close()
+    arena.close()
+    assert arena.closed is True
+    with pytest.raises(ValueError, match="closed"):
+        _ = arena.address
+
+
+def test_arena_rejects_size_zero():
+    with pytest.raises(ValueError):
+        _native.Arena(0)
+
+
+def test_arena_shm_is_a_file_of_the_right_size(shm_path):
+    n = 2 * PAGE + 100
+    with _native.Arena(n, shm_path=shm_path, pin=False) as arena:
+        assert arena.shm_path == shm_path
+        st = os.stat(shm_path)
+        assert st.st_size == arena.bytes_held == 3 * PAGE
+        assert st.st_mode & 0o777 == 0o600
+        data = random.Random(2).randbytes(n)
+        fill(arena.address, data)
+        # MAP_SHARED: the bytes are in the file, visible to another process.
+        with open(shm_path, "rb") as f:
+            assert f.read(n) == data
+    # Closing keeps the file: it is what survives a crash of the training process.
+    assert os.path.exists(shm_path)
+    with _native.Arena(n, shm_path=shm_path, pin=False) as again:
+        assert read(again.address, n) == data
+
+
+def test_arena_shm_error_is_storage_error(tmp_path):
+    missing = tmp_path / "no-such-dir" / "arena"
+    with pytest.raises(StorageError) as info:
+        _native.Arena(PAGE, shm_path=str(missing), pin=False)
+    assert info.value.errno == errno.ENOENT
+    assert info.value.filename == str(missing)
+
+
+# --- copy_host ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [1, 0, 3, 7])
+def test_copy_host_many_odd_sizes(threads):
+    rng = random.Random(threads)
+    sizes = [0, 1, 3, 4095, 4097, 1, 0, 65537, 3 * MiB + 5, 7, 12 * MiB + 1, 100, 0]
+    sizes += [rng.randrange(1, 20000) for _ in range(200)]
+    total = sum(sizes)
+    with _native.Arena(total, pin=False) as src, _native.Arena(total, pin=False) as dst:
+        data = rng.randbytes(total)
+        fill(src.address, data)
+        # Scatter: copy i lands at a shuffled position of the destination.
+        offsets = []
+        pos = 0
+        for n in sizes:
+            offsets.append(pos)
+            pos += n
+        order = list(range(len(sizes)))
+        rng.shuffle(order)
+        copies = []
+        expected = bytearray(total)
+        dpos = 0
+        for i in order:
+            n = sizes[i]
+            copies.append((dst.address + dpos, src.address + offsets[i], n))
+            expected[dpos : dpos + n] = data[offsets[i] : offsets[i] + n]
+            dpos += n
+        _native.copy_host(copies, threads=threads)
+        assert read(dst.address, total) == bytes(expected)
+
+
+def test_copy_host_empty_and_zero_length():
+    _native.copy_host([])
+    _native.copy_host([(0, 0, 0)])
+
+
+def test_copy_host_rejects_overlap_and_null():
+    with _native.Arena(2 * PAGE, pin=False) as a:
+        with pytest.raises(ValueError, match="overlap"):
+            _native.copy_host([(a.address + 10, a.address, 100)])
+        with pytest.raises(ValueError, match="null"):
+            _native.copy_host([(0, a.address, 100)])
+    with pytest.raises(TypeError):
+        _native.copy_host([(1, 2)])  # type: ignore[list-item]
+
+
+def test_copy_host_releases_the_gil():
+    n = 64 * MiB
+    with _native.Arena(n, pin=False) as src, _native.Arena(n, pin=False) as dst:
+        copies = [(dst.address, src.address, n)] * 8
+        _native.copy_host(copies, threads=1)  # warm up
+
+        count = 0
+        stop = False
+
+        def counter() -> None:
+            nonlocal count
+            while not stop:
+                count += 1
+
+        thread = threading.Thread(target=counter)
+        thread.start()
+        try:
+            time.sleep(0.05)
+            c0, t0 = count, time.perf_counter()
+            time.sleep(0.1)
+            rate = (count - c0) / (time.perf_counter() - t0)  # counts/s, GIL shared
+
+            c0, t0 = count, time.perf_counter()
+            _native.copy_host(copies, threads=1)
+            elapsed = time.perf_counter() - t0
+            during = count - c0
+        finally:
+            stop = True
+            thread.join()
+    # Held, the GIL would let the counter run one switch interval (5 ms) at most: under 5%
+    # of a copy this long. Released, it runs about half as fast as alone (shared cores).
+    assert elapsed > 0.1, "copy too fast to tell; make it larger"
+    assert during > 0.15 * rate * elapsed, (during, rate, elapsed)
+
+
+def test_copy_host_pool_survives_fork():
+    """A child forked after the pool started gets a pool of its own, not a deadlock."""
+    with _native.Arena(8 * MiB, pin=False) as a:
+        _native.copy_host([(a.address + 4 * MiB, a.address, 4 * MiB)], threads=4)
+    code = (
+        "import os, warnings\n"
+        "warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "from snapcore import _native\n"
+        "a = _native.Arena(8 << 20, pin=False)\n"
+        "_native.copy_host([(a.address + (4 << 20), a.address, 4 << 20)], threads=4)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    _native.copy_host([(a.address + (4 << 20), a.address, 4 << 20)], threads=4)\n"
+        "    os._exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "raise SystemExit(os.waitstatus_to_exitcode(status))\n"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        result = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()
+
+
+# --- FileWriter and read_into -----------------------------------------------------------
+
+
+def write_pattern(path: Path, data: bytes, arena, *, direct: bool, offset: int = 0):
+    """Writes `data` at `offset` of `path` from the arena, in three write_at calls that hit
+    an aligned start, an unaligned start and an unaligned tail."""
+    fill(arena.address, data)
+    cut1 = 2 * PAGE
+    cut2 = cut1 + MiB + 123
+    with _native.FileWriter(str(path), direct=direct) as w:
+        w.write_at(offset, arena.address, cut1)
+        w.write_at(offset + cut1, arena.address + cut1, cut2 - cut1)
+        w.write_at(offset + cut2, arena.address + cut2, len(data) - cut2)
+        w.sync()
+        assert w.bytes_written == len(data)
+        return w.direct
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_file_writer_round_trip(tmp_path, direct):
+    n = 5 * MiB + 4321
+    data = random.Random(3).randbytes(n)
+    path = tmp_path / "data.bin"
+    with _native.Arena(n, pin=False) as arena:
+        used_direct = write_pattern(path, data, arena, direct=direct)
+    assert used_direct is (direct and o_direct_supported(tmp_path))
+    assert path.read_bytes() == data
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644 & ~current_umask())
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_file_writer_at_offset_keeps_what_is_before(tmp_path):
+    path = tmp_path / "gap.bin"
+    data = random.Random(4).randbytes(3 * MiB + 1)
+    with _native.Arena(len(data), pin=False) as arena:
+        write_pattern(path, data, arena, direct=True, offset=PAGE + 7)
+    content = path.read_bytes()
+    assert content[: PAGE + 7] == bytes(PAGE + 7)
+    assert content[PAGE + 7 :] == data
+
+
+def test_file_writer_on_tmpfs(shm_path):
+    """tmpfs refuses O_DIRECT before Linux 6.6 and takes it since: either way the writer
+    says which it used and the data is right."""
+    data = random.Random(5).randbytes(2 * MiB + 99)
+    with _native.Arena(len(data), pin=False) as arena:
+        used_direct = write_pattern(Path(shm_path), data, arena, direct=True)
+    assert used_direct is o_direct_supported(Path(shm_path).parent)
+    assert Path(shm_path).read_bytes() == data
+
+
+FALLBACK_SCRIPT = """
+import random, sys
+from pathlib import Path
+from snapcore import _native
+path = Path(sys.argv[1]) / "data.bin"
+data = random.Random(8).randbytes(3 * (1 << 20) + 77)
+arena = _native.Arena(len(data), pin=False)
+(__import__("ctypes")).memmove(arena.address, data, len(data))
+w = _native.FileWriter(str(path), direct=True)
+assert w.direct is False, "ramfs took O_DIRECT"
+w.write_at(0, arena.address, 1 << 20)
+w.write_at(1 << 20, arena.address + (1 << 20), len(data) - (1 << 20))
+w.sync()
+w.close()
+assert path.read_bytes() == data
+print("fallback-ok")
+"""
+
+
+def test_file_writer_falls_back_where_o_direct_is_refused(tmp_path):
+    """ramfs refuses O_DIRECT at open (EINVAL). Mounting one needs a mount namespace:
+    the test runs in one of its own, and is skipped where none can be made."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    script = tmp_path / "fallback.py"
+    script.write_text(FALLBACK_SCRIPT)
+    shell = f'mount -t ramfs none "{mnt}" || exit 77; exec "{sys.executable}" "{script}" "{mnt}"'
+    result = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell],
+        capture_output=True,
+        timeout=120,
+    )
+    if result.returncode == 77 or b"unshare failed" in result.stderr:
+        pytest.skip(f"cannot mount a ramfs here: {result.stderr.decode().strip()}")
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"fallback-ok" in result.stdout
+
+
+def test_file_writer_concurrent_disjoint_writes(tmp_path):
+    piece = MiB + 3
+    k = 8
+    data = random.Random(6).randbytes(piece * k)
+    path = tmp_path / "concurrent.bin"
+    with _native.Arena(len(data), pin=False) as arena:
+        fill(arena.address, data)
+        with _native.FileWriter(str(path)) as w:
+            threads = [
+                threading.Thread(
+                    target=w.write_at, args=(i * piece, arena.address + i * piece, piece)
+                )
+                for i in range(k)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert w.bytes_written == len(data)
+    assert path.read_bytes() == data
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_file_writer_enospc_is_storage_error(direct):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    with (
+        _native.Arena(4 * PAGE, pin=False) as arena,
+        _native.FileWriter("/dev/full", direct=direct) as w,
+        pytest.raises(StorageError) as info,
+    ):
+        w.write_at(0, arena.address, 4 * PAGE)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == "/dev/full"
+    assert isinstance(info.value, OSError)
+
+
+def test_file_writer_open_error(tmp_path):
+    path = tmp_path / "missing" / "f.bin"
+    with pytest.raises(StorageError) as info:
+        _native.FileWriter(str(path))
+    assert info.value.errno == errno.ENOENT
+    assert info.value.filename == str(path)
+
+
+def test_file_writer_close(tmp_path):
+    w = _native.FileWriter(str(tmp_path / "c.bin"), direct=False)
+    assert w.path == str(tmp_path / "c.bin") and w.closed is False
+    w.close()
+    w.close()
+    assert w.closed is True
+    with pytest.raises(ValueError, match="closed"):
+        w.write_at(0, 1, 1)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_into_round_trip(tmp_path, threads):
+    n = 40 * MiB + 5  # large enough to be split over threads
+    data = random.Random(7).randbytes(n + 1000)
+    path = tmp_path / "r.bin"
+    path.write_bytes(data)
+    with _native.Arena(n, pin=False) as arena:
+        _native.read_into(str(path), 999, n, arena.address, threads=threads)
+        assert read(arena.address, n) == data[999 : 999 + n]
+        _native.read_into(str(path), 0, 0, arena.address)
+
+
+def test_read_into_truncated(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 100)
+    with _native.Arena(PAGE, pin=False) as arena:
+        with pytest.raises(NativeError, match=r"truncated: .*short\.bin has 100 bytes, need 150"):
+            _native.read_into(str(path), 50, 100, arena.address)
+        # Nothing of it is an OSError: a short file is damage, not an I/O failure.
+        with pytest.raises(NativeError) as info:
+            _native.read_into(str(path), 0, 101, arena.address)
+        assert not isinstance(info.value, OSError)
+
+
+def test_read_into_missing_file(tmp_path):
+    with _native.Arena(PAGE, pin=False) as arena, pytest.raises(StorageError) as info:
+        _native.read_into(str(tmp_path / "nope"), 0, 1, arena.address)
+    assert info.value.errno == errno.ENOENT
+
+
+def test_drop_page_cache(tmp_path):
+    path = tmp_path / "cached.bin"
+    path.write_bytes(b"y" * (3 * PAGE))
+    assert _native.drop_page_cache(str(path)) is True
+    assert path.read_bytes() == b"y" * (3 * PAGE)
+    with pytest.raises(StorageError):
+        _native.drop_page_cache(str(tmp_path / "nope"))
+
+
+# --- stubs ------------------------------------------------------------------------------
+
+
+def test_stub_matches_module(tmp_path):
+    """snapcore/_native.pyi is what nanobind's stub generator makes of the built module
+    (after ruff format): regenerate it when the binding changes."""
+    pytest.importorskip("nanobind.stubgen")
+    ruff = shutil.which("ruff") or shutil.which("ruff", path=os.path.dirname(sys.executable))
+    if ruff is None:
+        pytest.skip("ruff is not installed")
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "_native.pyi"
+    subprocess.run(
+        [sys.executable, "-m", "nanobind.stubgen", "-q", "-m", "snapcore._native", "-o", out],
+        check=True,
+    )
+    subprocess.run(
+        [ruff, "format", "--quiet", "--config", repo / "pyproject.toml", out], check=True
+    )
+    committed = repo / "snapcore" / "_native.pyi"
+    assert out.read_text() == committed.read_text(), (
+        "snapcore/_native.pyi is stale: run `python -m nanobind.stubgen -m snapcore._native "
+        "-o snapcore/_native.pyi && ruff format snapcore/_native.pyi`"
+    )
+
+
+# --- GPU --------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_status_ok():
+    assert _native.cuda_status().startswith("ok: ")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_arena_pinned():
+    with _native.Arena(3 * MiB + 1, pin=True) as arena:
+        assert arena.pinned is True
+        assert arena.bytes_pinned == arena.bytes_held
+    assert arena.pinned is False
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_copier_d2h_h2d_round_trip():
+    torch = pytest.importorskip("torch")
+    n = 1 << 22
+    x = torch.arange(n, device="cuda:0", dtype=torch.float32)
+    nbytes = x.numel() * x.element_size()
+    stream = torch.cuda.current_stream()
+    with _native.Arena(2 * nbytes, pin=True) as arena:
+        copier = _native.CudaCopier(0)
+        assert copier.device == 0 and copier.stream != 0
+        # Work queued on the caller's stream before d2h must be seen by the copy.
+        y = x.clone()
+        for _ in range(20):
+            y.mul_(1.0001)
+        y.copy_(x * 3)
+        half = nbytes // 2
+        copies = [
+            (arena.address, y.data_ptr(), half),
+            (arena.address + half, y.data_ptr() + half, 0),  # empty copies are skipped
+            (arena.address + half, y.data_ptr() + half, nbytes - half),
+        ]
+        event = copier.d2h(copies, stream.cuda_stream)
+        event.synchronize()
+        assert event.query() is True
+        host = torch.frombuffer(view(arena.address, nbytes), dtype=torch.float32)
+        assert torch.equal(host, (x * 3).cpu())
+
+        z = torch.empty_like(x)
+        event = copier.h2d([(z.data_ptr(), arena.address, nbytes)], stream.cuda_stream)
+        event.make_stream_wait(stream.cuda_stream)  # no CPU wait: the stream orders it
+        assert torch.equal(z, x * 3)
+        copier.close()
+        copier.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_event_orders_a_side_stream():
+    torch = pytest.importorskip("torch")
+    x = torch.ones(1 << 20, device="cuda:0")
+    nbytes = x.numel() * 4
+    with _native.Arena(nbytes, pin=True) as arena:
+        copier = _native.CudaCopier(0)
+        event = copier.d2h([(arena.address, x.data_ptr(), nbytes)], 0)
+        other = torch.cuda.Stream()
+        event.make_stream_wait(other.cuda_stream)
+        with torch.cuda.stream(other):
+            x.fill_(2.0)  # ordered after the copy: the host copy must hold ones
+        other.synchronize()
+        host = torch.frombuffer(view(arena.address, nbytes), dtype=torch.float32)
+        assert torch.equal(host, torch.ones(1 << 20))
+        copier.close()
