@@ -1,0 +1,348 @@
+"""save / async_save / restore / load: round trips, semantics, errors."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+import snapcore
+from snapcore import engine as engine_mod
+from snapcore.store import LocalStore
+
+CPU_DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A tensor with random bit patterns (NaNs and all), so equality is bitwise."""
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape) * dtype.itemsize
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw % 2).bool().view(shape)
+    return raw.view(dtype).view(shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def test_every_dtype_round_trips_bit_exact(tmp_path):
+    state = {
+        str(d).removeprefix("torch."): random_bits((3, 5), d, i) for i, d in enumerate(CPU_DTYPES)
+    }
+    state["scalar"] = torch.tensor(3.5, dtype=torch.float64)
+    state["empty"] = torch.empty(0, 4, dtype=torch.float32)
+    snapcore.save(state, tmp_path, step=1)
+    loaded = snapcore.load(tmp_path)
+    for k, v in state.items():
+        assert same_bits(loaded[k], v), k
+    assert loaded["scalar"].shape == ()
+    assert loaded["empty"].shape == (0, 4)
+
+
+def test_restore_fills_existing_tensors_in_place(tmp_path):
+    src = {
+        name: random_bits((4, 7), d, 9) for name, d in [("a", torch.float32), ("b", torch.int64)]
+    }
+    snapcore.save(src, tmp_path, step=2)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    ptrs = {k: v.data_ptr() for k, v in dst.items()}
+    info = snapcore.restore(dst, tmp_path)
+    assert info.step == 2
+    for k in src:
+        assert dst[k].data_ptr() == ptrs[k]
+        assert same_bits(dst[k], src[k])
+
+
+def test_non_contiguous_views_and_tied_tensors(tmp_path):
+    base = torch.arange(60, dtype=torch.float32).view(6, 10)
+    emb = torch.nn.Embedding(10, 6)
+    head = torch.nn.Linear(6, 10, bias=False)
+    head.weight = emb.weight  # tied weights
+    state = {
+        "t": base.t(),  # a transposed view alone on its storage
+        "strided": base[::2, 1::3],
+        "a": base[0],
+        "b": base[1:3],  # two views of one storage: saved once
+        "emb": emb,
+        "head": head,
+        "same": [base[0], base[0]],
+    }
+    snapcore.save(state, tmp_path, step=3)
+    out = snapcore.load(tmp_path)
+    assert torch.equal(out["t"], base.t())
+    assert torch.equal(out["strided"], base[::2, 1::3])
+    assert torch.equal(out["a"], base[0]) and torch.equal(out["b"], base[1:3])
+    # views of one storage come back sharing storage
+    assert out["a"].untyped_storage().data_ptr() == out["b"].untyped_storage().data_ptr()
+    out["a"][0] = -1.0
+    assert out["same"][0][0] == -1.0  # identical views are one tensor
+    # tied weights come back tied
+    assert out["emb"]["weight"] is out["head"]["weight"]
+    # restore into fresh modules keeps them tied (the state ties them)
+    emb2, head2 = torch.nn.Embedding(10, 6), torch.nn.Linear(6, 10, bias=False)
+    head2.weight = emb2.weight
+    snapcore.restore({"emb": emb2, "head": head2}, tmp_path)
+    assert torch.equal(emb2.weight, emb.weight) and head2.weight is emb2.weight
+
+
+def test_module_optimizer_scheduler_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    state = {
+        "model": model,
+        "optim": opt,
+        "sched": sched,
+        "step": 3,
+        "data": {"epoch": 1, "pos": 17},
+    }
+    snapcore.save(state, tmp_path, step=3)
+
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    state2 = {"model": model2, "optim": opt2, "sched": sched2, "step": 0, "data": {}}
+    info = snapcore.restore(state2, tmp_path)
+    assert info.step == 3 and state2["step"] == 3 and state2["data"] == {"epoch": 1, "pos": 17}
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert sched2.state_dict() == sched.state_dict()
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    for k in s1:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s1[k][name], s2[k][name])
+    # the next step is identical
+    x = torch.randn(4, 8)
+    for m, o in ((model, opt), (model2, opt2)):
+        m(x).sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_python_values_round_trip_exactly(tmp_path):
+    values = {
+        "ints": [0, -1, 2**70, 5],
+        "floats": (0.1, -0.0, float("inf"), float("-inf"), 1e-310),
+        "nan": float("nan"),
+        "s": "ünïcode",
+        "none": None,
+        "flags": [True, False],
+        3: "int key",
+    }
+    snapcore.save(values, tmp_path, step=0)
+    out = snapcore.load(tmp_path)
+    assert out["ints"] == values["ints"] and isinstance(out["floats"], tuple)
+    assert [x.hex() for x in out["floats"]] == [x.hex() for x in values["floats"]]
+    assert math.isnan(out["nan"]) and out[3] == "int key" and out["s"] == values["s"]
+    assert out["flags"] == [True, False] and out["none"] is None
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("state", "path"),
+    [
+        ({"optim": {"foo": {"bar": Opaque()}}}, "optim.foo.bar"),
+        ({"a": [1, 2, {3.5: 1}]}, "a.2.3.5"),
+        ({"x": b"bytes"}, "x"),
+        ({"s": {1, 2}}, "s"),
+    ],
+)
+def test_unsupported_leaf_names_its_path(tmp_path, state, path):
+    with pytest.raises(snapcore.UnsupportedState) as e:
+        snapcore.save(state, tmp_path, step=1)
+    assert e.value.path == path
+    assert path in str(e.value)
+    assert LocalStore(tmp_path).committed_steps() == []
+
+
+def test_restore_newest_and_by_step_and_not_found(tmp_path):
+    with pytest.raises(snapcore.SnapshotNotFound):
+        snapcore.restore({"x": torch.zeros(2)}, tmp_path)
+    for step in (2, 10, 9):  # numeric, not lexical, ordering
+        snapcore.save({"x": torch.full((2,), float(step))}, tmp_path, step=step)
+    state = {"x": torch.zeros(2)}
+    assert snapcore.restore(state, tmp_path).step == 10 and state["x"][0] == 10
+    assert snapcore.restore(state, tmp_path, step=2).step == 2 and state["x"][0] == 2
+    with pytest.raises(snapcore.SnapshotNotFound, match="step 3"):
+        snapcore.load(tmp_path, step=3)
+
+
+def test_restore_shape_mismatch_is_clear(tmp_path):
+    snapcore.save({"w": torch.zeros(3, 4)}, tmp_path, step=1)
+    with pytest.raises(snapcore.StateMismatch, match=r"w: the snapshot holds float32\[3, 4\]"):
+        snapcore.restore({"w": torch.zeros(4, 3)}, tmp_path)
+
+
+def test_async_save_default_mode_snapshot_is_isolated_from_later_changes(tmp_path):
+    t = torch.arange(1 << 20, dtype=torch.float32)
+    h = snapcore.async_save({"t": t}, tmp_path, step=1)
+    t.add_(1)  # the state may change as soon as async_save returns
+    stats = h.wait()
+    assert h.done() and h.step == 1 and stats.durable_s >= stats.staged_s > 0
+    assert torch.equal(snapcore.load(tmp_path)["t"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_resaving_a_committed_step_replaces_it_atomically(tmp_path):
+    snapcore.save({"x": torch.zeros(4)}, tmp_path, step=5)
+    snapcore.save({"x": torch.ones(4)}, tmp_path, step=5)
+    assert torch.equal(snapcore.load(tmp_path)["x"], torch.ones(4))
+    step_dir = next(tmp_path.iterdir())
+    assert len(list(step_dir.glob("*.bin"))) == 1  # the old data file was collected
+
+
+def _slow_copy(monkeypatch, delay: float):
+    real = engine_mod._native.copy_host
+
+    def slow(copies, threads=0):
+        time.sleep(delay)
+        real(copies, threads)
+
+    monkeypatch.setattr(engine_mod._native, "copy_host", slow)
+
+
+def test_overlap_mode_optimizer_step_waits_for_the_copies(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(8, 64)).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _slow_copy(monkeypatch, 0.3)  # the deferred copies take a while on the persist thread
+    h = snapcore.async_save({"model": model, "optim": opt}, tmp_path, step=1, overlap=True)
+    assert not h._staged.is_set()  # it really returned before copying the parameters
+    opt.step()  # the pre-hook must make this wait for the copies
+    h.wait()
+    saved = snapcore.load(tmp_path)["model"]
+    for k, v in before.items():
+        assert torch.equal(saved[k], v), k
+    assert not torch.equal(model.weight, before["weight"])  # the step did happen
+
+
+def test_overlap_mode_copies_non_optimizer_tensors_before_returning(tmp_path, monkeypatch):
+    model = torch.nn.BatchNorm1d(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _slow_copy(monkeypatch, 0.2)
+    h = snapcore.async_save({"model": model, "optim": opt}, tmp_path, step=1, overlap=True)
+    model.running_mean.add_(5)  # a buffer the forward pass writes: not protected by the hook
+    h.wait()
+    assert torch.equal(snapcore.load(tmp_path)["model"]["running_mean"], torch.zeros(4))
+
+
+def test_explicit_staged_wait(tmp_path, monkeypatch):
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = model.weight.detach().clone()
+    _slow_copy(monkeypatch, 0.2)
+    h = snapcore.async_save({"m": model, "o": opt}, tmp_path, step=1, overlap=True)
+    h.staged()
+    with torch.no_grad():
+        model.weight.zero_()
+    h.wait()
+    assert torch.equal(snapcore.load(tmp_path)["m"]["weight"], before)
+
+
+def test_budget_streams_and_bounds_the_arena(tmp_path):
+    tensors = {f"t{i}": random_bits((3 << 20,), torch.float32, i) for i in range(4)}  # 48 MiB
+    tensors["strided"] = random_bits((2048, 1024), torch.float32, 7).t()
+    budget = 20 << 20
+    stats = snapcore.save(tensors, tmp_path, step=1, budget_bytes=budget)
+    assert stats.streaming
+    eng = engine_mod.engine_for(tmp_path)
+    assert eng.arena is not None and eng.arena.size <= budget
+    out = snapcore.load(tmp_path)
+    for k, v in tensors.items():
+        assert same_bits(out[k], v), k
+
+
+def test_background_failure_surfaces_on_wait_and_next_save(tmp_path, monkeypatch):
+    class Boom(OSError):
+        pass
+
+    real = engine_mod._native.FileWriter
+
+    def failing(*a, **k):
+        raise Boom(28, "No space left on device", "fake")
+
+    snapcore.save({"x": torch.ones(3)}, tmp_path, step=1)
+    monkeypatch.setattr(engine_mod._native, "FileWriter", failing)
+    h = snapcore.async_save({"x": torch.zeros(3)}, tmp_path, step=2)
+    with pytest.raises(snapcore.SnapshotFailed, match="step 2") as e:
+        h.wait()
+    assert isinstance(e.value.__cause__, Boom)
+    # not waited on: the next save reports it, once
+    h = snapcore.async_save({"x": torch.zeros(3)}, tmp_path, step=3)
+    with pytest.raises(snapcore.SnapshotFailed, match="step 3"):
+        snapcore.async_save({"x": torch.zeros(3)}, tmp_path, step=4)
+    monkeypatch.setattr(engine_mod._native, "FileWriter", real)
+    snapcore.save({"x": torch.full((3,), 5.0)}, tmp_path, step=5)
+    # the committed snapshots are untouched; the failed ones left nothing behind
+    store = LocalStore(tmp_path)
+    assert store.committed_steps() == [1, 5]
+    assert [s.step for s in store.snapshots()] == [1, 5]
+    assert torch.equal(snapcore.load(tmp_path, step=1)["x"], torch.ones(3))
+
+
+def test_async_saves_in_a_row_reuse_the_arena(tmp_path):
+    t = torch.randn(1 << 18)
+    handles = [snapcore.async_save({"t": t}, tmp_path, step=s) for s in range(3)]
+    arena = engine_mod.engine_for(tmp_path).arena
+    for h in handles:
+        h.wait()
+    assert engine_mod.engine_for(tmp_path).arena is arena
+    assert LocalStore(tmp_path).committed_steps() == [0, 1, 2]
+
+
+def test_concurrent_saves_from_threads_are_serialised(tmp_path):
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            snapcore.save({"v": torch.full((1000,), float(k))}, tmp_path, step=k)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for k in range(4):
+        assert snapcore.load(tmp_path, step=k)["v"][0] == k
