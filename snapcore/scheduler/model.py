@@ -256,7 +256,7 @@ def expected_waste(
     return Waste(total=redone + restart + over, overhead=over, redone=redone, restart=restart)
 
 
-def _golden_min(f: Callable[[float], float], lo: float, hi: float, iters: int = 48) -> float:
+def _golden_min(f: Callable[[float], float], lo: float, hi: float, iters: int = 34) -> float:
     """Minimise a unimodal function on [lo, hi] (here: waste against log interval)."""
     g = (math.sqrt(5.0) - 1.0) / 2.0
     a, b = lo, hi
