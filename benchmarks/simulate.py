@@ -403,7 +403,8 @@ def checks(summaries: Sequence[Summary]) -> list[str]:
 
 
 def table(summaries: Sequence[Summary]) -> str:
-    head = "| devices | failures | process | " + " | ".join(POLICIES) + " | model (oracle plan) |"
+    cols = ["devices", "failures per run", "process", *POLICIES, "model (oracle plan)"]
+    head = "| " + " | ".join(cols) + " |"
     sep = "|" + "---|" * (len(POLICIES) + 4)
     rows = [head, sep]
     for s in summaries:
@@ -440,7 +441,7 @@ def plot(summaries: Sequence[Summary], path: Path) -> None:
         ss = [s for s in summaries if s.process == proc]
         xs = [s.devices for s in ss]
         for p in POLICIES:
-            style = "-o" if p in ("snapcore", "oracle") else "--."
+            style = {"snapcore": "-o", "oracle": "k:x"}.get(p, "--.")
             ax.plot(xs, [100 * s.waste[p] for s in ss], style, label=p)
         ax.axhline(100 * TARGET, color="grey", lw=0.8, ls=":", label=f"target {TARGET:.0%}")
         ax.set_xscale("log")
