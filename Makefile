@@ -6,7 +6,6 @@ TORCH ?= torch
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
-STAMP := $(VENV)/.snapcore-installed
 
 .PHONY: install test lint demo bench clean
 
@@ -29,7 +28,9 @@ demo: install
 	$(PYTHON) -m snapcore.demo
 
 bench: install
+	$(PIP) install -q -e ".[bench]" --no-build-isolation
 	$(PYTHON) benchmarks/bench_save.py
+	$(PYTHON) benchmarks/simulate.py
 
 clean:
 	rm -rf build $(VENV)
