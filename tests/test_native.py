@@ -220,7 +220,7 @@ def test_copy_host_rejects_overlap_and_null():
 def test_copy_host_releases_the_gil():
     n = 64 * MiB
     with _native.Arena(n, pin=False) as src, _native.Arena(n, pin=False) as dst:
-        copies = [(dst.address, src.address, n)] * 8
+        copies = [(dst.address, src.address, n)] * 32
         _native.copy_host(copies, threads=1)  # warm up
 
         count = 0
@@ -232,24 +232,30 @@ def test_copy_host_releases_the_gil():
                 count += 1
 
         thread = threading.Thread(target=counter)
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(0.001)
         thread.start()
+        trials = []
         try:
             time.sleep(0.05)
-            c0, t0 = count, time.perf_counter()
-            time.sleep(0.1)
-            rate = (count - c0) / (time.perf_counter() - t0)  # counts/s, GIL shared
-
-            c0, t0 = count, time.perf_counter()
-            _native.copy_host(copies, threads=1)
-            elapsed = time.perf_counter() - t0
-            during = count - c0
+            for _ in range(3):
+                c0, t0 = count, time.perf_counter()
+                time.sleep(0.1)
+                rate = (count - c0) / (time.perf_counter() - t0)  # counts/s
+                c0, t0 = count, time.perf_counter()
+                _native.copy_host(copies, threads=1)
+                elapsed = time.perf_counter() - t0
+                trials.append(((count - c0) / rate, elapsed))  # seconds the counter ran
         finally:
             stop = True
             thread.join()
-    # Held, the GIL would let the counter run one switch interval (5 ms) at most: under 5%
-    # of a copy this long. Released, it runs about half as fast as alone (shared cores).
-    assert elapsed > 0.1, "copy too fast to tell; make it larger"
-    assert during > 0.15 * rate * elapsed, (during, rate, elapsed)
+            sys.setswitchinterval(switch_interval)
+    # Held, the GIL lets the counter run a few switch intervals around the call (measured:
+    # 5-12 ms, whatever the call's length); released, about half the call on two busy
+    # cores. Best of three trials, for loaded machines.
+    ratio, elapsed = max((ran / elapsed, elapsed) for ran, elapsed in trials)
+    assert elapsed > 0.1, f"copy too fast to tell ({elapsed:.3f} s); make it larger"
+    assert ratio > 0.25, trials
 
 
 def test_copy_host_pool_survives_fork():
@@ -489,6 +495,126 @@ def test_stub_matches_module(tmp_path):
         "snapcore/_native.pyi is stale: run `python -m nanobind.stubgen -m snapcore._native "
         "-o snapcore/_native.pyi && ruff format snapcore/_native.pyi`"
     )
+
+
+# --- the CUDA path against a fake driver ---------------------------------------------
+
+FAKE_DRIVER_SCENARIO = """
+import ctypes, os
+from snapcore import _native
+from snapcore.errors import CudaError
+
+fake = ctypes.CDLL("libcuda.so.1")  # the handle snapcore already opened
+fake.fake_cuda_log.restype = ctypes.c_char_p
+fake.fake_cuda_state.restype = ctypes.c_longlong
+def state(*names): return [fake.fake_cuda_state(n.encode()) for n in names]
+def log(): return fake.fake_cuda_log().decode().splitlines()
+def expect_raises(exc, fn, *args):
+    try:
+        fn(*args)
+    except exc as e:
+        return e
+    raise AssertionError(f"{fn} did not raise {exc}")
+LEAKS = ("ctx_refs", "streams", "events", "depth", "registered")
+
+assert _native.cuda_available() and _native.cuda_status() == "ok: 1 device(s)"
+arena = _native.Arena(3 * 4096 + 1)
+assert arena.pinned and arena.bytes_pinned == arena.bytes_held == 4 * 4096
+assert state("registered", "ctx_refs") == [4 * 4096, 1]
+
+data = bytes(range(250)) * 4
+src = _native.Arena(1000, pin=False)
+ctypes.memmove(src.address, data, 1000)
+copier = _native.CudaCopier(0)
+assert copier.device == 0 and copier.stream != 0
+start = len(log())
+copies = [(arena.address, src.address, 600), (arena.address, src.address, 0),
+          (arena.address + 600, src.address + 600, 400)]
+event = copier.d2h(copies, 0)
+event.synchronize()
+assert event.query() is True
+event.make_stream_wait(12345)
+assert log()[start:] == [
+    "EventRecord e2 ext:0", "StreamWaitEvent s1 e2",  # after the caller's stream
+    "MemcpyDtoHAsync 600 s1", "MemcpyDtoHAsync 400 s1", "EventRecord e3 s1",
+    "EventSynchronize e3", "StreamWaitEvent ext:12345 e3",
+], log()[start:]
+assert ctypes.string_at(arena.address, 1000) == data
+
+dev = _native.Arena(1000, pin=False)
+start = len(log())
+event2 = copier.h2d([(dev.address, arena.address, 1000)], 777)
+assert log()[start:] == ["EventRecord e4 ext:777", "StreamWaitEvent s1 e4",
+                         "MemcpyHtoDAsync 1000 s1", "EventRecord e5 s1"], log()[start:]
+assert ctypes.string_at(dev.address, 1000) == data
+assert state("events") == [2]  # the completion events Python holds
+del event, event2
+copier.close()
+copier.close()
+assert "closed" in str(expect_raises(ValueError, copier.d2h, [], 0))
+arena.close()
+assert state(*LEAKS) == [0] * 5, state(*LEAKS)
+
+assert "does not exist" in str(expect_raises(ValueError, _native.CudaCopier, 1))
+
+os.environ["FAKE_CUDA_FAIL"] = "cuMemHostRegister"
+e = expect_raises(CudaError, _native.Arena, 4096)
+assert e.code == 2 and "CUDA_ERROR_OUT_OF_MEMORY" in str(e) and "MemHostRegister" in str(e)
+os.environ["FAKE_CUDA_FAIL"] = "cuMemcpyDtoHAsync"
+copier = _native.CudaCopier(0)
+e = expect_raises(CudaError, copier.d2h, [(dev.address, src.address, 10)], 0)
+assert "CUDA_ERROR_OUT_OF_MEMORY" in str(e), e
+assert log()[-1].startswith("StreamSynchronize s"), log()[-3:]  # queued part drained
+del os.environ["FAKE_CUDA_FAIL"]
+copier.close()
+assert state(*LEAKS) == [0] * 5, state(*LEAKS)
+assert "no current context!" not in log()
+print("fake-driver-ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_driver_dir(tmp_path_factory):
+    """A directory holding csrc/testing/fake_libcuda.c built as libcuda.so.1."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake CUDA driver")
+    source = Path(__file__).resolve().parent.parent / "csrc" / "testing" / "fake_libcuda.c"
+    out = tmp_path_factory.mktemp("fake-cuda")
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O1", "-o", out / "libcuda.so.1", source, "-lpthread"],
+        check=True,
+    )
+    return out
+
+
+def run_with_fake_driver(directory: Path, code: str, **env: str):
+    paths = [str(directory), os.environ.get("LD_LIBRARY_PATH", "")]
+    environ = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(p for p in paths if p), **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, timeout=120
+    )
+
+
+def test_cuda_path_against_a_fake_driver(fake_driver_dir):
+    """The shim, contexts, streams, events, pinning and error mapping, call by call, with a
+    stand-in libcuda.so.1 (csrc/testing/fake_libcuda.c): what a GPU-less machine can check
+    of the CUDA path."""
+    result = run_with_fake_driver(fake_driver_dir, FAKE_DRIVER_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"fake-driver-ok" in result.stdout
+
+
+def test_cuda_init_failure_is_reported_not_raised(fake_driver_dir):
+    code = (
+        "from snapcore import _native\n"
+        "assert _native.cuda_available() is False\n"
+        "print(_native.cuda_status())\n"
+        "assert _native.Arena(4096, pin=True).pinned is False\n"
+    )
+    result = run_with_fake_driver(fake_driver_dir, code, FAKE_CUDA_NO_DEVICE="1")
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().startswith("cuInit failed: CUDA_ERROR_NO_DEVICE (100)")
 
 
 # --- GPU --------------------------------------------------------------------------------

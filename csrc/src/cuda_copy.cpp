@@ -89,10 +89,16 @@ void CudaCopier::close() {
   const shim::CudaDriver& cu = shim::CudaDriver::instance();
   cu::CUstream stream = stream_;
   stream_ = nullptr;
-  ScopedContext current(ctx_->get());
-  // Copies still in flight must finish before the stream goes away.
-  const cu::CUresult rc_sync = cu.StreamSynchronize(stream);
-  const cu::CUresult rc_destroy = cu.StreamDestroy(stream);
+  // Events handed out keep the context alive on their own; the copier lets go of it.
+  const std::shared_ptr<PrimaryContext> ctx = std::move(ctx_);
+  cu::CUresult rc_sync = cu::CUDA_SUCCESS;
+  cu::CUresult rc_destroy = cu::CUDA_SUCCESS;
+  {
+    ScopedContext current(ctx->get());
+    // Copies still in flight must finish before the stream goes away.
+    rc_sync = cu.StreamSynchronize(stream);
+    rc_destroy = cu.StreamDestroy(stream);
+  }
   CU_TRY(rc_sync);
   CU_TRY(rc_destroy);
 }

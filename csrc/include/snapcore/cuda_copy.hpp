@@ -48,7 +48,7 @@ class CudaCopier {
   // Copies (dst device, src host, nbytes); same ordering and lifetime rules.
   std::unique_ptr<CudaEvent> h2d(const std::vector<CopySpec>& copies,
                                  std::uintptr_t after_stream);
-  // Waits for the stream's work, then destroys it; idempotent.
+  // Waits for the stream's work, destroys it and releases the context; idempotent.
   void close();
 
   [[nodiscard]] int device() const noexcept { return device_; }

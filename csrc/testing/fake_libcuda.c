@@ -1,0 +1,294 @@
+/*
+ * A stand-in for the CUDA driver (libcuda.so.1), for testing snapcore's CUDA path on
+ * machines without a GPU. tests/test_native.py compiles it and puts it first on
+ * LD_LIBRARY_PATH of a child process.
+ *
+ * "Device memory" is host memory here and copies happen at once. What it checks is the
+ * driver-facing contract: the right symbols and flags, a current context wherever the
+ * real driver needs one, balanced push/pop and retain/release, every stream and event
+ * destroyed. It records each call in a log the test reads back:
+ *   fake_cuda_log()          the calls so far, one per line
+ *   fake_cuda_state(name)    ctx_refs, streams, events, registered, depth
+ * FAKE_CUDA_FAIL=<function> makes that function fail with CUDA_ERROR_OUT_OF_MEMORY;
+ * FAKE_CUDA_NO_DEVICE=1 makes cuInit fail with CUDA_ERROR_NO_DEVICE.
+ */
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+
+enum {
+  SUCCESS = 0,
+  INVALID_VALUE = 1,
+  OUT_OF_MEMORY = 2,
+  NO_DEVICE = 100,
+  INVALID_DEVICE = 101,
+  INVALID_CONTEXT = 201,
+  INVALID_HANDLE = 400,
+};
+
+struct handle {
+  char kind; /* 's' stream, 'e' event */
+  int id;
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static char log_buf[1 << 16];
+static size_t log_len;
+static int next_id = 1;
+static int ctx_refs, streams, events;
+static long long registered;
+static __thread int depth;
+static char primary_ctx;
+
+static void note(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  pthread_mutex_lock(&lock);
+  if (log_len + 128 < sizeof(log_buf)) {
+    log_len += (size_t)vsnprintf(log_buf + log_len, sizeof(log_buf) - log_len, fmt, ap);
+    log_buf[log_len++] = '\n';
+    log_buf[log_len] = '\0';
+  }
+  pthread_mutex_unlock(&lock);
+  va_end(ap);
+}
+
+static int failing(const char* name) {
+  const char* f = getenv("FAKE_CUDA_FAIL");
+  return f != NULL && strcmp(f, name) == 0;
+}
+
+/* Handles this fake made and has not destroyed; anything else is a foreign stream. */
+static struct handle* live[4096];
+static int n_live;
+
+static int is_ours(void* h) {
+  int found = 0;
+  pthread_mutex_lock(&lock);
+  for (int i = 0; i < n_live && !found; ++i) found = live[i] == h;
+  pthread_mutex_unlock(&lock);
+  return found;
+}
+
+/* "s3", "e4", or "ext:<n>" for a stream handle the fake did not create (0 = legacy). */
+static const char* name_of(void* h, char* buf, size_t n) {
+  if (is_ours(h)) {
+    struct handle* p = (struct handle*)h;
+    snprintf(buf, n, "%c%d", p->kind, p->id);
+  } else {
+    snprintf(buf, n, "ext:%llu", (unsigned long long)h);
+  }
+  return buf;
+}
+
+static struct handle* make(char kind) {
+  struct handle* h = (struct handle*)malloc(sizeof *h);
+  pthread_mutex_lock(&lock);
+  h->kind = kind;
+  h->id = next_id++;
+  if (n_live < (int)(sizeof live / sizeof live[0])) live[n_live++] = h;
+  pthread_mutex_unlock(&lock);
+  return h;
+}
+
+/* Frees a handle of this fake; INVALID_HANDLE for anything else (or a double destroy). */
+static CUresult destroy(void* h, char kind) {
+  CUresult rc = INVALID_HANDLE;
+  pthread_mutex_lock(&lock);
+  for (int i = 0; i < n_live; ++i) {
+    if (live[i] == h && live[i]->kind == kind) {
+      live[i] = live[--n_live];
+      free(h);
+      rc = SUCCESS;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&lock);
+  return rc;
+}
+
+const char* fake_cuda_log(void) { return log_buf; }
+
+long long fake_cuda_state(const char* what) {
+  if (strcmp(what, "ctx_refs") == 0) return ctx_refs;
+  if (strcmp(what, "streams") == 0) return streams;
+  if (strcmp(what, "events") == 0) return events;
+  if (strcmp(what, "registered") == 0) return registered;
+  if (strcmp(what, "depth") == 0) return depth;
+  return -1;
+}
+
+#define NEED_CONTEXT()              \
+  do {                              \
+    if (depth == 0) {               \
+      note("no current context!");  \
+      return INVALID_CONTEXT;       \
+    }                               \
+  } while (0)
+
+CUresult cuInit(unsigned int flags) {
+  if (getenv("FAKE_CUDA_NO_DEVICE") != NULL) return NO_DEVICE;
+  return flags == 0 ? SUCCESS : INVALID_VALUE;
+}
+
+CUresult cuDeviceGetCount(int* count) {
+  *count = 1;
+  return SUCCESS;
+}
+
+CUresult cuDeviceGet(int* device, int ordinal) {
+  if (ordinal != 0) return INVALID_DEVICE;
+  *device = 0;
+  return SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(void** ctx, int device) {
+  if (device != 0) return INVALID_DEVICE;
+  __sync_fetch_and_add(&ctx_refs, 1);
+  *ctx = &primary_ctx;
+  return SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(int device) {
+  if (device != 0) return INVALID_DEVICE;
+  __sync_fetch_and_sub(&ctx_refs, 1);
+  return SUCCESS;
+}
+
+CUresult cuCtxPushCurrent_v2(void* ctx) {
+  if (ctx != &primary_ctx) return INVALID_CONTEXT;
+  depth++;
+  return SUCCESS;
+}
+
+CUresult cuCtxPopCurrent_v2(void** ctx) {
+  if (depth == 0) return INVALID_CONTEXT;
+  depth--;
+  if (ctx != NULL) *ctx = &primary_ctx;
+  return SUCCESS;
+}
+
+CUresult cuStreamCreate(void** stream, unsigned int flags) {
+  NEED_CONTEXT();
+  if (flags != 1) return INVALID_VALUE; /* snapcore wants CU_STREAM_NON_BLOCKING */
+  struct handle* h = make('s');
+  __sync_fetch_and_add(&streams, 1);
+  char b[32];
+  note("StreamCreate %s", name_of(h, b, sizeof b));
+  *stream = h;
+  return SUCCESS;
+}
+
+CUresult cuStreamDestroy_v2(void* stream) {
+  char b[32];
+  note("StreamDestroy %s", name_of(stream, b, sizeof b));
+  if (destroy(stream, 's') != SUCCESS) return INVALID_HANDLE;
+  __sync_fetch_and_sub(&streams, 1);
+  return SUCCESS;
+}
+
+CUresult cuStreamSynchronize(void* stream) {
+  char b[32];
+  note("StreamSynchronize %s", name_of(stream, b, sizeof b));
+  return SUCCESS;
+}
+
+CUresult cuStreamWaitEvent(void* stream, void* event, unsigned int flags) {
+  char b1[32], b2[32];
+  if (flags != 0 || !is_ours(event)) return INVALID_VALUE;
+  note("StreamWaitEvent %s %s", name_of(stream, b1, sizeof b1), name_of(event, b2, sizeof b2));
+  return SUCCESS;
+}
+
+CUresult cuEventCreate(void** event, unsigned int flags) {
+  NEED_CONTEXT();
+  if (flags != 2) return INVALID_VALUE; /* snapcore wants CU_EVENT_DISABLE_TIMING */
+  struct handle* h = make('e');
+  __sync_fetch_and_add(&events, 1);
+  *event = h;
+  return SUCCESS;
+}
+
+CUresult cuEventRecord(void* event, void* stream) {
+  char b1[32], b2[32];
+  NEED_CONTEXT();
+  if (!is_ours(event)) return INVALID_HANDLE;
+  note("EventRecord %s %s", name_of(event, b1, sizeof b1), name_of(stream, b2, sizeof b2));
+  return SUCCESS;
+}
+
+CUresult cuEventSynchronize(void* event) {
+  char b[32];
+  if (!is_ours(event)) return INVALID_HANDLE;
+  note("EventSynchronize %s", name_of(event, b, sizeof b));
+  return SUCCESS;
+}
+
+CUresult cuEventQuery(void* event) {
+  return is_ours(event) ? SUCCESS : INVALID_HANDLE;
+}
+
+CUresult cuEventDestroy_v2(void* event) {
+  if (destroy(event, 'e') != SUCCESS) return INVALID_HANDLE;
+  __sync_fetch_and_sub(&events, 1);
+  return SUCCESS;
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void* stream) {
+  char b[32];
+  NEED_CONTEXT();
+  if (failing("cuMemcpyDtoHAsync")) return OUT_OF_MEMORY;
+  memcpy(dst, (const void*)src, n);
+  note("MemcpyDtoHAsync %zu %s", n, name_of(stream, b, sizeof b));
+  return SUCCESS;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* stream) {
+  char b[32];
+  NEED_CONTEXT();
+  memcpy((void*)dst, src, n);
+  note("MemcpyHtoDAsync %zu %s", n, name_of(stream, b, sizeof b));
+  return SUCCESS;
+}
+
+CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned int flags) {
+  NEED_CONTEXT();
+  if (failing("cuMemHostRegister")) return OUT_OF_MEMORY;
+  if (flags != 1 || p == NULL) return INVALID_VALUE; /* CU_MEMHOSTREGISTER_PORTABLE */
+  registered += (long long)n;
+  note("MemHostRegister %zu", n);
+  return SUCCESS;
+}
+
+CUresult cuMemHostUnregister(void* p) {
+  NEED_CONTEXT();
+  (void)p;
+  note("MemHostUnregister");
+  registered = 0;
+  return SUCCESS;
+}
+
+CUresult cuGetErrorName(CUresult rc, const char** name) {
+  switch (rc) {
+    case SUCCESS: *name = "CUDA_SUCCESS"; return SUCCESS;
+    case INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; return SUCCESS;
+    case OUT_OF_MEMORY: *name = "CUDA_ERROR_OUT_OF_MEMORY"; return SUCCESS;
+    case NO_DEVICE: *name = "CUDA_ERROR_NO_DEVICE"; return SUCCESS;
+    case INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; return SUCCESS;
+    case INVALID_CONTEXT: *name = "CUDA_ERROR_INVALID_CONTEXT"; return SUCCESS;
+    case INVALID_HANDLE: *name = "CUDA_ERROR_INVALID_HANDLE"; return SUCCESS;
+    default: *name = NULL; return INVALID_VALUE;
+  }
+}
+
+CUresult cuGetErrorString(CUresult rc, const char** text) {
+  const char* name = NULL;
+  CUresult r = cuGetErrorName(rc, &name);
+  *text = r == SUCCESS ? "fake driver error" : NULL;
+  return r;
+}
