@@ -115,10 +115,21 @@ def test_arena_memory_is_zeroed_readable_and_writable():
 @pytest.mark.parametrize("huge_pages", [True, False])
 def test_arena_options(prefault, huge_pages):
     with _native.Arena(4 * MiB, prefault=prefault, huge_pages=huge_pages, pin=False) as arena:
-        if not huge_pages:
+        if huge_pages:
+            assert arena.address % (2 * MiB) == 0  # placed where THP can back it
+        else:
             assert arena.huge_pages is False
         view(arena.address, 4 * MiB)[4 * MiB - 1] = b"x"
         assert read(arena.address + 4 * MiB - 1, 1) == b"x"
+
+
+def test_arena_parallel_prefault():
+    n = 130 * MiB + 1  # two prefault threads' worth
+    with _native.Arena(n, pin=False, threads=3) as arena:
+        buf = view(arena.address, arena.bytes_held)
+        assert buf[0] == buf[n - 1] == buf[arena.bytes_held - 1] == b"\0"
+        buf[n - 1] = b"z"
+        assert read(arena.address + n - 1, 1) == b"z"
 
 
 def test_arena_without_cuda_is_not_pinned():
