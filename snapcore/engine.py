@@ -471,6 +471,7 @@ class _Job:
             mf.Blob(
                 b.nbytes,
                 [mf.Chunk(0, off, n, digests[i][j]) for j, (off, n) in enumerate(chunks[i])],
+                b.element_size,
             )
             for i, b in enumerate(layout.blobs)
         ]
@@ -509,9 +510,9 @@ def _hash_window(
                 continue
             view = arena.view(w.arena_offset + s - w.start, e - s)
             if s == off and e == off + n:
-                digests[i][j] = xxhash.xxh3_64_hexdigest(view)
+                digests[i][j] = xxhash.xxh3_128_hexdigest(view)
                 continue
-            hasher = partial.setdefault((i, j), xxhash.xxh3_64())
+            hasher = partial.setdefault((i, j), xxhash.xxh3_128())
             hasher.update(view)
             if e == off + n:
                 digests[i][j] = partial.pop((i, j)).hexdigest()

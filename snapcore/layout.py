@@ -45,6 +45,7 @@ class BlobPlan:
     raw: bool
     src_ptr: int
     tensors: list[int]
+    element_size: int = 1  # the item size of its tensors (1 when they differ): for byte-shuffle
 
     @property
     def device(self) -> torch.device:
@@ -92,7 +93,11 @@ def plan(tensors: list[torch.Tensor]) -> Layout:
             shape = tuple(t.shape)
             nbytes = t.numel() * t.element_size()
             raw = t.is_contiguous()
-            blobs.append(BlobPlan(offset, nbytes, t, raw, t.data_ptr() if raw else 0, members))
+            blobs.append(
+                BlobPlan(
+                    offset, nbytes, t, raw, t.data_ptr() if raw else 0, members, t.element_size()
+                )
+            )
             entries[members[0]] = TensorEntry(
                 dtype_name(t.dtype),
                 shape,
@@ -106,7 +111,9 @@ def plan(tensors: list[torch.Tensor]) -> Layout:
             hi = max(_end_byte(tensors[i]) for i in members)
             nbytes = hi - lo
             span = tensors[members[0]]
-            blobs.append(BlobPlan(offset, nbytes, span, True, base + lo, members))
+            sizes = {tensors[i].element_size() for i in members}
+            element_size = sizes.pop() if len(sizes) == 1 else 1
+            blobs.append(BlobPlan(offset, nbytes, span, True, base + lo, members, element_size))
             for i in members:
                 t = tensors[i]
                 shape = tuple(t.shape)

@@ -20,7 +20,7 @@ import torch
 
 from .errors import InvalidManifest
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KIND = "snapcore.snapshot"
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_BYTES = 1 << 62
@@ -69,19 +69,36 @@ class FileRef:
     size: int
 
 
+CODECS = ("none", "zstd", "shuffle-zstd")
+
+
+def max_stored_length(raw_length: int) -> int:
+    """The most bytes a compressed chunk may take (zstd's worst case, with margin)."""
+    return raw_length + raw_length // 128 + 1024
+
+
 @dataclass(frozen=True)
 class Chunk:
+    """``length`` stored bytes at ``offset`` in ``file``; they decode to ``raw_length``
+    bytes whose XXH3-128 is ``xxh3`` (the chunk's content address)."""
+
     file: int
     offset: int
     length: int
     xxh3: str
     codec: str = "none"
+    raw_length: int = -1
+
+    def __post_init__(self) -> None:
+        if self.raw_length < 0:
+            object.__setattr__(self, "raw_length", self.length)
 
 
 @dataclass
 class Blob:
     nbytes: int
     chunks: list[Chunk] = field(default_factory=list)
+    element_size: int = 1  # what byte-shuffle groups by
 
 
 @dataclass(frozen=True)
@@ -142,11 +159,13 @@ class Manifest:
             "blobs": [
                 {
                     "nbytes": b.nbytes,
+                    "element_size": b.element_size,
                     "chunks": [
                         {
                             "file": c.file,
                             "offset": c.offset,
                             "length": c.length,
+                            "raw_length": c.raw_length,
                             "codec": c.codec,
                             "xxh3": c.xxh3,
                         }
@@ -224,9 +243,12 @@ def parse(data: bytes, *, where: str) -> Manifest:
             Blob(
                 b["nbytes"],
                 [
-                    Chunk(c["file"], c["offset"], c["length"], c["xxh3"], c["codec"])
+                    Chunk(
+                        c["file"], c["offset"], c["length"], c["xxh3"], c["codec"], c["raw_length"]
+                    )
                     for c in b["chunks"]
                 ],
+                b["element_size"],
             )
             for b in doc["blobs"]
         ],
@@ -266,27 +288,32 @@ def check(m: Manifest, *, where: str) -> None:
     for r, idx in enumerate(m.rank_files):
         if any(i >= len(m.files) for i in idx):
             raise InvalidManifest(f"{where}: rank {r} names a file index out of range")
-    spans: dict[int, list[tuple[int, int]]] = {}
+    # Identical chunks may share one stored range (content addressing); others must not overlap.
+    spans: dict[int, set[tuple[int, int]]] = {}
     for b_i, b in enumerate(m.blobs):
         total = 0
         for c_i, c in enumerate(b.chunks):
+            what = f"{where}: blob {b_i} chunk {c_i}"
             if c.file >= len(m.files):
-                raise InvalidManifest(f"{where}: blob {b_i} chunk {c_i} names file {c.file}")
+                raise InvalidManifest(f"{what} names file {c.file}")
             if c.offset + c.length > m.files[c.file].size:
                 raise InvalidManifest(
-                    f"{where}: blob {b_i} chunk {c_i} [{c.offset}, {c.offset + c.length}) lies "
+                    f"{what} [{c.offset}, {c.offset + c.length}) lies "
                     f"outside {m.files[c.file].name} ({m.files[c.file].size} bytes)"
                 )
-            total += c.length
+            if c.codec == "none" and c.length != c.raw_length:
+                raise InvalidManifest(f"{what}: an uncompressed chunk must store raw_length bytes")
+            if c.length > max_stored_length(c.raw_length):
+                raise InvalidManifest(f"{what}: {c.length} stored bytes for {c.raw_length}")
+            total += c.raw_length
             if c.length:
-                spans.setdefault(c.file, []).append((c.offset, c.offset + c.length))
+                spans.setdefault(c.file, set()).add((c.offset, c.offset + c.length))
         if total != b.nbytes:
             raise InvalidManifest(
                 f"{where}: blob {b_i} has {b.nbytes} bytes but its chunks hold {total}"
             )
     for file, ranges in spans.items():
-        ranges.sort()
-        for (_, end), (start, _) in itertools.pairwise(ranges):
+        for (_, end), (start, _) in itertools.pairwise(sorted(ranges)):
             if start < end:
                 raise InvalidManifest(f"{where}: overlapping chunks in {m.files[file].name}")
     for t_i, t in enumerate(m.tensors):
@@ -297,7 +324,7 @@ def check(m: Manifest, *, where: str) -> None:
         if math.prod(t.shape) * itemsize > MAX_BYTES:
             raise InvalidManifest(f"{what}: shape {list(t.shape)} is too large")
         if len(t.pieces) != 1 or any(t.pieces[0].offsets) or t.pieces[0].shape != t.shape:
-            # Version 1 readers accept exactly one piece covering the tensor (format.md).
+            # This version's readers accept exactly one piece covering the tensor (format.md).
             raise InvalidManifest(f"{what}: pieces must cover the tensor exactly once")
         for p in t.pieces:
             if not (len(p.offsets) == len(p.shape) == len(p.strides) == len(t.shape)):

@@ -85,7 +85,7 @@ class Reader:
                 file=str(path),
             ) from e
         if self.verify:
-            got = xxhash.xxh3_64_hexdigest((ctypes.c_char * c.length).from_address(address))
+            got = xxhash.xxh3_128_hexdigest((ctypes.c_char * c.length).from_address(address))
             if got != c.xxh3:
                 raise CorruptSnapshot(
                     f"step {self.m.step}: tensor {self._blob_name(b_i)!r} chunk {j} in {path} "
