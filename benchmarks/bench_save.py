@@ -1,0 +1,896 @@
+"""First benchmark of snapcore: save, async_save and restore against torch.save and DCP.
+
+One run measures the machine (memcpy into pre-faulted memory, O_DIRECT and buffered
+writes, cold sequential reads) and then each method on the same ~4 GB state (a stack of
+``nn.Linear`` layers plus Adam's state after one step), and checks issue 2's targets as
+ratios of figures taken in that run.
+
+Each group of methods runs in a child process of its own that builds a fresh state, so
+that one method's arena, staging cache or page cache does not change another's figures,
+and so that peak RSS is the child's own: ``VmHWM`` is reset (``/proc/self/clear_refs``)
+before each measured call and read after it; "peak extra" is that peak minus the RSS of
+the state alone, measured right after the state was built.
+
+    python benchmarks/bench_save.py                    # ~4.4 GB state, a few minutes
+    python benchmarks/bench_save.py --size-gb 0.3      # a quick smoke run
+    python benchmarks/bench_save.py --json out.json --markdown out.md
+
+Never run by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import gc
+import glob
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+GIB = 1 << 30
+PHASES = ("machine", "snapcore", "torch_save", "dcp", "restore")
+PHASE_TIMEOUT_S = 420
+
+Result = dict[str, Any]
+
+
+# -- memory accounting ------------------------------------------------------------------------
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+class Peak:
+    """Peak RSS above a baseline (the state alone) during a ``with`` block."""
+
+    def __init__(self, baseline: int) -> None:
+        self.baseline = baseline
+        self.extra = 0
+        self.reset_ok = False
+
+    def __enter__(self) -> Peak:
+        gc.collect()
+        self.reset_ok = _reset_peak()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.extra = max(0, _status_bytes("VmHWM") - self.baseline)
+
+
+# -- the state --------------------------------------------------------------------------------
+def build_state(size_gb: float) -> tuple[Any, Any, Result]:
+    """A stack of Linear layers with Adam state after one step: bytes ~ 3 x parameters."""
+    import torch
+    from torch import nn
+
+    t0 = time.perf_counter()
+    param_bytes = size_gb * GB / 3
+    width = 4096 if param_bytes >= 4 * 4096 * 4096 * 4 else 1024
+    layers = max(1, round(param_bytes / ((width * width + width) * 4)))
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.02, 0.02, generator=gen)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    # One shared gradient per shape: Adam only reads it, and it saves a parameter-sized copy.
+    grads = {
+        shape: torch.full(shape, 1e-3) for shape in {tuple(p.shape) for p in model.parameters()}
+    }
+    for p in model.parameters():
+        p.grad = grads[tuple(p.shape)]
+    opt.step()
+    for p in model.parameters():
+        p.grad = None
+    del grads
+    gc.collect()
+    tensors = list(model.state_dict().values()) + [
+        v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    ]
+    info = {
+        "state_bytes": sum(t.numel() * t.element_size() for t in tensors),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "tensors": len(tensors),
+        "layers": layers,
+        "width": width,
+        "build_s": time.perf_counter() - t0,
+        "baseline_rss": _status_bytes("VmRSS"),
+    }
+    return model, opt, info
+
+
+def _drop(paths: list[str]) -> bool:
+    from snapcore import _native
+
+    return all(_native.drop_page_cache(p) for p in paths)
+
+
+def _files_under(root: str | Path) -> list[str]:
+    return sorted(p for p in glob.glob(f"{root}/**/*", recursive=True) if os.path.isfile(p))
+
+
+def _fsync_path(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- phase: the machine -----------------------------------------------------------------------
+def phase_machine(args: argparse.Namespace, work: Path) -> Result:
+    """memcpy into pre-faulted memory, O_DIRECT / buffered writes, cold sequential reads."""
+    import torch
+
+    from snapcore import _native
+
+    size = max(64 << 20, int(min(args.probe_gb, args.size_gb) * GB) // 2 // (2 << 20) * (2 << 20))
+    out: Result = {"probe_bytes": 2 * size, "threads": _native.hardware_threads()}
+
+    t = time.perf_counter()
+    src = _native.Arena(size)
+    dst = _native.Arena(size)
+    out["prefault_Bps"] = 2 * size / (time.perf_counter() - t)
+    out["huge_pages"] = src.huge_pages
+
+    def bw(fn: Callable[[], None], nbytes: int, reps: int) -> list[float]:
+        rates = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            rates.append(nbytes / (time.perf_counter() - t0))
+        return rates
+
+    ctypes.memset(src.address, 0x5A, size)  # content, so that nothing reads zero pages
+    memcpy = bw(lambda: _native.copy_host([(dst.address, src.address, size)], 0), size, 5)
+    out["memcpy_runs_Bps"] = memcpy
+    out["memcpy_Bps"] = max(memcpy)
+    views = [
+        torch.frombuffer((ctypes.c_char * size).from_address(arena.address), dtype=torch.uint8)
+        for arena in (src, dst)
+    ]
+    out["torch_copy_Bps"] = max(bw(lambda: views[1].copy_(views[0]), size, 3))
+    views.clear()
+
+    path = str(work / "probe.bin")
+
+    def write(direct: bool) -> tuple[float, bool]:
+        t0 = time.perf_counter()
+        w = _native.FileWriter(path, direct=direct)
+        w.write_at(0, src.address, size)
+        w.write_at(size, dst.address, size)
+        w.sync()
+        w.close()
+        return 2 * size / (time.perf_counter() - t0), w.direct
+
+    direct_runs = []
+    for _ in range(2):
+        rate, is_direct = write(True)
+        direct_runs.append(rate)
+    out["odirect_runs_Bps"] = direct_runs
+    out["odirect_Bps"] = max(direct_runs)
+    out["odirect_in_use"] = is_direct
+    out["buffered_fsync_Bps"], _ = write(False)
+
+    # Cold reads of the file just written, into pre-faulted memory.
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        out["drop_caches_allowed"] = True
+    except OSError as e:
+        out["drop_caches_allowed"] = False
+        out["drop_caches_error"] = str(e)
+    for name, threads in (("cold_read_1t_Bps", 1), ("cold_read_parallel_Bps", 0)):
+        rates = []
+        for _ in range(2):
+            out["drop_page_cache_ok"] = _drop([path])
+            t0 = time.perf_counter()
+            _native.read_into(path, 0, size, src.address, threads=threads)
+            _native.read_into(path, size, size, dst.address, threads=threads)
+            rates.append(2 * size / (time.perf_counter() - t0))
+        out[name] = max(rates)
+    out["cold_read_Bps"] = max(out["cold_read_1t_Bps"], out["cold_read_parallel_Bps"])
+    os.unlink(path)
+    src.close()
+    dst.close()
+    return out
+
+
+# -- phase: snapcore --------------------------------------------------------------------------
+def _close_engine(store: Path) -> None:
+    import snapcore.engine
+
+    with contextlib.suppress(Exception):
+        snapcore.engine.engine_for(store).close()
+    snapcore.engine._engines.pop(store.absolute(), None)
+
+
+def _remove_steps(store: Path, keep: int | None) -> None:
+    for d in store.glob("step-*"):
+        if keep is None or int(d.name.split("-")[1]) != keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
+    """async_save (first = cold arena, then warm) and the blocking save, to one store."""
+    import snapcore
+
+    model, opt, info = build_state(args.size_gb)
+    state = {"model": model, "optim": opt}
+    store = work / "snapcore-store"
+    runs: list[Result] = []
+    step = 0
+    for _ in range(1 + args.repeats):
+        step += 1
+        with Peak(info["baseline_rss"]) as peak:
+            t0 = time.perf_counter()
+            h = snapcore.async_save(state, store, step=step)
+            blocked = time.perf_counter() - t0
+            stats = h.wait()
+            durable = time.perf_counter() - t0
+        runs.append(
+            {
+                "step": step,
+                "blocked_s": blocked,
+                "staged_s": stats.staged_s,
+                "durable_s": durable,
+                "engine_durable_s": stats.durable_s,
+                "peak_extra": peak.extra,
+                "o_direct": stats.o_direct,
+                "file_bytes": stats.file_bytes,
+            }
+        )
+        _remove_steps(store, keep=step)
+    blocking: list[Result] = []
+    for _ in range(2):
+        step += 1
+        with Peak(info["baseline_rss"]) as peak:
+            t0 = time.perf_counter()
+            stats = snapcore.save(state, store, step=step)
+            durable = time.perf_counter() - t0
+        blocking.append(
+            {
+                "step": step,
+                "blocked_s": durable,
+                "staged_s": stats.staged_s,
+                "durable_s": durable,
+                "peak_extra": peak.extra,
+            }
+        )
+        _remove_steps(store, keep=step)
+    _close_engine(store)
+    return {**info, "async": runs, "save": blocking, "store": str(store), "kept_step": step}
+
+
+# -- phase: torch.save ------------------------------------------------------------------------
+def phase_torch_save(args: argparse.Namespace, work: Path) -> Result:
+    import torch
+
+    model, opt, info = build_state(args.size_gb)
+    runs: list[Result] = []
+    path = work / "torch-save.pt"
+    for i in range(2):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        with Peak(info["baseline_rss"]) as peak:
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            durable = time.perf_counter() - t0
+        runs.append(
+            {"run": i, "blocked_s": durable, "durable_s": durable, "peak_extra": peak.extra}
+        )
+        _drop([str(path)])  # leave no cached pages behind for the next measurement
+    return {**info, "runs": runs, "file": str(path), "file_bytes": path.stat().st_size}
+
+
+# -- phase: DCP -------------------------------------------------------------------------------
+def _dcp_state(model: Any, opt: Any) -> dict[str, Any]:
+    return {"model": model, "optim": opt}  # Stateful: DCP calls state_dict() in the call
+
+
+def phase_dcp(args: argparse.Namespace, work: Path) -> Result:
+    """dcp.save, then async_save with a reused DefaultStager in thread and process modes."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    warnings.filterwarnings("ignore", module="torch.distributed")
+    model, opt, info = build_state(args.size_gb)
+    state = _dcp_state(model, opt)
+    out: Result = dict(info)
+
+    def writer(path: Path) -> Any:
+        return dcp.FileSystemWriter(str(path), thread_count=args.dcp_io_threads)
+
+    # Blocking save; the last one is kept for the restore phase.
+    runs = []
+    for i in range(2):
+        path = work / "dcp-ckpt"
+        shutil.rmtree(path, ignore_errors=True)
+        with Peak(info["baseline_rss"]) as peak:
+            t0 = time.perf_counter()
+            dcp.save(state, storage_writer=writer(path), no_dist=True)
+            durable = time.perf_counter() - t0
+        runs.append(
+            {"run": i, "blocked_s": durable, "durable_s": durable, "peak_extra": peak.extra}
+        )
+        _drop(_files_under(path))
+    out["save"] = runs
+
+    def async_runs(kind: Any, options: Any, extra: dict[str, Any]) -> list[Result]:
+        # CPU only: pinned memory and non-blocking copies need an accelerator.
+        stager = DefaultStager(options)
+        results = []
+        try:
+            for i in range(1 + args.repeats):
+                path = work / f"dcp-async-{i}"
+                with Peak(info["baseline_rss"]) as peak:
+                    t0 = time.perf_counter()
+                    resp = dcp.async_save(
+                        state,
+                        storage_writer=writer(path),
+                        async_stager=stager,
+                        async_checkpointer_type=kind,
+                        **extra,
+                    )
+                    blocked = time.perf_counter() - t0
+                    resp.staging_completion.result()
+                    staged = time.perf_counter() - t0
+                    resp.upload_completion.result()
+                    durable = time.perf_counter() - t0
+                results.append(
+                    {
+                        "run": i,
+                        "blocked_s": blocked,
+                        "staged_s": staged,
+                        "durable_s": durable,
+                        "peak_extra": peak.extra,
+                    }
+                )
+                _drop(_files_under(path))
+                shutil.rmtree(path, ignore_errors=True)
+        finally:
+            stager.close()
+            del stager
+            gc.collect()
+        return results
+
+    out["async_thread"] = async_runs(
+        AsyncCheckpointerType.THREAD,
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=False,
+        ),
+        {"no_dist": True},
+    )
+    # Process mode needs a process group (it forwards the rendezvous to its daemon):
+    # a one-rank gloo group. Shared memory lets the daemon map the staged copy, where
+    # private memory would be copied into shared memory on every save.
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
+        out["async_process"] = async_runs(
+            AsyncCheckpointerType.PROCESS,
+            StagingOptions(
+                use_pinned_memory=False,
+                use_shared_memory=True,
+                use_async_staging=True,
+                use_non_blocking_copy=False,
+            ),
+            {},
+        )
+        out["async_process_daemon_hwm"] = _daemon_hwm()
+    except Exception as e:  # the table says why instead of losing the other figures
+        out["async_process_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _daemon_hwm() -> int | None:
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    proc = ape._CHECKPOINT_PROCESS
+    if proc is None:
+        return None
+    try:
+        with open(f"/proc/{proc._save_process.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# -- phase: restore ---------------------------------------------------------------------------
+def phase_restore(args: argparse.Namespace, work: Path) -> Result:
+    """snapcore.restore / load, torch.load and dcp.load, each from a cold page cache."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import snapcore
+
+    warnings.filterwarnings("ignore", module="torch.distributed")
+    model, opt, info = build_state(args.size_gb)
+    state = {"model": model, "optim": opt}
+    store = work / "snapcore-store"
+    torch_file = work / "torch-save.pt"
+    dcp_dir = work / "dcp-ckpt"
+    # Phases run alone (--phases restore) write what they need first.
+    if not list(store.glob("step-*/manifest.json")):
+        snapcore.save(state, store, step=1)
+        _close_engine(store)
+    if not torch_file.exists():
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, torch_file)
+        _fsync_path(torch_file)
+    if not (dcp_dir / ".metadata").exists():
+        dcp.save(_dcp_state(model, opt), checkpoint_id=str(dcp_dir), no_dist=True)
+    out: Result = dict(info)
+
+    def measure(name: str, files: list[str], fn: Callable[[], object]) -> None:
+        dropped = _drop(files)
+        with Peak(info["baseline_rss"]) as peak:
+            t0 = time.perf_counter()
+            result = fn()
+            seconds = time.perf_counter() - t0
+        del result
+        gc.collect()
+        out[name] = {
+            "seconds": seconds,
+            "Bps": info["state_bytes"] / seconds,
+            "peak_extra": peak.extra,
+            "page_cache_dropped": dropped,
+        }
+
+    sc_files = sorted(glob.glob(f"{store}/step-*/data-*.bin"))
+    measure("snapcore_restore", sc_files, lambda: snapcore.restore(state, store))
+    measure(
+        "snapcore_restore_noverify", sc_files, lambda: snapcore.restore(state, store, verify=False)
+    )
+    measure("snapcore_load", sc_files, lambda: snapcore.load(store))
+    measure(
+        "torch_load",
+        [str(torch_file)],
+        lambda: torch.load(torch_file, mmap=False, weights_only=True),
+    )
+
+    def dcp_load() -> None:
+        # The state dicts' tensors share storage with the live ones: loading in place
+        # fills the model and the optimizer, as snapcore.restore does.
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        dcp.load(sd, checkpoint_id=str(dcp_dir), no_dist=True)
+
+    measure("dcp_load", _files_under(dcp_dir), dcp_load)
+    return out
+
+
+PHASE_FUNCS: dict[str, Callable[[argparse.Namespace, Path], Result]] = {
+    "machine": phase_machine,
+    "snapcore": phase_snapcore,
+    "torch_save": phase_torch_save,
+    "dcp": phase_dcp,
+    "restore": phase_restore,
+}
+
+
+# -- the parent: runs the phases, checks the targets, writes the report -------------------------
+def run_phase(name: str, args: argparse.Namespace, work: Path) -> Result:
+    out_file = work / f"{name}.json"
+    log_file = work / f"{name}.log"
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--phase",
+        name,
+        "--dir",
+        str(work),
+        "--size-gb",
+        str(args.size_gb),
+        "--probe-gb",
+        str(args.probe_gb),
+        "--repeats",
+        str(args.repeats),
+        "--dcp-io-threads",
+        str(args.dcp_io_threads),
+    ]
+    t0 = time.perf_counter()
+    print(f"[{name}] running ...", flush=True)
+    with open(log_file, "w") as log:
+        try:
+            rc = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, timeout=PHASE_TIMEOUT_S
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+    wall = time.perf_counter() - t0
+    if rc != 0 or not out_file.exists():
+        tail = log_file.read_text(errors="replace")[-2000:]
+        print(f"[{name}] FAILED (rc={rc}) after {wall:.1f}s:\n{tail}", flush=True)
+        return {"error": f"phase exited with {rc}", "log_tail": tail, "wall_s": wall}
+    result = json.loads(out_file.read_text())
+    result["wall_s"] = wall
+    print(f"[{name}] done in {wall:.1f}s", flush=True)
+    return result
+
+
+def _median(runs: list[Result], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _warm(runs: list[Result]) -> list[Result]:
+    return runs[1:] if len(runs) > 1 else runs
+
+
+def check_targets(r: Result) -> list[Result]:
+    """Issue 2's targets as ratios of figures from this run."""
+    m, sc, ts, dc, rs = (r.get(k, {}) for k in PHASES)
+    targets: list[Result] = []
+
+    def add(name: str, value: float | None, limit: float | None, text: str, le: bool) -> None:
+        if value is None or limit is None:
+            targets.append({"target": name, "status": "N/A", "detail": text})
+            return
+        ok = value <= limit if le else value >= limit
+        ratio = value / limit if limit else float("inf")
+        targets.append(
+            {
+                "target": name,
+                "status": "PASS" if ok else "FAIL",
+                "value": value,
+                "limit": limit,
+                "ratio": ratio,
+                "detail": text,
+            }
+        )
+
+    state = sc.get("state_bytes")
+    staged = _median(_warm(sc["async"]), "staged_s") if "async" in sc else None
+    durable = _median(_warm(sc["async"]), "durable_s") if "async" in sc else None
+    memcpy = m.get("memcpy_Bps")
+    if state and staged is not None and memcpy:
+        ideal = state / memcpy
+        add(
+            "staging <= 1.2 x state/memcpy",
+            staged,
+            1.2 * ideal,
+            f"warm staging {staged:.3f}s; state/memcpy = {ideal:.3f}s",
+            le=True,
+        )
+    else:
+        add("staging <= 1.2 x state/memcpy", None, None, "missing figures", le=True)
+    dcp_staged = [
+        _median(_warm(dc[k]), "staged_s") for k in ("async_thread", "async_process") if k in dc
+    ]
+    add(
+        "staging <= DCP staging",
+        staged,
+        min(dcp_staged) if dcp_staged else None,
+        "DCP's best warm staging (thread/process)",
+        le=True,
+    )
+    if state and durable and m.get("odirect_Bps"):
+        add(
+            "durable >= 0.8 x O_DIRECT",
+            state / durable,
+            0.8 * m["odirect_Bps"],
+            f"{state / durable / GB:.2f} GB/s vs O_DIRECT {m['odirect_Bps'] / GB:.2f} GB/s",
+            le=False,
+        )
+    else:
+        add("durable >= 0.8 x O_DIRECT", None, None, "missing figures", le=False)
+    torch_durable = min(x["durable_s"] for x in ts["runs"]) if "runs" in ts else None
+    add(
+        "durable 2x faster than torch.save+fsync",
+        durable,
+        torch_durable / 2 if torch_durable else None,
+        f"torch.save+fsync best {torch_durable:.2f}s" if torch_durable else "missing",
+        le=True,
+    )
+    dcp_durable = [
+        _median(_warm(dc[k]), "durable_s") for k in ("async_thread", "async_process") if k in dc
+    ]
+    best_dcp = min(dcp_durable) if dcp_durable else None
+    add(
+        "durable 2x faster than DCP async_save",
+        durable,
+        best_dcp / 2 if best_dcp else None,
+        f"DCP async_save best warm {best_dcp:.2f}s" if best_dcp else "missing",
+        le=True,
+    )
+    restore = rs.get("snapcore_restore")
+    if restore and m.get("cold_read_Bps"):
+        add(
+            "restore >= 0.8 x cold read",
+            restore["Bps"],
+            0.8 * m["cold_read_Bps"],
+            f"{restore['Bps'] / GB:.2f} GB/s vs cold read {m['cold_read_Bps'] / GB:.2f} GB/s",
+            le=False,
+        )
+    else:
+        add("restore >= 0.8 x cold read", None, None, "missing figures", le=False)
+    peaks = [x["peak_extra"] for x in sc.get("async", []) + sc.get("save", [])]
+    add(
+        "peak extra memory <= 1.1 x state",
+        max(peaks) if peaks else None,
+        1.1 * state if state else None,
+        "max over all snapcore saves",
+        le=True,
+    )
+    return targets
+
+
+def machine_info(work: Path) -> Result:
+    def run(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    mem = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        mem = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal")), 0)
+    df = run(["df", "-T", str(work)]).splitlines()
+    fs = df[1].split()[1] if len(df) > 1 else "?"
+    repo = Path(__file__).resolve().parent.parent
+    commit = run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"]).strip()
+    import torch
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_bytes": mem,
+        "kernel": platform.release(),
+        "fs": fs,
+        "dir": str(work),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": commit,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}" if x < 10 else f"{x:.2f}"
+
+
+def _gb(x: float | None) -> str:
+    return "—" if x is None else f"{x / GB:.2f}"
+
+
+def render(r: Result) -> str:
+    info, m = r["info"], r.get("machine", {})
+    sc, ts, dc, rs = (r.get(k, {}) for k in PHASES[1:])
+    state = sc.get("state_bytes") or ts.get("state_bytes") or dc.get("state_bytes") or 0
+    lines = [
+        f"Command: `{r['command']}`",
+        "",
+        f"Machine: {info['cores']} cores ({info['cpu']}), {info['ram_bytes'] / GIB:.1f} GiB RAM, "
+        f"Linux {info['kernel']}, store on {info['fs']} (`{info['dir']}`); Python "
+        f"{info['python']}, torch {info['torch']}, snapcore at {info['commit'] or '?'}; "
+        f"{info['date']}.",
+        "",
+    ]
+    if state:
+        any_phase = sc or ts or dc or rs
+        lines.append(
+            f"State: {state / GB:.2f} GB ({any_phase.get('layers')} x "
+            f"Linear({any_phase.get('width')}, {any_phase.get('width')}) = "
+            f"{any_phase.get('param_bytes', 0) / GB:.2f} GB fp32 parameters, Adam exp_avg, "
+            f"exp_avg_sq, step after one step; {any_phase.get('tensors')} tensors)."
+        )
+        lines.append("")
+    if "error" not in m and m:
+        lines += [
+            "| machine | GB/s |",
+            "| --- | --- |",
+            f"| memcpy into pre-faulted memory (copy_host, best of 5, "
+            f"{m['probe_bytes'] / 2 / GB:.1f} GB) | {_gb(m['memcpy_Bps'])} |",
+            f"| torch `copy_` between the same buffers | {_gb(m['torch_copy_Bps'])} |",
+            f"| first touch (arena prefault) | {_gb(m['prefault_Bps'])} |",
+            f"| O_DIRECT write + fdatasync ({m['probe_bytes'] / GB:.1f} GB, best of 2) | "
+            f"{_gb(m['odirect_Bps'])} |",
+            f"| buffered write + fdatasync | {_gb(m['buffered_fsync_Bps'])} |",
+            f"| cold sequential read, 1 thread | {_gb(m['cold_read_1t_Bps'])} |",
+            f"| cold sequential read, {m['threads']} threads | "
+            f"{_gb(m['cold_read_parallel_Bps'])} |",
+            "",
+            f"Page cache: per-file `drop_page_cache` "
+            f"{'worked' if m.get('drop_page_cache_ok') else 'FAILED'}; "
+            f"`echo 1 > /proc/sys/vm/drop_caches` is "
+            f"{'allowed' if m.get('drop_caches_allowed') else 'refused'} here.",
+            "",
+        ]
+    lines += [
+        "| save | blocked s | staged s | durable s | GB/s to durable | peak extra RSS GB "
+        "(x state) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def row(name: str, runs: list[Result] | None, note: str = "") -> None:
+        if not runs:
+            lines.append(f"| {name} | {note or 'not run'} | | | | |")
+            return
+        blocked = _median(runs, "blocked_s")
+        staged = _median(runs, "staged_s") if "staged_s" in runs[0] else blocked
+        durable = _median(runs, "durable_s")
+        peak = max(x["peak_extra"] for x in runs)
+        rate = state / durable if state else None
+        lines.append(
+            f"| {name} | {_s(blocked)} | {_s(staged)} | {_s(durable)} | {_gb(rate)} | "
+            f"{peak / GB:.2f} ({peak / state:.2f}) |"
+            if state
+            else f"| {name} | {_s(blocked)} | {_s(staged)} | {_s(durable)} | — | — |"
+        )
+
+    if "async" in sc:
+        row("snapcore.async_save, first (arena allocated and faulted)", sc["async"][:1])
+        row(f"snapcore.async_save, warm (median of {len(_warm(sc['async']))})", _warm(sc["async"]))
+        row("snapcore.save, warm (median of 2)", sc["save"])
+    else:
+        row("snapcore", None, sc.get("error", "not run"))
+    if "runs" in ts:
+        row("torch.save + fsync (median of 2)", ts["runs"])
+    else:
+        row("torch.save + fsync", None, ts.get("error", "not run"))
+    if "save" in dc:
+        row("dcp.save (median of 2)", dc["save"])
+        for key, label in (("async_thread", "thread"), ("async_process", "process")):
+            if key in dc:
+                row(f"dcp.async_save {label}, first", dc[key][:1])
+                row(
+                    f"dcp.async_save {label}, warm (median of {len(_warm(dc[key]))})",
+                    _warm(dc[key]),
+                )
+            else:
+                row(f"dcp.async_save {label}", None, dc.get(f"{key}_error", "not run"))
+    else:
+        row("dcp", None, dc.get("error", "not run"))
+    lines.append("")
+    if rs and "error" not in rs:
+        lines += [
+            "| restore (page cache dropped first) | seconds | GB/s | peak extra RSS GB |",
+            "| --- | --- | --- | --- |",
+        ]
+        for key, label in (
+            ("snapcore_restore", "snapcore.restore into the state (hashes verified)"),
+            ("snapcore_restore_noverify", "snapcore.restore, verify=False"),
+            ("snapcore_load", "snapcore.load (new tensors)"),
+            ("torch_load", "torch.load(mmap=False) (new tensors)"),
+            ("dcp_load", "dcp.load into the state"),
+        ):
+            x = rs[key]
+            lines.append(
+                f"| {label} | {_s(x['seconds'])} | {_gb(x['Bps'])} | {x['peak_extra'] / GB:.2f} |"
+            )
+        lines.append("")
+    elif rs:
+        lines += [f"Restore phase failed: {rs['error']}", ""]
+    lines += ["| target | measured | limit | ratio | result |", "| --- | --- | --- | --- | --- |"]
+    for t in r["targets"]:
+        if t["status"] == "N/A":
+            lines.append(f"| {t['target']} | {t['detail']} | | | N/A |")
+            continue
+        fmt = _gb if "O_DIRECT" in t["target"] or "cold read" in t["target"] else _s
+        if "memory" in t["target"]:
+            fmt = _gb
+        unit = " GB/s" if fmt is _gb and "memory" not in t["target"] else ""
+        unit = " GB" if "memory" in t["target"] else unit or " s"
+        lines.append(
+            f"| {t['target']} | {fmt(t['value'])}{unit} | {fmt(t['limit'])}{unit} | "
+            f"{t['ratio']:.2f} | {t['status']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def work_dir(base: str | None) -> Iterator[Path]:
+    """A fresh directory for the run's files, removed at the end."""
+    parent = base or tempfile.gettempdir()
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="snapcore-bench-", dir=parent))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size-gb", type=float, default=4.4, help="state size (default 4.4)")
+    p.add_argument(
+        "--dir", default=None, help="where to write (a fresh subdirectory; default under /tmp)"
+    )
+    p.add_argument("--json", default=None, help="write the raw figures here")
+    p.add_argument("--markdown", default=None, help="write the report (markdown) here")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {PHASES}")
+    p.add_argument("--repeats", type=int, default=3, help="warm saves after the first")
+    p.add_argument(
+        "--probe-gb", type=float, default=4.0, help="bytes for the machine's bandwidth probes"
+    )
+    p.add_argument(
+        "--dcp-io-threads", type=int, default=1, help="FileSystemWriter thread_count for DCP"
+    )
+    p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # child process mode
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.phase:
+        work = Path(args.dir)
+        result = PHASE_FUNCS[args.phase](args, work)
+        (work / f"{args.phase}.json").write_text(json.dumps(result, indent=1))
+        return 0
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        raise SystemExit(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
+    command = "python benchmarks/bench_save.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    t0 = time.perf_counter()
+    with work_dir(args.dir) as work:
+        report: Result = {"command": command.strip(), "info": machine_info(work)}
+        for name in PHASES:
+            if name in phases:
+                report[name] = run_phase(name, args, work)
+        report["targets"] = check_targets(report)
+    report["total_s"] = time.perf_counter() - t0
+    text = render(report)
+    print()
+    print(text)
+    for t in report["targets"]:
+        print(f"{t['status']:4}  {t['target']}: {t['detail']}")
+    print(f"total {report['total_s']:.0f}s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
