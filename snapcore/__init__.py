@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from .api import async_save, load, restore, save
-from .engine import SaveHandle, SaveStats
+from .api import async_save, committed, load, restore, save
 from .errors import (
     CorruptSnapshot,
     CudaError,
@@ -16,7 +15,9 @@ from .errors import (
     StorageError,
     UnsupportedState,
 )
+from .handle import SaveHandle, SaveStats
 from .read import RestoreInfo
+from .tiers import Retention, Store
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = [
     "InvalidManifest",
     "NativeError",
     "RestoreInfo",
+    "Retention",
     "SaveHandle",
     "SaveStats",
     "SnapcoreError",
@@ -33,8 +35,10 @@ __all__ = [
     "SnapshotNotFound",
     "StateMismatch",
     "StorageError",
+    "Store",
     "UnsupportedState",
     "async_save",
+    "committed",
     "load",
     "restore",
     "save",

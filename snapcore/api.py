@@ -2,70 +2,135 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
-from .engine import SaveHandle, SaveStats, engine_for
+from .engine import engine_for
+from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound
+from .handle import SaveHandle, SaveStats
 from .read import Reader, RestoreInfo
-from .store import LocalStore
+from .tiers import Store
 
-StorePath = str | os.PathLike[str]
+log = logging.getLogger(__name__)
+
+StoreLike = Store | str | os.PathLike[str]
 
 
 def async_save(
     state: object,
-    store: StorePath,
+    store: StoreLike,
     *,
     step: int,
     overlap: bool = False,
     budget_bytes: int | None = None,
+    tiers: Iterable[str] | None = None,
 ) -> SaveHandle:
     """Snapshot ``state`` as ``step``; return as soon as the state is staged.
 
-    The snapshot is durable once ``handle.wait()`` returns. By default the state may be
-    changed as soon as this returns. With ``overlap=True`` the copies of tensors that the
-    state's optimizers write run on while training goes on, and each optimizer's next
-    ``step()`` waits for them (or call ``handle.staged()``). ``budget_bytes`` bounds the
-    host memory used for staging (default: the size of the state); a smaller budget
-    streams the state through the arena, and the call then blocks until the last part is
-    staged. A failure in the background is raised by ``handle.wait()`` and, if nobody
-    waited, by the next save to the same store.
+    ``store`` is a directory, an fsspec URL, or a ``Store`` naming several tiers. The
+    snapshot is durable once ``handle.wait()`` returns (``wait(tier=...)`` for one tier).
+    By default the state may be changed as soon as this returns. With ``overlap=True`` the
+    copies of tensors that the state's optimizers write run on while training goes on,
+    and each optimizer's next ``step()`` waits for them (or call ``handle.staged()``).
+    ``budget_bytes`` bounds the host memory used for staging (default: the size of the
+    state, times two with a host-memory tier); a smaller budget streams the state through
+    the arena, and the call then blocks until the last part is staged. ``tiers`` sends
+    this snapshot to some of the store's tiers only. A failure in the background is
+    raised by ``handle.wait()`` and, if nobody waited for it, by the next save.
     """
-    return engine_for(store).async_save(state, step, overlap=overlap, budget=budget_bytes)
+    return engine_for(store).async_save(
+        state, step, overlap=overlap, budget=budget_bytes, tiers=tiers
+    )
 
 
 def save(
-    state: object, store: StorePath, *, step: int, budget_bytes: int | None = None
+    state: object,
+    store: StoreLike,
+    *,
+    step: int,
+    budget_bytes: int | None = None,
+    tiers: Iterable[str] | None = None,
 ) -> SaveStats:
-    """Snapshot ``state`` as ``step`` and return once it is durable (committed)."""
-    return async_save(state, store, step=step, budget_bytes=budget_bytes).wait()
+    """Snapshot ``state`` as ``step`` and return once it is durable in every tier."""
+    return async_save(state, store, step=step, budget_bytes=budget_bytes, tiers=tiers).wait()
 
 
-def _reader(store: StorePath, step: int | None, verify: bool) -> Reader:
-    local = LocalStore(store)
-    chosen = local.resolve_step(step)
-    return Reader(local, local.read_manifest(chosen), verify=verify)
+def committed(store: StoreLike) -> dict[str, list[int]]:
+    """The committed steps of each tier of ``store`` (a tier that cannot be read is left
+    out, with a warning in the log)."""
+    engine = engine_for(store)
+    out: dict[str, list[int]] = {}
+    for name in engine.config.tiers:
+        try:
+            out[name] = engine.tier(name).committed_steps()
+        except (OSError, SnapcoreError) as e:
+            log.warning("cannot list the %s tier of %s: %s", name, engine.config.describe(), e)
+    return out
+
+
+def _reader(store: StoreLike, step: int | None, verify: bool) -> Reader:
+    engine = engine_for(store)
+    steps = committed(store)
+    every = sorted({s for ss in steps.values() for s in ss})
+    if not every:
+        raise SnapshotNotFound(f"no committed snapshot in {engine.config.describe()}")
+    if step is None:
+        step = every[-1]
+    elif step not in every:
+        raise SnapshotNotFound(
+            f"no committed snapshot of step {step} in {engine.config.describe()}"
+        )
+    sources = []
+    damaged: list[str] = []
+    first: SnapcoreError | None = None
+    for name, ss in steps.items():
+        if step not in ss:
+            continue
+        tier = engine.tier(name)
+        try:
+            sources.append((tier, tier.read_manifest(step)))
+        except (OSError, SnapcoreError) as e:
+            damaged.append(f"{name}: {e}")
+            first = first or (e if isinstance(e, SnapcoreError) else CorruptSnapshot(str(e)))
+    if not sources:
+        assert first is not None
+        raise first
+    reader = Reader(sources, verify=verify)
+    reader.damaged.extend(damaged)
+    return reader
 
 
 def restore(
-    state: Any, store: StorePath, *, step: int | None = None, verify: bool = True
+    state: Any, store: StoreLike, *, step: int | None = None, verify: bool = True
 ) -> RestoreInfo:
     """Load a committed snapshot into ``state`` in place (tensors keep device and storage).
 
-    ``step=None`` takes the newest committed snapshot. Raises ``SnapshotNotFound`` when
-    there is none, ``CorruptSnapshot`` when a chunk fails its hash (``verify=False``
-    skips the hashes), ``StateMismatch`` when the state cannot take the snapshot.
+    ``step=None`` takes the newest snapshot committed in any tier. Each chunk is read
+    from the fastest tier that holds it intact (host memory, local disk, object storage);
+    ``.tier`` of the result says where the data came from and ``.damaged`` what was read
+    elsewhere. Raises ``SnapshotNotFound`` when there is none, ``CorruptSnapshot`` when
+    no tier has a chunk intact (``verify=False`` skips the hashes), ``StateMismatch``
+    when the state cannot take the snapshot.
     """
     t0 = time.perf_counter()
     reader = _reader(store, step, verify)
     n = reader.restore(state)
+    for d in reader.damaged:
+        log.warning("restore of step %d: %s", reader.m.step, d)
     return RestoreInfo(
-        step=reader.m.step, bytes=reader.m.nbytes, seconds=time.perf_counter() - t0, tensors=n
+        step=reader.m.step,
+        tier=reader.tier,
+        bytes=reader.m.nbytes,
+        seconds=time.perf_counter() - t0,
+        tensors=n,
+        damaged=list(reader.damaged),
     )
 
 
-def load(store: StorePath, *, step: int | None = None, verify: bool = True) -> Any:
+def load(store: StoreLike, *, step: int | None = None, verify: bool = True) -> Any:
     """Read a committed snapshot as plain Python values and CPU tensors.
 
     Objects that were saved through ``state_dict()`` come back as their state dicts. No
@@ -74,6 +139,6 @@ def load(store: StorePath, *, step: int | None = None, verify: bool = True) -> A
     return _reader(store, step, verify).load_tree()
 
 
-def wait_all(store: StorePath) -> None:
-    """Wait until the last snapshot to ``store`` is durable (raises its failure)."""
+def wait_all(store: StoreLike) -> None:
+    """Wait until every snapshot to ``store`` in flight is durable (raises a failure)."""
     engine_for(store).wait()

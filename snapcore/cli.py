@@ -85,12 +85,13 @@ def _print_tree(node: dict[str, Any], m: Any, name: str, depth: int) -> None:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .read import verify_snapshot
+    from .tiers import LocalTier
 
-    store = LocalStore(args.store)
-    step = store.resolve_step(args.step)
+    tier = LocalTier(args.store)
+    step = tier.store.resolve_step(args.step)
     bar = _Progress(f"verify step {step}", enabled=not args.quiet and sys.stderr.isatty())
     try:
-        damaged = verify_snapshot(store, step, progress=bar.update)
+        damaged = verify_snapshot(tier, step, progress=bar.update)
     except CorruptSnapshot as e:  # missing or truncated file: nothing to read at all
         bar.close()
         print(f"DAMAGED: {e}", file=sys.stderr)

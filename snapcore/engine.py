@@ -1,9 +1,11 @@
-"""The save path: stage tensors into the host arena, persist it, commit the manifest.
+"""The save path's conductor: stage tensors into a host arena on the caller's thread, then
+hand the snapshot to the persist thread (host memory, local disk) and the upload thread
+(object storage).
 
-One ``Engine`` per store directory owns a host arena (allocated and faulted once, reused),
-a persist thread and the last snapshot's handle. The caller's thread only stages; the
-persist thread hashes and writes while the hasher thread hashes the same bytes, and both
-spend their time in native code that has released the GIL.
+One ``Engine`` per store owns its arenas (allocated and faulted once, reused), its
+threads, and the handles of snapshots in flight. With a host-memory tier there are two
+arena slots in /dev/shm, so a new snapshot is staged while the previous one is still being
+written, and the last committed one is never overwritten.
 """
 
 from __future__ import annotations
@@ -13,11 +15,9 @@ import ctypes
 import logging
 import os
 import queue
-import socket
 import threading
 import time
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,22 +29,36 @@ import xxhash
 from . import _native, settings
 from . import manifest as mf
 from .errors import SnapcoreError, SnapshotFailed
+from .handle import SaveHandle, SaveStats, protect
 from .layout import BlobPlan, Layout, align_up, plan
-from .store import LocalStore, Pending
+from .persist import (
+    PAGE,
+    LocalWriter,
+    Location,
+    Staged,
+    build_manifest,
+    chunk_list,
+    commit_host,
+    hash_chunks,
+)
+from .store import Pending
+from .tiers import TIER_ORDER, HostTier, LocalTier, Store, as_store
 from .tree import flatten
 
 log = logging.getLogger(__name__)
 
-PAGE = _native.page_size()
 MIN_WINDOW = 8 << 20  # the smallest streaming window: the "small constant buffers"
+
+__all__ = ["Engine", "SaveHandle", "SaveStats", "engine_for"]
 
 
 class HostArena:
-    """The native arena plus a byte view of it that torch and xxhash can use."""
+    """A native arena plus a byte view of it that torch and xxhash can use."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, shm_path: Path | None = None) -> None:
         self.native = _native.Arena(
             size,
+            shm_path=str(shm_path) if shm_path else None,
             huge_pages=settings.huge_pages(),
             pin=True,
             prefault=True,
@@ -53,11 +67,7 @@ class HostArena:
         self.size = size
         self.address = self.native.address
         self._buf = (ctypes.c_char * size).from_address(self.address)
-        self.u8 = (
-            torch.frombuffer(self._buf, dtype=torch.uint8)
-            if size
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        self.u8 = torch.frombuffer(self._buf, dtype=torch.uint8)
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self._buf).cast("B")[offset : offset + nbytes]
@@ -69,200 +79,264 @@ class HostArena:
 
 @dataclass
 class Window:
-    """A byte range [start, end) of the data file, staged at ``arena_offset``."""
+    """A byte range [start, end) of the snapshot image, staged at ``arena_offset``."""
 
+    arena: HostArena
     start: int
     end: int
     arena_offset: int
     half: int
-    deferred: list[Callable[[], None]] = field(
-        default_factory=list
-    )  # copies for the persist thread
+    deferred: list[Callable[[], None]] = field(default_factory=list)  # run on persist thread
     events: list[Any] = field(default_factory=list)  # CUDA events to wait for before reading
-    keep: list[torch.Tensor] = field(default_factory=list)  # temporaries alive until written
-
-
-@dataclass
-class SaveStats:
-    step: int
-    bytes: int  # tensor bytes staged
-    file_bytes: int  # bytes written to data files
-    stall_s: float = 0.0  # time async_save blocked the caller
-    staged_s: float = 0.0  # time until every copy had finished (state may change)
-    durable_s: float = 0.0  # time until committed in the local store
-    streaming: bool = False
-    o_direct: bool = False
-
-
-class SaveHandle:
-    """The handle of one asynchronous snapshot."""
-
-    def __init__(self, step: int, stats: SaveStats) -> None:
-        self.step = step
-        self.stats = stats
-        self._future: Future[None] = Future()
-        self._staged = threading.Event()
-        self._cuda_staged: list[Any] = []
-        self._t0 = time.perf_counter()
-        self._reported = False
-        self._deferred = False  # some copies run on the persist thread (overlap mode)
-
-    def done(self) -> bool:
-        """True once the snapshot is durable or has failed."""
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> SaveStats:
-        """Block until the snapshot is durable; raise ``SnapshotFailed`` if it failed."""
-        try:
-            self._future.result(timeout)
-        except TimeoutError:
-            raise
-        except BaseException as e:
-            self._reported = True
-            if isinstance(e, SnapshotFailed):
-                raise
-            raise SnapshotFailed(f"snapshot of step {self.step} failed: {e}", step=self.step) from e
-        return self.stats
-
-    def staged(self, timeout: float | None = None) -> None:
-        """Block until the snapshot no longer reads the live state (safe to modify it).
-
-        For CUDA tensors this makes the current stream wait for the copies (no CPU block).
-        """
-        for device, ev in self._cuda_staged:
-            ev.make_stream_wait(torch.cuda.current_stream(device).cuda_stream)
-        while not self._staged.wait(0.05 if timeout is None else timeout):
-            if self._future.done():
-                break
-            if timeout is not None:
-                raise TimeoutError(f"snapshot of step {self.step} not staged after {timeout}s")
-        if not self._staged.is_set():
-            self.wait()  # it failed before staging: raise that
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "in flight"
-        return f"<SaveHandle step={self.step} {state}>"
-
-
-# Optimizers whose step() must wait for overlapped copies, and the handles they wait on.
-_hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[SaveHandle]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _optimizer_pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    handles = _hooked.get(opt)
-    if handles:
-        for h in handles:
-            h.staged()
-        handles.clear()
-
-
-def _protect(opt: torch.optim.Optimizer, handle: SaveHandle) -> None:
-    if opt not in _hooked:
-        _hooked[opt] = []
-        opt.register_step_pre_hook(_optimizer_pre_hook)
-    _hooked[opt].append(handle)
+    keep: list[torch.Tensor] = field(default_factory=list)  # alive until the copies ran
 
 
 class Engine:
-    """Saves to one local store; thread-safe (one snapshot in flight at a time)."""
+    """Saves to one store (its tiers); thread-safe, snapshots in order."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.store = LocalStore(root)
-        self.arena: HostArena | None = None
+    encode_ahead = 4
+
+    def __init__(self, store: Store) -> None:
+        self.config = store
+        self.host = HostTier(store.host) if store.host else None
+        self.local = LocalTier(store.local) if store.local else None
+        self.remote: Any = None
+        if store.remote:
+            from .tiers import RemoteStoreTier
+
+            self.remote = RemoteStoreTier(store.remote, store.storage_options)
+        self.remote_url = store.remote
+        if self.host is not None:
+            self.host.claim(store.identity())
+            self._release_stale_host()
+        self.slots = 2 if self.host is not None else 1
+        self.arenas: list[HostArena | None] = [None] * self.slots
+        self._slot_free: list[Future[None] | None] = [None] * self.slots
         self._lock = threading.Lock()
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="snapcore-persist")
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="snapcore-hash")
-        self._last: SaveHandle | None = None
+        self._upload = ThreadPoolExecutor(1, thread_name_prefix="snapcore-upload")
+        self._encoder: ThreadPoolExecutor | None = None
+        self._handles: list[SaveHandle] = []
         self._copiers: dict[int, Any] = {}
+        self._index: dict[str, dict[tuple[str, int, str], Location] | None] = {}
+        self._uploading: set[int] = set()  # steps whose local files the uploader still needs
+
+    @property
+    def local_root(self) -> Path:
+        assert self.local is not None
+        return self.local.root
+
+    def tier(self, name: str) -> Any:
+        return {"host": self.host, "local": self.local, "remote": self.remote}[name]
 
     # -- public ---------------------------------------------------------------------------
     def async_save(
-        self, state: object, step: int, *, overlap: bool = False, budget: int | None = None
+        self,
+        state: object,
+        step: int,
+        *,
+        overlap: bool = False,
+        budget: int | None = None,
+        tiers: Iterable[str] | None = None,
     ) -> SaveHandle:
         t0 = time.perf_counter()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        want = self._wanted(tiers)
         with self._lock:
             self._raise_unreported()
             flat = flatten(state)
             layout = plan(flat.tensors)
-            if self._last is not None:  # the arena is in use until the last one is written
-                with contextlib.suppress(BaseException):
-                    self._last._future.exception()
-                self._raise_unreported()
-            self.store.ensure()
-            self.store.collect_leftovers()
-            streaming = budget is not None and budget < layout.total
-            size = self._arena_size(layout, budget)
-            if self.arena is None or self.arena.size < size:
-                if self.arena is not None:
-                    self.arena.close()
-                    self.arena = None
-                self.arena = HostArena(size)
+            streaming = budget is not None and budget < layout.total * self.slots
+            if streaming and (self.host is not None or self.local is None):
+                raise ValueError(
+                    f"a budget of {budget} bytes is less than {self.slots} x the state "
+                    f"({layout.total} bytes): streaming needs a store with a local tier "
+                    "and no host tier"
+                )
+            slot = self._free_slot()
+            self._raise_unreported()  # the snapshot that used this slot may have failed
+            if self.host is not None:
+                self.host.uncommit_slot(slot)
+            size = self._arena_size(layout, budget if streaming else None)
+            arena = self._arena(slot, size)
+            if self.local is not None:
+                self.local.store.collect_leftovers()
             stats = SaveStats(step, layout.data_bytes, layout.total, streaming=streaming)
-            handle = SaveHandle(step, stats)
+            handle = SaveHandle(step, stats, want)
             handle._t0 = t0
-            pending = self.store.begin(step)
+            pending = self.local.store.begin(step) if "local" in want else None
+            windows: queue.Queue[Window | None] = queue.Queue()
+            halves = [threading.Event(), threading.Event()]
+            for h in halves:
+                h.set()
+            slot_free: Future[None] = Future()
+            job = _Job(self, handle, pending, layout, flat.tree, windows, halves, slot, slot_free)
+            self._slot_free[slot] = slot_free
+            self._handles = [h for h in self._handles if not h.done() or h.failure() is None]
+            self._handles.append(handle)
+            self._persist.submit(job.run)
             try:
-                windows: queue.Queue[Window | None] = queue.Queue()
-                halves = [threading.Event(), threading.Event()]
-                for h in halves:
-                    h.set()
-                job = _Job(self, handle, pending, layout, flat.tree, windows, halves)
-                self._persist.submit(job.run)
-                self._last = handle
                 if streaming:
                     if overlap:
                         log.warning(
-                            "overlap mode is off for step %d: the state exceeds the budget", step
+                            "step %d: no overlap mode when the state exceeds the budget", step
                         )
-                    self._stage_streaming(layout, size, windows, halves, handle)
+                    self._stage_streaming(arena, layout, windows, halves, handle)
                 else:
-                    self._stage_whole(layout, windows, flat.optimizers if overlap else None, handle)
-            except BaseException:
+                    self._stage_whole(
+                        arena, layout, windows, flat.optimizers if overlap else None, handle
+                    )
+            finally:
                 windows.put(None)
-                raise
-            windows.put(None)
             if not handle._deferred:
-                _mark_staged(handle)
+                handle._mark_staged()
             stats.stall_s = time.perf_counter() - t0
             return handle
 
     def wait(self) -> None:
-        last = self._last
-        if last is not None:
-            last.wait()
+        """Wait for every snapshot in flight; raise the first failure nobody saw."""
+        for h in list(self._handles):
+            for fut in h._futures.values():
+                with contextlib.suppress(BaseException):
+                    fut.exception()
+        self._raise_unreported()
 
     def close(self) -> None:
         with contextlib.suppress(SnapcoreError):
             self.wait()
-        self._persist.shutdown(wait=True)
-        self._hasher.shutdown(wait=True)
+        for pool in (self._persist, self._hasher, self._upload, self._encoder):
+            if pool is not None:
+                pool.shutdown(wait=True)
         for c in self._copiers.values():
             c.close()
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
+        for i, a in enumerate(self.arenas):
+            if a is not None:
+                a.close()
+                self.arenas[i] = None
+        if self.remote is not None:
+            self.remote.close()
+
+    # -- used by the persist and upload stages --------------------------------------------
+    def encoder(self) -> ThreadPoolExecutor:
+        if self._encoder is None:
+            self._encoder = ThreadPoolExecutor(
+                settings.threads(), thread_name_prefix="snapcore-encode"
+            )
+        return self._encoder
+
+    def chunk_index(self, tier: str) -> dict[tuple[str, int, str], Location]:
+        """Where the tier already stores each chunk content (from its committed manifests)."""
+        index = self._index.get(tier)
+        if index is None:
+            index = {}
+            t = self.tier(tier)
+            for step in t.committed_steps():
+                try:
+                    self._add_to_index(index, t.read_manifest(step))
+                except SnapcoreError as e:
+                    log.warning("%s tier, step %d: not shared: %s", tier, step, e)
+            self._index[tier] = index
+        return index
+
+    @staticmethod
+    def _add_to_index(index: dict[tuple[str, int, str], Location], m: mf.Manifest) -> None:
+        for b in m.blobs:
+            for c in b.chunks:
+                f = m.files[c.file]
+                index.setdefault(
+                    (c.xxh3, c.raw_length, c.codec), Location(f.name, c.offset, c.length, f.size)
+                )
+
+    def after_commit(self, tier: str, m: mf.Manifest) -> None:
+        """Record a commit's chunks, then apply the tier's retention."""
+        index = self._index.get(tier)
+        if index is not None:
+            self._add_to_index(index, m)
+        t = self.tier(tier)
+        protected = self._uploading if tier == "local" else set()
+        doomed = [
+            s
+            for s in self.config.retention_for(tier).doomed(t.committed_steps())
+            if s not in protected
+        ]
+        for step in doomed:
+            t.uncommit(step)
+        if doomed:
+            self._index[tier] = None  # shared chunks may have gone with them
+            removed = t.collect()
+            log.info("%s tier: retention removed steps %s (%d files)", tier, doomed, len(removed))
 
     # -- internals ------------------------------------------------------------------------
+    def _wanted(self, tiers: Iterable[str] | None) -> tuple[str, ...]:
+        have = self.config.tiers
+        if tiers is None:
+            return have
+        asked = set(tiers)
+        bad = asked - set(have)
+        if bad:
+            raise ValueError(f"tiers {sorted(bad)} are not configured (this store has {have})")
+        if "remote" in asked and "local" not in asked and self.local is not None:
+            asked.add("local")  # uploads are read from the local copy
+        return tuple(t for t in TIER_ORDER if t in asked)
+
     def _raise_unreported(self) -> None:
-        last = self._last
-        if last is None or not last.done() or last._reported:
-            return
-        exc = last._future.exception()
-        if exc is not None:
-            last._reported = True
-            raise SnapshotFailed(
-                f"the previous snapshot (step {last.step}) to {self.store.root} failed: {exc}",
-                step=last.step,
-            ) from exc
+        for h in self._handles:
+            failed = h.failure()
+            if failed is not None:
+                tier, exc = failed
+                raise SnapshotFailed(
+                    f"an earlier snapshot (step {h.step}) to {self.config.describe()} failed in "
+                    f"tier {tier}: {exc}",
+                    step=h.step,
+                    tier=tier,
+                ) from exc
+
+    def _free_slot(self) -> int:
+        """The arena slot to stage into; waits until it is no longer read."""
+        slot = 0
+        if self.host is not None:
+            in_use = self.host.slot_in_use()
+            slot = 1 - in_use if in_use is not None else 0
+        fut = self._slot_free[slot]
+        if fut is not None:
+            fut.result()
+        return slot
+
+    def _arena(self, slot: int, size: int) -> HostArena:
+        arena = self.arenas[slot]
+        if arena is None or arena.size < size:
+            if arena is not None:
+                arena.close()
+                self.arenas[slot] = None
+            shm = self.host.slot_path(slot) if self.host is not None else None
+            if shm is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    shm.unlink()  # a fresh file: its old size and contents mean nothing now
+            arena = self.arenas[slot] = HostArena(size, shm)
+        return arena
 
     @staticmethod
     def _arena_size(layout: Layout, budget: int | None) -> int:
-        if budget is None or budget >= layout.total:
+        if budget is None:
             return max(align_up(layout.total, PAGE), PAGE)
         half = max(budget // 2 // PAGE * PAGE, MIN_WINDOW)
         return 2 * half
+
+    def _release_stale_host(self) -> None:
+        """Host snapshots older than what a slower tier holds are of a finished run."""
+        assert self.host is not None
+        host_steps = self.host.committed_steps()
+        if not host_steps:
+            return
+        newest_elsewhere = -1
+        if self.local is not None:
+            newest_elsewhere = max(self.local.committed_steps(), default=-1)
+        if host_steps[-1] < newest_elsewhere:
+            log.info("host area %s is older than the local tier: released", self.host.area)
+            self.host.release()
+            self.host.claim(self.config.identity())
 
     def _copier(self, device: torch.device) -> Any:
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -272,42 +346,40 @@ class Engine:
 
     def _stage_whole(
         self,
+        arena: HostArena,
         layout: Layout,
         windows: queue.Queue[Window | None],
         optimizers: list[torch.optim.Optimizer] | None,
         handle: SaveHandle,
     ) -> None:
-        w = Window(0, layout.total, 0, 0)
-        protected: set[int] = set()
-        if optimizers:
-            protected = _optimizer_storages(optimizers)
+        w = Window(arena, 0, layout.total, 0, 0)
+        protected = _optimizer_storages(optimizers) if optimizers else set()
         now = [b for b in layout.blobs if _storage_ptr(b) not in protected]
         later = [b for b in layout.blobs if _storage_ptr(b) in protected]
-        self._copy(now, w, defer=False, wait_gpu="cpu" if not optimizers else "stream")
+        self._copy(now, w, defer=False, wait_gpu="stream" if optimizers else "cpu")
         if later:
-            events = self._copy(later, w, defer=True, wait_gpu="none")
-            handle._cuda_staged.extend(events)
+            handle._cuda_staged.extend(self._copy(later, w, defer=True, wait_gpu="none"))
             handle._deferred = True
             for opt in optimizers or []:
-                _protect(opt, handle)
+                protect(opt, handle)
         windows.put(w)
 
     def _stage_streaming(
         self,
+        arena: HostArena,
         layout: Layout,
-        size: int,
         windows: queue.Queue[Window | None],
         halves: list[threading.Event],
         handle: SaveHandle,
     ) -> None:
-        half = size // 2
+        half = arena.size // 2
         for i, start in enumerate(range(0, layout.total, half)):
             h = i % 2
             while not halves[h].wait(0.05):
-                if handle._future.done():
+                if handle.done():
                     handle.wait()  # the writer failed: raise its error here
             halves[h].clear()
-            w = Window(start, min(start + half, layout.total), h * half, h)
+            w = Window(arena, start, min(start + half, layout.total), h * half, h)
             self._copy(layout.blobs, w, defer=False, wait_gpu="cpu")
             windows.put(w)
 
@@ -318,11 +390,11 @@ class Engine:
         enqueued on the side stream and then waited for as ``wait_gpu`` says: "cpu"
         (block), "stream" (make the current stream wait), "none" (the caller decides).
         """
-        assert self.arena is not None
         host: list[tuple[int, int, int]] = []
         gathers: list[tuple[BlobPlan, int, int]] = []
         d2h: dict[torch.device, list[tuple[int, int, int]]] = {}
-        base = self.arena.address + w.arena_offset - w.start
+        arena = w.arena
+        base = arena.address + w.arena_offset - w.start
         for b in blobs:
             s, e = max(b.offset, w.start), min(b.offset + b.nbytes, w.end)
             if s >= e:
@@ -338,12 +410,13 @@ class Engine:
                     tmp = b.source.contiguous()
                     w.keep.append(tmp)
                     src_ptr = tmp.data_ptr()
+                else:
+                    w.keep.append(b.source)  # alive until the copy has run
                 d2h.setdefault(b.device, []).append((base + s, src_ptr + s - b.offset, e - s))
             else:
                 raise SnapcoreError(f"tensors on {b.device} are not supported")
 
         threads = settings.threads()
-        arena = self.arena
 
         def cpu_copies() -> None:
             _native.copy_host(host, threads)
@@ -374,12 +447,6 @@ class Engine:
         return events
 
 
-def _mark_staged(h: SaveHandle) -> None:
-    if not h._staged.is_set():
-        h.stats.staged_s = time.perf_counter() - h._t0
-        h._staged.set()
-
-
 def _storage_ptr(b: BlobPlan) -> int:
     return b.source.untyped_storage().data_ptr()
 
@@ -405,11 +472,13 @@ class _Job:
         self,
         engine: Engine,
         handle: SaveHandle,
-        pending: Pending,
+        pending: Pending | None,
         layout: Layout,
         tree: dict[str, Any],
         windows: queue.Queue[Window | None],
         halves: list[threading.Event],
+        slot: int,
+        slot_free: Future[None],
     ) -> None:
         self.engine = engine
         self.handle = handle
@@ -418,54 +487,131 @@ class _Job:
         self.tree = tree
         self.windows = windows
         self.halves = halves
+        self.slot = slot
+        self.slot_free = slot_free
 
     def run(self) -> None:
         h = self.handle
+        upload: Future[None] | None = None
         try:
-            self._run()
+            if h.stats.streaming:
+                self._run_streaming()
+            else:
+                upload = self._run_whole()
         except BaseException as e:
-            h._staged.set()
+            log.error(
+                "snapshot of step %d to %s failed: %s", h.step, self.engine.config.describe(), e
+            )
+            h._mark_staged()
             for half in self.halves:
                 half.set()
-            with contextlib.suppress(Exception):
-                self.pending.abort()
-            log.error("snapshot of step %d to %s failed: %s", h.step, self.engine.store.root, e)
-            h._future.set_exception(e)
-        else:
-            h._future.set_result(None)
+            if self.pending is not None:
+                with contextlib.suppress(Exception):
+                    self.pending.abort()
+            for tier in h.tiers:
+                h._resolve(tier, e)
+        finally:
+            self._release_slot(upload)
 
-    def _run(self) -> None:
+    def _release_slot(self, upload: Future[None] | None) -> None:
+        if upload is None:
+            self.slot_free.set_result(None)
+        else:  # the uploader reads the arena: the slot stays busy until it is done
+            upload.add_done_callback(lambda _: self.slot_free.set_result(None))
+
+    def _take_window(self) -> Window | None:
+        w = self.windows.get()
+        if w is None:
+            return None
+        for copy in w.deferred:
+            copy()
+        for ev in w.events:
+            ev.synchronize()
+        w.keep.clear()
+        if self.handle._deferred:
+            self.handle._mark_staged()
+        return w
+
+    def _run_whole(self) -> Future[None] | None:
+        engine, h = self.engine, self.handle
+        w = self._take_window()
+        assert w is not None and self.windows.get() is None
+        s = Staged(
+            h.step,
+            self.layout,
+            self.tree,
+            w.arena,
+            self.slot,
+            chunk_list(self.layout, settings.chunk_bytes()),
+        )
+        ready = [threading.Event() for _ in s.chunks]
+
+        def after_hashing() -> None:
+            if "host" in h.tiers:
+                try:
+                    commit_host(engine, s, h)
+                except BaseException as e:
+                    h._resolve("host", e)
+                else:
+                    h._resolve("host")
+
+        hashing = engine._hasher.submit(hash_chunks, s, ready, after_hashing)
+        local_m = None
+        if "local" in h.tiers:
+            assert self.pending is not None and engine.local is not None
+            resaved = h.step in engine.local.committed_steps()
+            local_m = LocalWriter(engine, s, self.pending, h).write(ready, hashing)
+            hashing.result()
+            self.pending.commit(local_m)
+            if resaved:  # the old files of a re-saved step may now be unreferenced
+                engine._index["local"] = None
+                engine.local.collect()
+            h._resolve("local")
+        hashing.result()
+        if "local" in h.tiers and local_m is not None:
+            engine.after_commit("local", local_m)
+        if "remote" not in h.tiers:
+            return None
+        from .upload import Upload
+
+        if local_m is not None:
+            engine._uploading.add(h.step)
+            job = Upload(engine, h, engine.local, local_m)  # type: ignore[arg-type]
+        else:  # no local tier: upload straight from host memory
+            locs = [Location("arena", off, n, w.arena.size) for _, _, off, n in s.chunks]
+            m = build_manifest(s, locs, ["none"] * len(locs), [n for *_, n in s.chunks])
+            job = Upload(engine, h, engine.local, m, arena=w.arena)  # type: ignore[arg-type]
+
+        def upload() -> None:
+            try:
+                job.run()
+            finally:
+                engine._uploading.discard(h.step)
+
+        fut = engine._upload.submit(upload)
+        return fut if local_m is None else None
+
+    def _run_streaming(self) -> None:
+        """The state is larger than the budget: write the image window by window."""
         engine, layout, h = self.engine, self.layout, self.handle
-        arena = engine.arena
-        assert arena is not None
-        chunk_bytes = settings.chunk_bytes()
-        chunks = layout.chunks(chunk_bytes)
+        assert self.pending is not None and engine.local is not None
+        chunks = layout.chunks(settings.chunk_bytes())
         digests: list[list[str]] = [[""] * len(c) for c in chunks]
         partial: dict[tuple[int, int], Any] = {}
         name = self.pending.data_name(0)
-        path = engine.store.root / name
-        writer = _native.FileWriter(str(path), direct=settings.o_direct() == "auto")
+        writer = _native.FileWriter(
+            str(engine.local_root / name), direct=settings.o_direct() == "auto"
+        )
         h.stats.o_direct = writer.direct
         try:
-            while True:
-                w = self.windows.get()
-                if w is None:
-                    break
-                for copy in w.deferred:
-                    copy()
-                for ev in w.events:
-                    ev.synchronize()
-                w.keep.clear()
-                if h._deferred:
-                    _mark_staged(h)
-                hashed = engine._hasher.submit(_hash_window, arena, w, chunks, digests, partial)
-                writer.write_at(w.start, arena.address + w.arena_offset, w.end - w.start)
+            while (w := self._take_window()) is not None:
+                hashed = engine._hasher.submit(_hash_window, w, chunks, digests, partial)
+                writer.write_at(w.start, w.arena.address + w.arena_offset, w.end - w.start)
                 hashed.result()
                 self.halves[w.half].set()
             writer.sync()
         finally:
             writer.close()
-        h._staged.set()
         files = [mf.FileRef(name, layout.total)]
         blobs = [
             mf.Blob(
@@ -478,12 +624,7 @@ class _Job:
         m = mf.Manifest(
             step=h.step,
             created_unix=time.time(),
-            writer={
-                "snapcore": _version(),
-                "torch": torch.__version__,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-            },
+            writer=_writer_info(),
             world_size=1,
             rank_files=[[0]],
             files=files,
@@ -491,13 +632,30 @@ class _Job:
             tensors=layout.entries,
             tree=self.tree,
         )
+        resaved = h.step in engine.local.committed_steps()
         self.pending.commit(m)
-        engine.store.collect_leftovers(step=h.step)  # a re-saved step's old files
-        h.stats.durable_s = time.perf_counter() - h._t0
+        if resaved:
+            engine._index["local"] = None
+            engine.local.collect()
+        h.stats.written["local"] = layout.total
+        h._resolve("local")
+        engine.after_commit("local", m)
+
+
+def _writer_info() -> dict[str, Any]:
+    import socket
+
+    from .persist import _version
+
+    return {
+        "snapcore": _version(),
+        "torch": torch.__version__,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
 
 
 def _hash_window(
-    arena: HostArena,
     w: Window,
     chunks: list[list[tuple[int, int]]],
     digests: list[list[str]],
@@ -508,7 +666,7 @@ def _hash_window(
             s, e = max(off, w.start), min(off + n, w.end)
             if s >= e:
                 continue
-            view = arena.view(w.arena_offset + s - w.start, e - s)
+            view = w.arena.view(w.arena_offset + s - w.start, e - s)
             if s == off and e == off + n:
                 digests[i][j] = xxhash.xxh3_128_hexdigest(view)
                 continue
@@ -518,23 +676,17 @@ def _hash_window(
                 digests[i][j] = partial.pop((i, j)).hexdigest()
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("snapcore")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-_engines: dict[Path, Engine] = {}
+_engines: dict[tuple[Any, ...], Engine] = {}
 _engines_lock = threading.Lock()
 
 
-def engine_for(store: str | os.PathLike[str]) -> Engine:
-    root = Path(store).absolute()
+def engine_for(store: Store | str | os.PathLike[str]) -> Engine:
+    """The engine of a store (one per set of tiers in this process)."""
+    config = as_store(store)
     with _engines_lock:
-        e = _engines.get(root)
+        e = _engines.get(config.key())
         if e is None:
-            e = _engines[root] = Engine(root)
+            e = _engines[config.key()] = Engine(config)
+        else:
+            e.config = config  # codecs and retention may change between calls
         return e

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
 
 from . import _native, settings
 from . import manifest as mf
-from .errors import CorruptSnapshot, StateMismatch, StorageError
+from .errors import CorruptSnapshot, SnapcoreError, StateMismatch
 from .layout import contiguous_strides
-from .store import LocalStore
 from .tree import build, restore_into, tensor_paths
 
 TEMP_BATCH_BYTES = 1 << 30  # bounded host memory for blobs that need a temporary buffer
@@ -31,70 +30,136 @@ TEMP_BATCH_BYTES = 1 << 30  # bounded host memory for blobs that need a temporar
 
 @dataclass
 class RestoreInfo:
-    """What restore() did."""
+    """What restore() did: the step, which tier(s) the data came from, what was damaged."""
 
     step: int
-    tier: str = "local"
+    tier: str = "local"  # the tiers chunks were read from, fastest first, joined by "+"
     bytes: int = 0
     seconds: float = 0.0
     tensors: int = 0
-    damaged: list[str] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)  # chunks (or manifests) read elsewhere
+
+
+class Tier(Protocol):
+    name: str
+
+    def describe(self) -> str: ...
+    def file_size(self, name: str) -> int | None: ...
+    def read_into(self, name: str, offset: int, length: int, address: int) -> None: ...
 
 
 class Reader:
-    def __init__(self, store: LocalStore, m: mf.Manifest, *, verify: bool = True) -> None:
-        self.store = store
-        self.m = m
+    """Reads one snapshot from the tiers that hold it, fastest first.
+
+    ``sources`` pairs each tier with its own manifest of the step; the first is the
+    reference. A chunk that cannot be read from a tier, or fails its hash there, is read
+    from the next one, and the damage is recorded in ``damaged``.
+    """
+
+    def __init__(self, sources: list[tuple[Tier, mf.Manifest]], *, verify: bool = True) -> None:
+        if not sources:
+            raise ValueError("no source to read from")
+        self.sources = [
+            (t, m) for t, m in sources if t is sources[0][0] or _same_chunks(sources[0][1], m)
+        ]
+        self.m = sources[0][1]
         self.verify = verify
-        self.paths = tensor_paths(m.tree)
+        self.paths = tensor_paths(self.m.tree)
         self.blob_users: dict[int, list[int]] = {}
-        for i, t in enumerate(m.tensors):
+        for i, t in enumerate(self.m.tensors):
             self.blob_users.setdefault(t.pieces[0].blob, []).append(i)
-        self.files = [store.file_path(f.name) for f in m.files]
-        for f, path in zip(m.files, self.files, strict=True):
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                raise CorruptSnapshot(
-                    f"step {m.step}: data file {path} is missing", step=m.step, file=str(path)
-                ) from None
-            if size != f.size:
-                raise CorruptSnapshot(
-                    f"step {m.step}: data file {path} has {size} bytes, the manifest says {f.size}",
-                    step=m.step,
-                    file=str(path),
-                )
+        self.damaged: list[str] = []
+        self.used: set[str] = set()
+        self._sizes: dict[tuple[int, str], int | None] = {}
+        self._lock = threading.Lock()
+        self._scratch = threading.local()
         self._blobs: dict[int, torch.Tensor] = {}
         self._tensors: dict[int, torch.Tensor] = {}
 
+    @property
+    def tier(self) -> str:
+        return (
+            "+".join(t.name for t, _ in self.sources if t.name in self.used)
+            or self.sources[0][0].name
+        )
+
     # -- chunk reads ------------------------------------------------------------------------
     def _read_chunk(self, b_i: int, j: int, address: int) -> None:
-        c = self.m.blobs[b_i].chunks[j]
-        path = self.files[c.file]
-        try:
-            _native.read_into(str(path), c.offset, c.length, address)
-        except StorageError:
-            raise
-        except Exception as e:
-            raise CorruptSnapshot(
-                f"step {self.m.step}: cannot read chunk {j} of tensor "
-                f"{self._blob_name(b_i)!r} from {path}: {e}",
-                step=self.m.step,
-                tensor=self._blob_name(b_i),
-                chunk=j,
-                file=str(path),
-            ) from e
-        if self.verify:
-            got = xxhash.xxh3_128_hexdigest((ctypes.c_char * c.length).from_address(address))
-            if got != c.xxh3:
-                raise CorruptSnapshot(
-                    f"step {self.m.step}: tensor {self._blob_name(b_i)!r} chunk {j} in {path} "
-                    f"[{c.offset}, +{c.length}) is damaged: xxh3 {got}, expected {c.xxh3}",
-                    step=self.m.step,
-                    tensor=self._blob_name(b_i),
-                    chunk=j,
-                    file=str(path),
+        first: CorruptSnapshot | None = None
+        for k, (tier, m) in enumerate(self.sources):
+            try:
+                self._read_from(tier, m, b_i, j, address)
+            except (CorruptSnapshot, OSError, SnapcoreError) as e:
+                err = (
+                    e if isinstance(e, CorruptSnapshot) else self._corrupt(tier, m, b_i, j, str(e))
                 )
+                if first is None:
+                    first = err
+                if k + 1 < len(self.sources):
+                    with self._lock:
+                        self.damaged.append(f"{tier.name}: {err}")
+                continue
+            with self._lock:
+                self.used.add(tier.name)
+            return
+        assert first is not None
+        raise first
+
+    def _read_from(self, tier: Tier, m: mf.Manifest, b_i: int, j: int, address: int) -> None:
+        c = m.blobs[b_i].chunks[j]
+        f = m.files[c.file]
+        key = (id(tier), f.name)
+        if key not in self._sizes:
+            self._sizes[key] = tier.file_size(f.name)
+        size = self._sizes[key]
+        if size is None:
+            raise self._corrupt(tier, m, b_i, j, f"data file {f.name} is missing")
+        if size != f.size:
+            raise self._corrupt(
+                tier, m, b_i, j, f"{f.name} has {size} bytes, the manifest says {f.size}"
+            )
+        if c.codec == "none":
+            tier.read_into(f.name, c.offset, c.length, address)
+        else:
+            from . import codec
+
+            buf = self._scratch_buffer(c.length)
+            tier.read_into(f.name, c.offset, c.length, buf.data_ptr())
+            view = memoryview((ctypes.c_char * c.length).from_address(buf.data_ptr())).cast("B")
+            codec.decode(
+                view,
+                codec=c.codec,
+                element_size=m.blobs[b_i].element_size,
+                raw_length=c.raw_length,
+                out=address,
+            )
+        if self.verify and c.raw_length:
+            got = xxhash.xxh3_128_hexdigest((ctypes.c_char * c.raw_length).from_address(address))
+            if got != c.xxh3:
+                raise self._corrupt(
+                    tier,
+                    m,
+                    b_i,
+                    j,
+                    f"[{c.offset}, +{c.length}) is damaged: xxh3 {got}, expected {c.xxh3}",
+                )
+
+    def _scratch_buffer(self, n: int) -> torch.Tensor:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.numel() < n:
+            buf = self._scratch.buf = torch.empty(n, dtype=torch.uint8)
+        return buf
+
+    def _corrupt(self, tier: Tier, m: mf.Manifest, b_i: int, j: int, what: str) -> CorruptSnapshot:
+        name = self._blob_name(b_i)
+        where = f"{tier.describe().rstrip('/')}/{m.files[m.blobs[b_i].chunks[j].file].name}"
+        return CorruptSnapshot(
+            f"step {m.step}: tensor {name!r} chunk {j} in {where}: {what}",
+            step=m.step,
+            tensor=name,
+            chunk=j,
+            file=where,
+        )
 
     def _blob_name(self, b_i: int) -> str:
         return self.paths.get(self.blob_users.get(b_i, [-1])[0], f"<blob {b_i}>")
@@ -102,9 +167,9 @@ class Reader:
     def _chunk_jobs(self, b_i: int, address: int) -> Iterator[tuple[int, int, int]]:
         pos = 0
         for j, c in enumerate(self.m.blobs[b_i].chunks):
-            if c.length:
+            if c.raw_length:
                 yield b_i, j, address + pos
-            pos += c.length
+            pos += c.raw_length
 
     def read_blobs(self, targets: list[tuple[int, int]]) -> None:
         """Read blobs into memory: ``targets`` are (blob index, destination address)."""
@@ -241,22 +306,22 @@ class Reader:
             torch.cuda.synchronize()
 
 
-def verify_snapshot(store: LocalStore, step: int, progress: Any = None) -> list[CorruptSnapshot]:
+def verify_snapshot(tier: Any, step: int, progress: Any = None) -> list[CorruptSnapshot]:
     """Read and hash every chunk of a committed snapshot; return what is damaged.
 
     Memory stays bounded: each worker reuses one buffer of the largest chunk's size.
     ``progress(done_bytes, total_bytes)`` is called as chunks complete.
     """
-    m = store.read_manifest(step)
-    reader = Reader(store, m, verify=True)
-    jobs = [(b_i, j) for b_i, b in enumerate(m.blobs) for j, c in enumerate(b.chunks) if c.length]
-    total = sum(m.blobs[b].chunks[j].length for b, j in jobs)
-    biggest = max((m.blobs[b].chunks[j].length for b, j in jobs), default=0)
+    m = tier.read_manifest(step)
+    reader = Reader([(tier, m)], verify=True)
+    jobs = [
+        (b_i, j) for b_i, b in enumerate(m.blobs) for j, c in enumerate(b.chunks) if c.raw_length
+    ]
+    total = sum(m.blobs[b].chunks[j].raw_length for b, j in jobs)
+    biggest = max((m.blobs[b].chunks[j].raw_length for b, j in jobs), default=0)
     threads = max(1, min(settings.threads(), len(jobs)))
     buffers = [torch.empty(biggest, dtype=torch.uint8) for _ in range(threads)]
     free = list(range(threads))
-    import threading
-
     lock = threading.Lock()
     damaged: list[CorruptSnapshot] = []
     done = 0
@@ -273,7 +338,7 @@ def verify_snapshot(store: LocalStore, step: int, progress: Any = None) -> list[
         finally:
             with lock:
                 free.append(k)
-                done += m.blobs[b_i].chunks[j].length
+                done += m.blobs[b_i].chunks[j].raw_length
                 if progress is not None:
                     progress(done, total)
 
@@ -283,3 +348,16 @@ def verify_snapshot(store: LocalStore, step: int, progress: Any = None) -> list[
     if progress is not None and not jobs:
         progress(0, 0)
     return damaged
+
+
+def _same_chunks(a: mf.Manifest, b: mf.Manifest) -> bool:
+    """Whether two tiers' manifests of a step describe the same chunks (so either serves)."""
+    if len(a.blobs) != len(b.blobs) or len(a.tensors) != len(b.tensors):
+        return False
+    for x, y in zip(a.blobs, b.blobs, strict=True):
+        if len(x.chunks) != len(y.chunks):
+            return False
+        for c, d in zip(x.chunks, y.chunks, strict=True):
+            if c.xxh3 != d.xxh3 or c.raw_length != d.raw_length:
+                return False
+    return True

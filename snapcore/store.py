@@ -189,77 +189,98 @@ class LocalStore:
         self.ensure()
         return Pending(self, step)
 
-    def collect_leftovers(
-        self, *, full: bool = False, step: int | None = None, dry_run: bool = False
-    ) -> list[Path]:
+    def referenced_files(self) -> set[str] | None:
+        """Names of the data files every committed manifest refers to.
+
+        ``None`` if a manifest cannot be read: then nothing may be deleted, since a
+        damaged manifest's files are unknown.
+        """
+        names: set[str] = set()
+        for step in self.committed_steps():
+            try:
+                names |= {f.name for f in self.read_manifest(step).files}
+            except (InvalidManifest, SnapshotNotFound) as e:
+                log.warning("not collecting garbage in %s: %s", self.root, e)
+                return None
+        return names
+
+    def collect_leftovers(self, *, full: bool = False, dry_run: bool = False) -> list[Path]:
         """Delete what interrupted snapshots left behind; returns the paths removed.
 
-        A `.pending` file whose flock can be taken belongs to a dead writer. Files in a
-        step directory that are neither referenced by its manifest nor owned by a live
-        writer are leftovers too. Without ``full`` (the cheap pass each save makes) a
-        committed directory is only looked into when it holds a `.pending` file.
+        A `.pending` file whose flock can be taken belongs to a dead writer, and the files
+        with its token are leftovers, unless a committed manifest names them (the writer
+        may have died between committing and removing its lock). Chunks are shared
+        between snapshots, so "referenced" means by any committed manifest of the store.
+        ``full`` also removes every other unreferenced data file (after retention deleted
+        manifests), but only while no writer is live: a live writer may be about to
+        reference an old file.
         """
+        snaps = self.snapshots()
+        live: set[str] = set()
+        dead: set[str] = set()
         removed: list[Path] = []
-        for snap in self.snapshots():
-            if step is not None and snap.step != step:
-                continue
-            try:
-                names = os.listdir(snap.path)
-            except FileNotFoundError:
-                continue
-            quick = snap.committed and not full and step is None
-            if quick and not any(n.endswith(PENDING_SUFFIX) for n in names):
-                continue
-            live: set[str] = set()
-            for name in names:
-                if name.endswith(PENDING_SUFFIX):
-                    if _remove_if_dead(snap.path / name, dry_run):
-                        removed.append(snap.path / name)
-                    else:
-                        live.add(name[: -len(PENDING_SUFFIX)])
-            keep: set[str] = {MANIFEST}
-            if snap.committed:
-                try:
-                    m = self.read_manifest(snap.step)
-                    keep |= {Path(f.name).name for f in m.files}
-                except Exception as e:  # a damaged manifest: keep everything, say so
-                    log.warning("not collecting %s: %s", snap.path, e)
-                    continue
-            for name in names:
-                if name in keep or name.endswith(PENDING_SUFFIX) or any(t in name for t in live):
-                    continue
-                path = snap.path / name
-                if dry_run:
-                    removed.append(path)
-                    continue
-                try:
-                    path.unlink()
-                    removed.append(path)
-                except IsADirectoryError:
-                    continue
-                except FileNotFoundError:
-                    continue
-            if not snap.committed and not live and not dry_run:
-                with contextlib.suppress(OSError):
-                    snap.path.rmdir()
-        if removed:
+        listing: dict[Path, list[str]] = {}
+        for snap in snaps:
+            listing[snap.path] = names = _listdir(snap.path)
+            for name in [n for n in names if n.endswith(PENDING_SUFFIX)]:
+                token = name[: -len(PENDING_SUFFIX)]
+                if _remove_if_dead(snap.path / name, dry_run):
+                    dead.add(token)
+                    removed.append(snap.path / name)
+                else:
+                    live.add(token)
+        orphan_dirs = [
+            s for s in snaps if not s.committed and not _tokens_in(listing[s.path], live)
+        ]
+        if not (dead or orphan_dirs or full):
+            return removed
+        referenced = self.referenced_files()
+        if referenced is None:
+            return removed
+        if full and live:
             log.info(
-                "removed %d leftover file(s) of interrupted snapshots in %s",
-                len(removed),
+                "a snapshot is being written to %s: only dead writers' files are collected",
                 self.root,
             )
+            full = False
+        for snap in snaps:
+            for name in listing[snap.path]:
+                if name == MANIFEST or name.endswith(PENDING_SUFFIX) or _tokens_in([name], live):
+                    continue
+                if f"{snap.path.name}/{name}" in referenced:
+                    continue
+                if not (full or _tokens_in([name], dead) or snap in orphan_dirs):
+                    continue
+                path = snap.path / name
+                if not dry_run:
+                    try:
+                        path.unlink()
+                    except (IsADirectoryError, FileNotFoundError):
+                        continue
+                removed.append(path)
+            if not dry_run and not (snap.path / MANIFEST).exists():
+                with contextlib.suppress(OSError):
+                    snap.path.rmdir()  # only if nothing is left in it
+        if removed:
+            log.info("removed %d leftover file(s) in %s", len(removed), self.root)
         return removed
 
     def delete(self, step: int) -> None:
-        """Delete a committed snapshot: manifest first, so it is never half-visible."""
+        """Delete a committed snapshot: its manifest first (so it is never half-visible),
+        then every data file no other committed manifest still shares."""
+        self.uncommit(step)
+        self.collect_leftovers(full=True)
+
+    def uncommit(self, step: int) -> None:
+        """Make a committed snapshot invisible (its manifest goes first, atomically).
+
+        Its data files stay until ``collect_leftovers(full=True)`` finds that no other
+        committed manifest shares them.
+        """
         d = self.root / step_dir_name(step)
-        (d / MANIFEST).unlink()
-        fsync_dir(d)
-        for p in d.iterdir():
-            with contextlib.suppress(OSError):
-                p.unlink()
-        with contextlib.suppress(OSError):
-            d.rmdir()
+        with contextlib.suppress(FileNotFoundError):
+            (d / MANIFEST).unlink()
+            fsync_dir(d)
 
 
 def _remove_if_dead(path: Path, dry_run: bool = False) -> bool:
@@ -287,6 +308,17 @@ def _remove_if_dead(path: Path, dry_run: bool = False) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+
+
+def _tokens_in(names: list[str], tokens: set[str]) -> bool:
+    return any(t in n for n in names for t in tokens)
 
 
 def _ranges(steps: list[int]) -> str:

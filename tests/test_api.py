@@ -285,7 +285,7 @@ def test_budget_streams_and_bounds_the_arena(tmp_path):
     stats = snapcore.save(tensors, tmp_path, step=1, budget_bytes=budget)
     assert stats.streaming
     eng = engine_mod.engine_for(tmp_path)
-    assert eng.arena is not None and eng.arena.size <= budget
+    assert eng.arenas[0] is not None and eng.arenas[0].size <= budget
     out = snapcore.load(tmp_path)
     for k, v in tensors.items():
         assert same_bits(out[k], v), k
@@ -322,10 +322,10 @@ def test_background_failure_surfaces_on_wait_and_next_save(tmp_path, monkeypatch
 def test_async_saves_in_a_row_reuse_the_arena(tmp_path):
     t = torch.randn(1 << 18)
     handles = [snapcore.async_save({"t": t}, tmp_path, step=s) for s in range(3)]
-    arena = engine_mod.engine_for(tmp_path).arena
+    arena = engine_mod.engine_for(tmp_path).arenas[0]
     for h in handles:
         h.wait()
-    assert engine_mod.engine_for(tmp_path).arena is arena
+    assert engine_mod.engine_for(tmp_path).arenas[0] is arena
     assert LocalStore(tmp_path).committed_steps() == [0, 1, 2]
 
 

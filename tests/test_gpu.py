@@ -26,7 +26,7 @@ def test_cuda_state_round_trips_and_restores_in_place(tmp_path):
     opt.step()
     state = {"model": model, "optim": opt, "t": torch.randn(3, 5, device="cuda").t()}
     stats = snapcore.save(state, tmp_path, step=1)
-    assert engine_mod.engine_for(tmp_path).arena.native.pinned
+    assert engine_mod.engine_for(tmp_path).arenas[0].native.pinned
     assert stats.bytes > 0
     out = snapcore.load(tmp_path)
     assert out["model"]["weight"].device.type == "cpu"

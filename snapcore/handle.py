@@ -1,0 +1,148 @@
+"""The handle of an asynchronous snapshot, and the optimizer hook of overlap mode."""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import SnapshotFailed
+
+
+@dataclass
+class SaveStats:
+    """What a snapshot cost. Times are seconds since ``async_save`` was called."""
+
+    step: int
+    bytes: int  # tensor bytes staged
+    file_bytes: int  # bytes of the staged image
+    stall_s: float = 0.0  # time async_save blocked the caller
+    staged_s: float = 0.0  # time until every copy had finished (state may change)
+    durable_s: float = 0.0  # time until durable in every tier it was sent to
+    tiers: dict[str, float] = field(default_factory=dict)  # time until durable, per tier
+    written: dict[str, int] = field(default_factory=dict)  # bytes written, per tier
+    reused: dict[str, int] = field(
+        default_factory=dict
+    )  # chunk bytes shared with earlier snapshots
+    streaming: bool = False
+    o_direct: bool = False
+
+
+class SaveHandle:
+    """The handle of one asynchronous snapshot: one future per tier it goes to."""
+
+    def __init__(self, step: int, stats: SaveStats, tiers: tuple[str, ...]) -> None:
+        self.step = step
+        self.stats = stats
+        self.tiers = tiers
+        self._futures: dict[str, Future[None]] = {t: Future() for t in tiers}
+        self._staged = threading.Event()
+        self._cuda_staged: list[tuple[torch.device, Any]] = []
+        self._t0 = time.perf_counter()
+        self._reported: set[str] = set()
+        self._deferred = False  # some copies run on the persist thread (overlap mode)
+
+    def done(self, tier: str | None = None) -> bool:
+        """True once the snapshot is durable (or failed) in ``tier`` (default: all)."""
+        return all(f.done() for f in self._select(tier).values())
+
+    def wait(self, timeout: float | None = None, tier: str | None = None) -> SaveStats:
+        """Block until durable in ``tier`` (``"host"``, ``"local"``, ``"remote"``; default:
+        every tier this snapshot goes to). Raises ``SnapshotFailed`` if it failed there."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for name, fut in self._select(tier).items():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                fut.result(left)
+            except FutureTimeout:
+                raise TimeoutError(
+                    f"snapshot of step {self.step} not durable in {name} after {timeout}s"
+                ) from None
+            except BaseException as e:
+                self._reported.add(name)
+                if isinstance(e, SnapshotFailed):
+                    raise
+                raise SnapshotFailed(
+                    f"snapshot of step {self.step} failed in tier {name}: {e}",
+                    step=self.step,
+                    tier=name,
+                ) from e
+        return self.stats
+
+    def staged(self, timeout: float | None = None) -> None:
+        """Block until the snapshot no longer reads the live state (safe to modify it).
+
+        For CUDA tensors this makes the current stream wait for the copies (no CPU block).
+        """
+        for device, ev in self._cuda_staged:
+            ev.make_stream_wait(torch.cuda.current_stream(device).cuda_stream)
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"snapshot of step {self.step} not staged after {timeout}s")
+
+    def failure(self) -> tuple[str, BaseException] | None:
+        """The first tier failure nobody has been told about yet (and mark it told)."""
+        for name, fut in self._futures.items():
+            if name in self._reported or not fut.done():
+                continue
+            exc = fut.exception()
+            if exc is not None:
+                self._reported.add(name)
+                return name, exc
+        return None
+
+    def _select(self, tier: str | None) -> dict[str, Future[None]]:
+        if tier is None:
+            return self._futures
+        if tier not in self._futures:
+            raise ValueError(
+                f"step {self.step} was not sent to tier {tier!r} (tiers: {self.tiers})"
+            )
+        return {tier: self._futures[tier]}
+
+    def _mark_staged(self) -> None:
+        if not self._staged.is_set():
+            self.stats.staged_s = time.perf_counter() - self._t0
+            self._staged.set()
+
+    def _resolve(self, tier: str, exc: BaseException | None = None) -> None:
+        fut = self._futures[tier]
+        if fut.done():
+            return
+        if exc is None:
+            self.stats.tiers[tier] = time.perf_counter() - self._t0
+            self.stats.durable_s = max(self.stats.durable_s, self.stats.tiers[tier])
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    def __repr__(self) -> str:
+        state = {t: ("done" if f.done() else "in flight") for t, f in self._futures.items()}
+        return f"<SaveHandle step={self.step} {state}>"
+
+
+# Optimizers whose step() must wait for overlapped copies, and the handles they wait on.
+_hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[SaveHandle]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _optimizer_pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    handles = _hooked.get(opt)
+    if handles:
+        for h in handles:
+            h.staged()
+        handles.clear()
+
+
+def protect(opt: torch.optim.Optimizer, handle: SaveHandle) -> None:
+    """Make ``opt.step()`` wait until ``handle`` has copied what the optimizer writes."""
+    if opt not in _hooked:
+        _hooked[opt] = []
+        opt.register_step_pre_hook(_optimizer_pre_hook)
+    _hooked[opt].append(handle)

@@ -1,0 +1,263 @@
+"""Persisting a staged snapshot: hash its chunks, commit it in host memory, write it to
+local disk (sharing unchanged chunks with earlier snapshots), and hand it to the uploader.
+
+Runs on the engine's persist thread. The hash thread hashes chunks in arena order while
+this thread writes them, so writing starts as soon as the first chunk is hashed; both
+spend their time in native code with the GIL released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xxhash
+
+from . import _native, settings
+from . import manifest as mf
+from .layout import Layout
+from .store import Pending
+
+if TYPE_CHECKING:
+    from .engine import Engine, HostArena
+    from .handle import SaveHandle
+
+log = logging.getLogger(__name__)
+
+PAGE = _native.page_size()
+RUN_BYTES = 256 << 20  # the largest single write of consecutive chunks
+
+# A chunk's content address within a tier, and where that tier stores it.
+ChunkKey = tuple[str, int, str]  # (xxh3, raw_length, codec)
+
+
+@dataclass(frozen=True)
+class Location:
+    name: str  # file, relative to the tier root
+    offset: int
+    length: int
+    file_size: int
+
+
+@dataclass
+class Staged:
+    """A snapshot staged in an arena: what the persist and upload stages need."""
+
+    step: int
+    layout: Layout
+    tree: dict[str, Any]
+    arena: HostArena
+    slot: int
+    chunks: list[tuple[int, int, int, int]]  # (blob, chunk index, arena offset, length)
+    digests: list[str] = field(default_factory=list)
+
+    def blob_chunks(self) -> list[list[int]]:
+        """Indices into ``chunks`` per blob."""
+        out: list[list[int]] = [[] for _ in self.layout.blobs]
+        for k, (b_i, _, _, _) in enumerate(self.chunks):
+            out[b_i].append(k)
+        return out
+
+
+def chunk_list(layout: Layout, chunk_bytes: int) -> list[tuple[int, int, int, int]]:
+    out = []
+    for b_i, blob_chunks in enumerate(layout.chunks(chunk_bytes)):
+        for j, (off, n) in enumerate(blob_chunks):
+            out.append((b_i, j, off, n))
+    return out
+
+
+def build_manifest(
+    s: Staged, locations: list[Location], codecs: list[str], stored: list[int]
+) -> mf.Manifest:
+    """A manifest for one tier: chunk ``k`` is stored at ``locations[k]``."""
+    files: list[mf.FileRef] = []
+    index: dict[str, int] = {}
+    for loc in locations:
+        if loc.name not in index:
+            index[loc.name] = len(files)
+            files.append(mf.FileRef(loc.name, loc.file_size))
+    per_blob = s.blob_chunks()
+    blobs = []
+    for b_i, b in enumerate(s.layout.blobs):
+        chunks = []
+        for k in per_blob[b_i]:
+            loc = locations[k]
+            raw = s.chunks[k][3]
+            chunks.append(
+                mf.Chunk(index[loc.name], loc.offset, stored[k], s.digests[k], codecs[k], raw)
+            )
+        blobs.append(mf.Blob(b.nbytes, chunks, b.element_size))
+    return mf.Manifest(
+        step=s.step,
+        created_unix=time.time(),
+        writer={
+            "snapcore": _version(),
+            "torch": torch.__version__,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        },
+        world_size=1,
+        rank_files=[list(range(len(files)))],
+        files=files,
+        blobs=blobs,
+        tensors=s.layout.entries,
+        tree=s.tree,
+    )
+
+
+def hash_chunks(s: Staged, ready: list[threading.Event], then: Callable[[], None] | None) -> None:
+    """Hash every chunk in order, signalling each; run ``then`` once all are known."""
+    s.digests = [""] * len(s.chunks)
+    for k, (_, _, off, n) in enumerate(s.chunks):
+        s.digests[k] = xxhash.xxh3_128_hexdigest(s.arena.view(off, n))
+        ready[k].set()
+    if then is not None:
+        then()
+
+
+def commit_host(engine: Engine, s: Staged, handle: SaveHandle) -> None:
+    host = engine.host
+    assert host is not None
+    size = os.stat(host.slot_path(s.slot)).st_size
+    locs = [Location(host.slot_name(s.slot), off, n, size) for _, _, off, n in s.chunks]
+    m = build_manifest(s, locs, ["none"] * len(locs), [n for *_, n in s.chunks])
+    pending = host.store.begin(s.step)
+    try:
+        pending.commit(m)
+    except BaseException:
+        pending.abort()
+        raise
+    handle.stats.written["host"] = s.layout.total
+
+
+class LocalWriter:
+    """Writes the chunks of one snapshot that the local tier does not hold yet.
+
+    Uncompressed chunks keep their arena offset modulo the page size, so runs of them go
+    out as single O_DIRECT writes straight from the arena; compressed chunks are encoded
+    on the encoder pool, a few ahead of the writer.
+    """
+
+    def __init__(self, engine: Engine, s: Staged, pending: Pending, handle: SaveHandle) -> None:
+        self.engine = engine
+        self.s = s
+        self.pending = pending
+        self.handle = handle
+        self.codec = engine.config.codec_for("local")
+        self.name = pending.data_name(0)
+        self.path = engine.local_root / self.name
+
+    def write(self, ready: list[threading.Event], hashing: Any) -> mf.Manifest:
+        s, engine = self.s, self.engine
+        index = engine.chunk_index("local")
+        n = len(s.chunks)
+        locs: list[Location | None] = [None] * n
+        stored = [0] * n
+        new: dict[ChunkKey, tuple[int, int]] = {}
+        placed: list[int] = []  # chunks written into this snapshot's file
+        encoded: dict[int, Any] = {}
+        writer = _native.FileWriter(str(self.path), direct=settings.o_direct() == "auto")
+        self.handle.stats.o_direct = writer.direct
+        end = 0
+        run: list[int] | None = None  # [file offset, arena offset, length]
+        reused = 0
+
+        def flush() -> None:
+            nonlocal run
+            if run is not None:
+                writer.write_at(run[0], s.arena.address + run[1], run[2])
+                run = None
+
+        try:
+            for k, (_, _, off, length) in enumerate(s.chunks):
+                while not ready[k].wait(0.1):
+                    if hashing.done():
+                        hashing.result()  # raises the hash thread's error
+                key: ChunkKey = (s.digests[k], length, self.codec)
+                if key in new:
+                    locs[k], stored[k] = None, new[key][1]
+                    placed.append(k)
+                    continue
+                old = index.get(key)
+                if old is not None:
+                    locs[k], stored[k] = old, old.length
+                    reused += length
+                    continue
+                if self.codec == "none":
+                    pos = end + (off - end) % PAGE  # same offset in a page as in the arena
+                    if run is not None and pos == run[0] + run[2] and off == run[1] + run[2]:
+                        run[2] += length
+                    else:
+                        flush()
+                        run = [pos, off, length]
+                    if run[2] >= RUN_BYTES:
+                        flush()
+                    new[key] = (pos, length)
+                    stored[k] = length
+                    end = pos + length
+                else:
+                    flush()
+                    data = bytes(self._encoded(k, encoded, ready))
+                    nbytes = len(data)
+                    writer.write_at(end, address_of(data), nbytes)
+                    new[key] = (end, nbytes)
+                    stored[k] = nbytes
+                    end += nbytes
+                placed.append(k)
+            flush()
+            writer.sync()
+        finally:
+            writer.close()
+        size = end
+        for k in placed:
+            pos, nbytes = new[(s.digests[k], s.chunks[k][3], self.codec)]
+            locs[k] = Location(self.name, pos, nbytes, size)
+        if not placed:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        self.handle.stats.written["local"] = size
+        self.handle.stats.reused["local"] = reused
+        final = [loc for loc in locs if loc is not None]
+        # A shared chunk was looked up with this tier's codec, so every chunk has it.
+        return build_manifest(s, final, [self.codec] * n, stored)
+
+    def _encoded(self, k: int, cache: dict[int, Any], ready: list[threading.Event]) -> Any:
+        """Encode chunk ``k``, and start encoding the next few on the encoder pool."""
+        from . import codec
+
+        s, engine = self.s, self.engine
+        pool = engine.encoder()
+        for j in range(k, min(k + engine.encode_ahead, len(s.chunks))):
+            if j not in cache and ready[j].is_set():
+                b_i, _, off, length = s.chunks[j]
+                cache[j] = pool.submit(
+                    codec.encode,
+                    s.arena.view(off, length),
+                    codec=self.codec,
+                    element_size=s.layout.blobs[b_i].element_size,
+                )
+        return cache.pop(k).result()
+
+
+def address_of(data: bytes) -> int:
+    """The address of a bytes object's buffer (valid while ``data`` lives)."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("snapcore")
+    except PackageNotFoundError:
+        return "unknown"

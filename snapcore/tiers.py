@@ -1,0 +1,354 @@
+"""The tiers of a store: host memory (tier 0), local disk (tier 1), object storage (tier 2).
+
+Every tier holds snapshots in the same format (docs/format.md) and commits on its own: a
+snapshot is visible in a tier once that tier's manifest is. ``Store`` names the tiers of
+one run; ``save``/``restore`` accept it wherever they accept a path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import _native
+from . import manifest as mf
+from .errors import InvalidManifest, SnapshotNotFound
+from .store import MANIFEST, LocalStore, step_dir_name
+
+TIER_ORDER = ("host", "local", "remote")  # fastest first: where restore reads from
+HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed snapshots a tier keeps: the newest ``last``, plus every step that
+    is a multiple of ``every`` (0: none). The newest committed snapshot is always kept."""
+
+    last: int = 0  # 0: keep everything
+    every: int = 0
+
+    @classmethod
+    def parse(cls, value: Retention | int | str | None) -> Retention:
+        """``3`` keeps the last 3; ``"2+10"`` the last 2 plus every 10th step."""
+        if value is None:
+            return cls()
+        if isinstance(value, Retention):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 0:
+                raise ValueError("retention must be >= 0")
+            return cls(last=value)
+        m = re.fullmatch(r"(\d+)(?:\+(\d+))?", str(value).strip())
+        if not m:
+            raise ValueError(f"retention {value!r}: expected N or N+EVERY, e.g. 3 or 2+10")
+        return cls(last=int(m.group(1)), every=int(m.group(2) or 0))
+
+    def doomed(self, steps: Iterable[int]) -> list[int]:
+        """The steps to delete, in ascending order (never the newest)."""
+        ordered = sorted(set(steps))
+        if not self.last and not self.every:
+            return []
+        keep = set(ordered[-max(self.last, 1) :])
+        if self.every:
+            keep |= {s for s in ordered if s % self.every == 0}
+        return [s for s in ordered if s not in keep]
+
+
+class LocalTier:
+    """A directory tier: local disk, or (subclass) host memory on tmpfs."""
+
+    name = "local"
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.store = LocalStore(root)
+
+    @property
+    def root(self) -> Path:
+        return self.store.root
+
+    def describe(self) -> str:
+        return str(self.store.root)
+
+    def committed_steps(self) -> list[int]:
+        return self.store.committed_steps()
+
+    def read_manifest(self, step: int) -> mf.Manifest:
+        return self.store.read_manifest(step)
+
+    def file_size(self, name: str) -> int | None:
+        try:
+            return os.stat(self.store.file_path(name)).st_size
+        except FileNotFoundError:
+            return None
+
+    def read_into(self, name: str, offset: int, length: int, address: int) -> None:
+        _native.read_into(str(self.store.file_path(name)), offset, length, address)
+
+    def uncommit(self, step: int) -> None:
+        """Uncommit a snapshot; its data goes when nothing references it (``collect``)."""
+        self.store.uncommit(step)
+
+    def collect(self, *, dry_run: bool = False) -> list[str]:
+        """Delete data files no committed manifest references, and leftovers of dead writers.
+
+        Content-addressed chunks make a file of an old snapshot live on while a newer
+        manifest points into it; files of live writers are never touched.
+        """
+        return [str(p) for p in self.store.collect_leftovers(full=True, dry_run=dry_run)]
+
+
+class HostTier(LocalTier):
+    """Tier 0: snapshots in shared memory (/dev/shm) that outlive the training process.
+
+    The data files are the staging arenas themselves (``slot-<i>.bin``, mapped shared),
+    so committing a host snapshot writes only its manifest. Two slots: a new snapshot is
+    staged into the slot the newest committed one does not use.
+    """
+
+    name = "host"
+    SLOTS = 2
+
+    def __init__(self, name: str, *, root: str | os.PathLike[str] = "/dev/shm") -> None:
+        if not HOST_NAME.match(name):
+            raise ValueError(f"host area name {name!r}: use letters, digits, '.', '_', '-'")
+        super().__init__(Path(root) / f"snapcore-{name}")
+        self.area = name
+
+    def slot_name(self, slot: int) -> str:
+        return f"slot-{slot}.bin"
+
+    def slot_path(self, slot: int) -> Path:
+        return self.root / self.slot_name(slot)
+
+    def slot_in_use(self) -> int | None:
+        """The slot holding the newest committed host snapshot."""
+        steps = self.committed_steps()
+        if not steps:
+            return None
+        names = {f.name for f in self.read_manifest(steps[-1]).files}
+        for i in range(self.SLOTS):
+            if self.slot_name(i) in names:
+                return i
+        return None
+
+    def uncommit_slot(self, slot: int) -> None:
+        """Remove every host manifest that references ``slot``: it is about to be reused."""
+        for step in self.committed_steps():
+            try:
+                names = {f.name for f in self.read_manifest(step).files}
+            except (InvalidManifest, SnapshotNotFound):
+                names = {self.slot_name(slot)}
+            if self.slot_name(slot) in names:
+                self.uncommit(step)
+                shutil.rmtree(self.root / step_dir_name(step), ignore_errors=True)
+
+    def identity(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.root / "store.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def claim(self, identity: dict[str, Any]) -> None:
+        """Make the area belong to ``identity``; an area of another store is released."""
+        current = self.identity()
+        if current is not None and current != identity:
+            self.release()
+        self.root.mkdir(parents=True, exist_ok=True)
+        if current != identity:
+            tmp = self.root / "store.json.tmp"
+            tmp.write_text(json.dumps(identity))
+            tmp.replace(self.root / "store.json")
+
+    def release(self) -> None:
+        """Free the whole area (its memory)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class RemoteStoreTier:
+    """Tier 2: snapshots under an fsspec URL (object storage), in the same layout.
+
+    A manifest is committed with one PUT; objects of an upload in flight are marked by a
+    ``<token>.pending`` object, which garbage collection respects for ``PENDING_GRACE_S``.
+    """
+
+    name = "remote"
+    PENDING_GRACE_S = 3600.0
+    _MANIFEST = re.compile(r"^step-(\d{1,20})/manifest\.json$")
+    _PENDING = re.compile(r"^step-\d{1,20}/([0-9a-f]+)\.pending$")
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        from .remote import RemoteTier
+
+        self.rt = RemoteTier(url, dict(storage_options or {}))
+
+    def describe(self) -> str:
+        return self.rt.url
+
+    def close(self) -> None:
+        self.rt.close()
+
+    def committed_steps(self) -> list[int]:
+        steps = []
+        for name in self.rt.list(""):
+            m = self._MANIFEST.match(name)
+            if m:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def read_manifest(self, step: int) -> mf.Manifest:
+        name = f"{step_dir_name(step)}/{MANIFEST}"
+        where = f"{self.rt.url.rstrip('/')}/{name}"
+        size = self.rt.size(name)
+        if size is None:
+            raise SnapshotNotFound(f"no committed snapshot of step {step} in {self.rt.url}")
+        if size > mf.MAX_MANIFEST_BYTES:
+            raise InvalidManifest(f"{where}: manifest of {size} bytes exceeds the 64 MiB cap")
+        m = mf.parse(self.rt.read_bytes(name), where=where)
+        if m.step != step:
+            raise InvalidManifest(f"{where}: manifest says step {m.step}, path says {step}")
+        return m
+
+    def file_size(self, name: str) -> int | None:
+        return self.rt.size(name)
+
+    def read_into(self, name: str, offset: int, length: int, address: int) -> None:
+        data = self.rt.read_range(name, offset, length)
+        if len(data) != length:
+            raise InvalidManifest(
+                f"{self.rt.url}/{name}: {len(data)} bytes at {offset}, expected {length}"
+            )
+        ctypes.memmove(address, data, length)
+
+    def begin(self, step: int, token: str) -> None:
+        self.rt.put_bytes(f"{step_dir_name(step)}/{token}.pending", str(now()).encode())
+
+    def end(self, step: int, token: str) -> None:
+        self.rt.delete([f"{step_dir_name(step)}/{token}.pending"])
+
+    def commit(self, m: mf.Manifest) -> None:
+        self.rt.put_bytes(f"{step_dir_name(m.step)}/{MANIFEST}", m.dumps())
+
+    def uncommit(self, step: int) -> None:
+        self.rt.delete([f"{step_dir_name(step)}/{MANIFEST}"])
+
+    def collect(self, *, dry_run: bool = False) -> list[str]:
+        """Delete objects no committed manifest references, sparing uploads in flight."""
+        names = self.rt.list("")
+        referenced: set[str] = set()
+        for step in self.committed_steps():
+            try:
+                referenced |= {f.name for f in self.read_manifest(step).files}
+            except (InvalidManifest, SnapshotNotFound):
+                return []
+        live: set[str] = set()
+        stale: list[str] = []
+        for name in names:
+            m = self._PENDING.match(name)
+            if m:
+                try:
+                    started = float(self.rt.read_bytes(name))
+                except (ValueError, OSError):
+                    started = 0.0
+                if now() - started < self.PENDING_GRACE_S:
+                    live.add(m.group(1))
+                else:
+                    stale.append(name)
+        doomed = [
+            n
+            for n in names
+            if not self._MANIFEST.match(n)
+            and n not in referenced
+            and not any(t in n for t in live)
+            and n.startswith("step-")
+        ]
+        if not dry_run and doomed:
+            self.rt.delete(doomed)
+        return doomed
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+
+
+@dataclass
+class Store:
+    """The tiers of one run. Any of them may be left out (``local`` alone is a path).
+
+    ``codec``: one codec for every tier, or a mapping per tier (``"none"``, ``"zstd"``,
+    ``"shuffle-zstd"``); host memory is never compressed. ``retention``: per tier, an int
+    (keep the last N) or ``"N+EVERY"`` (the last N plus every EVERY-th step).
+    """
+
+    local: str | os.PathLike[str] | None = None
+    remote: str | None = None
+    host: str | None = None
+    storage_options: Mapping[str, Any] | None = None
+    codec: str | Mapping[str, str] = "none"
+    retention: Mapping[str, Retention | int | str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.local is None and self.remote is None and self.host is None:
+            raise ValueError("a Store needs at least one tier: local=, remote= or host=")
+        if self.local is not None:
+            self.local = Path(self.local).absolute()
+        for tier in self.retention:
+            if tier not in TIER_ORDER:
+                raise ValueError(f"retention for unknown tier {tier!r} (tiers: {TIER_ORDER})")
+        self._retention = {t: Retention.parse(v) for t, v in self.retention.items()}
+        for tier in TIER_ORDER:
+            c = self.codec_for(tier)
+            if c not in mf.CODECS:
+                raise ValueError(f"codec {c!r} for tier {tier}: choose one of {mf.CODECS}")
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        present = {"host": self.host, "local": self.local, "remote": self.remote}
+        return tuple(t for t in TIER_ORDER if present[t] is not None)
+
+    def codec_for(self, tier: str) -> str:
+        if tier == "host":
+            return "none"
+        if isinstance(self.codec, str):
+            return self.codec
+        return self.codec.get(tier, "none")
+
+    def retention_for(self, tier: str) -> Retention:
+        return self._retention.get(tier, Retention())
+
+    def key(self) -> tuple[Any, ...]:
+        return (str(self.local) if self.local else None, self.remote, self.host)
+
+    def identity(self) -> dict[str, Any]:
+        return {"local": str(self.local) if self.local else None, "remote": self.remote}
+
+    def describe(self) -> str:
+        parts = [
+            f"{t}={v}"
+            for t, v in zip(TIER_ORDER, (self.host, self.local, self.remote), strict=True)
+            if v
+        ]
+        return "Store(" + ", ".join(parts) + ")"
+
+
+def as_store(store: Store | str | os.PathLike[str]) -> Store:
+    if isinstance(store, Store):
+        return store
+    text = os.fspath(store)
+    if "://" in text and not text.startswith("file://"):
+        return Store(remote=text)
+    return Store(local=text.removeprefix("file://"))
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,178 @@
+"""The upload stage: a snapshot committed locally (or in host memory) goes to object storage.
+
+Runs on the engine's upload thread, one snapshot after another, so a slow or dead object
+store never holds up staging or local commits. Chunks the remote tier already holds
+(same content, same codec) are referenced, not uploaded again. The remote manifest is
+written last, with one PUT, after the data object has been checked (size and hash).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import manifest as mf
+from .persist import Location
+from .store import step_dir_name
+
+if TYPE_CHECKING:
+    from .engine import Engine, HostArena
+    from .handle import SaveHandle
+    from .tiers import LocalTier, RemoteStoreTier
+
+log = logging.getLogger(__name__)
+
+
+class Upload:
+    """Upload one snapshot. ``source`` is the tier whose committed manifest ``m`` is read;
+    with ``arena`` set, chunks are read from host memory instead of that tier's files."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        handle: SaveHandle,
+        source: LocalTier,
+        m: mf.Manifest,
+        arena: HostArena | None = None,
+    ) -> None:
+        self.engine = engine
+        self.handle = handle
+        self.source = source
+        self.m = m
+        self.arena = arena
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:
+            log.error("upload of step %d to %s failed: %s", self.m.step, self.engine.remote_url, e)
+            self.handle._resolve("remote", e)
+        else:
+            self.handle._resolve("remote")
+
+    def _run(self) -> None:
+        from . import codec
+
+        engine, m = self.engine, self.m
+        remote: RemoteStoreTier = engine.remote  # type: ignore[assignment]
+        target = engine.config.codec_for("remote")
+        index = engine.chunk_index("remote")
+        token = secrets.token_hex(6)
+        name = f"{step_dir_name(m.step)}/data-{token}-r0.bin"
+        remote.begin(m.step, token)
+        biggest = max((c.length for b in m.blobs for c in b.chunks), default=0)
+        raw_max = max((c.raw_length for b in m.blobs for c in b.chunks), default=0)
+        buf = torch.empty(biggest, dtype=torch.uint8)
+        raw_buf = torch.empty(raw_max if self._any_codec() else 0, dtype=torch.uint8)
+        writer = None
+        pos = 0
+        new: dict[tuple[str, int, str], tuple[int, int]] = {}
+        placed: dict[tuple[int, int], tuple[str, int, str]] = {}
+        locs: dict[tuple[int, int], Location] = {}
+        stored: dict[tuple[int, int], int] = {}
+        reused = 0
+        try:
+            for b_i, blob in enumerate(m.blobs):
+                for j, c in enumerate(blob.chunks):
+                    key = (c.xxh3, c.raw_length, target)
+                    if key in new:
+                        placed[(b_i, j)] = key
+                        stored[(b_i, j)] = new[key][1]
+                        continue
+                    old = index.get(key)
+                    if old is not None:
+                        locs[(b_i, j)] = old
+                        stored[(b_i, j)] = old.length
+                        reused += c.raw_length
+                        continue
+                    view = self._stored(c, buf)
+                    if c.codec != target:
+                        raw = view
+                        if c.codec != "none":
+                            codec.decode(
+                                view,
+                                codec=c.codec,
+                                element_size=blob.element_size,
+                                raw_length=c.raw_length,
+                                out=raw_buf.data_ptr(),
+                            )
+                            raw = _mv(raw_buf, c.raw_length)
+                        view = memoryview(
+                            codec.encode(raw, codec=target, element_size=blob.element_size)
+                        )
+                    if writer is None:
+                        writer = remote.rt.open_writer(name)
+                    writer.write(view)
+                    new[key] = (pos, len(view))
+                    placed[(b_i, j)] = key
+                    stored[(b_i, j)] = len(view)
+                    pos += len(view)
+            size = 0
+            if writer is not None:
+                size, _ = writer.close()
+                if size != pos:
+                    raise OSError(f"{remote.describe()}/{name}: {size} bytes stored, {pos} sent")
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            remote.end(m.step, token)
+            raise
+        for at, key in placed.items():
+            offset, length = new[key]
+            locs[at] = Location(name, offset, length, size)
+        rm = self._manifest(locs, stored, target)
+        remote.commit(rm)
+        remote.end(m.step, token)
+        self.handle.stats.written["remote"] = size
+        self.handle.stats.reused["remote"] = reused
+        engine.after_commit("remote", rm)
+
+    def _any_codec(self) -> bool:
+        return any(c.codec != "none" for b in self.m.blobs for c in b.chunks)
+
+    def _stored(self, c: mf.Chunk, buf: torch.Tensor) -> memoryview:
+        if self.arena is not None:
+            return self.arena.view(c.offset, c.length)
+        self.source.read_into(self.m.files[c.file].name, c.offset, c.length, buf.data_ptr())
+        return _mv(buf, c.length)
+
+    def _manifest(
+        self, locs: dict[tuple[int, int], Location], stored: dict[tuple[int, int], int], codec: str
+    ) -> mf.Manifest:
+        m = self.m
+        files: list[mf.FileRef] = []
+        index: dict[str, int] = {}
+        blobs = []
+        for b_i, blob in enumerate(m.blobs):
+            chunks = []
+            for j, c in enumerate(blob.chunks):
+                loc = locs[(b_i, j)]
+                if loc.name not in index:
+                    index[loc.name] = len(files)
+                    files.append(mf.FileRef(loc.name, loc.file_size))
+                chunks.append(
+                    mf.Chunk(
+                        index[loc.name], loc.offset, stored[(b_i, j)], c.xxh3, codec, c.raw_length
+                    )
+                )
+            blobs.append(mf.Blob(blob.nbytes, chunks, blob.element_size))
+        return mf.Manifest(
+            step=m.step,
+            created_unix=m.created_unix,
+            writer=m.writer,
+            world_size=m.world_size,
+            rank_files=[list(range(len(files)))],
+            files=files,
+            blobs=blobs,
+            tensors=m.tensors,
+            tree=m.tree,
+        )
+
+
+def _mv(t: torch.Tensor, n: int) -> memoryview:
+    import ctypes
+
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
