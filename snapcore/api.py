@@ -64,6 +64,10 @@ def committed(store: StoreLike) -> dict[str, list[int]]:
     engine = engine_for(store)
     out: dict[str, list[int]] = {}
     for name in engine.config.tiers:
+        if name == "host" and not engine.host_readable():
+            log.info("host area %s belongs to another store: not read", engine.config.host)
+            out[name] = []
+            continue
         try:
             out[name] = engine.tier(name).committed_steps()
         except (OSError, SnapcoreError) as e:

@@ -106,9 +106,7 @@ class Engine:
 
             self.remote = RemoteStoreTier(store.remote, store.storage_options)
         self.remote_url = store.remote
-        if self.host is not None:
-            self.host.claim(store.identity())
-            self._release_stale_host()
+        self._claimed = False  # the host area is claimed by the first save, never by reads
         self.slots = 2 if self.host is not None else 1
         self.arenas: list[HostArena | None] = [None] * self.slots
         self._slot_free: list[Future[None] | None] = [None] * self.slots
@@ -129,6 +127,14 @@ class Engine:
 
     def tier(self, name: str) -> Any:
         return {"host": self.host, "local": self.local, "remote": self.remote}[name]
+
+    def host_readable(self) -> bool:
+        """Whether the host area holds this store's snapshots (not another run's)."""
+        if self.host is None:
+            return False
+        ident = self.host.identity()
+        mine = self.config.identity()
+        return ident is None or ident == mine or mine == {"local": None, "remote": None}
 
     # -- public ---------------------------------------------------------------------------
     def async_save(
@@ -155,6 +161,10 @@ class Engine:
                     f"({layout.total} bytes): streaming needs a store with a local tier "
                     "and no host tier"
                 )
+            if self.host is not None and not self._claimed:
+                self.host.claim(self.config.identity())
+                self._release_stale_host()
+                self._claimed = True
             slot = self._free_slot()
             self._raise_unreported()  # the snapshot that used this slot may have failed
             if self.host is not None:
@@ -566,10 +576,9 @@ class _Job:
             if resaved:  # the old files of a re-saved step may now be unreferenced
                 engine._index["local"] = None
                 engine.local.collect()
+            engine.after_commit("local", local_m)  # retention, before wait() returns
             h._resolve("local")
         hashing.result()
-        if "local" in h.tiers and local_m is not None:
-            engine.after_commit("local", local_m)
         if "remote" not in h.tiers:
             return None
         from .upload import Upload
@@ -638,8 +647,8 @@ class _Job:
             engine._index["local"] = None
             engine.local.collect()
         h.stats.written["local"] = layout.total
-        h._resolve("local")
         engine.after_commit("local", m)
+        h._resolve("local")
 
 
 def _writer_info() -> dict[str, Any]:
@@ -690,3 +699,12 @@ def engine_for(store: Store | str | os.PathLike[str]) -> Engine:
         else:
             e.config = config  # codecs and retention may change between calls
         return e
+
+
+def close_all() -> None:
+    """Wait for and close every engine of this process (frees their arenas)."""
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for e in engines:
+        e.close()
