@@ -88,6 +88,17 @@ def copy_host(copies: Sequence[tuple[int, int, int]], threads: int = 0) -> None:
     threads (0 = all) of a persistent pool, without the GIL.
     """
 
+def byte_shuffle(dst: int, src: int, nbytes: int, element_size: int, threads: int = 0) -> None:
+    """
+    Groups byte k of every element together: with n = nbytes // element_size,
+    dst[k*n + i] = src[i*element_size + k]; the nbytes % element_size trailing bytes
+    are copied unchanged. element_size is 1, 2, 4, 8 or 16; the regions must not
+    overlap. Runs on `threads` threads (0 = all) without the GIL.
+    """
+
+def byte_unshuffle(dst: int, src: int, nbytes: int, element_size: int, threads: int = 0) -> None:
+    """The inverse of byte_shuffle: dst[i*element_size + k] = src[k*n + i]."""
+
 class CudaEvent:
     """Completes when the copies it was returned for are done."""
 

@@ -22,6 +22,7 @@
 #include "snapcore/file_io.hpp"
 #include "snapcore/host_copy.hpp"
 #include "snapcore/shim/cuda.hpp"
+#include "snapcore/shuffle.hpp"
 #include "snapcore/system.hpp"
 
 namespace nb = nanobind;
@@ -144,6 +145,27 @@ NB_MODULE(_native, m) {
       "copies"_a, "threads"_a = 0,
       "Copies every (dst_address, src_address, nbytes) in parallel on `threads`\n"
       "threads (0 = all) of a persistent pool, without the GIL.");
+
+  m.def(
+      "byte_shuffle",
+      [](std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes, std::size_t element_size,
+         std::size_t threads) {
+        snapcore::byte_shuffle(as_pointer(dst), as_pointer(src), nbytes, element_size, threads);
+      },
+      "dst"_a, "src"_a, "nbytes"_a, "element_size"_a, "threads"_a = 0, release_gil(),
+      "Groups byte k of every element together: with n = nbytes // element_size,\n"
+      "dst[k*n + i] = src[i*element_size + k]; the nbytes % element_size trailing bytes\n"
+      "are copied unchanged. element_size is 1, 2, 4, 8 or 16; the regions must not\n"
+      "overlap. Runs on `threads` threads (0 = all) without the GIL.");
+  m.def(
+      "byte_unshuffle",
+      [](std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes, std::size_t element_size,
+         std::size_t threads) {
+        snapcore::byte_unshuffle(as_pointer(dst), as_pointer(src), nbytes, element_size,
+                                 threads);
+      },
+      "dst"_a, "src"_a, "nbytes"_a, "element_size"_a, "threads"_a = 0, release_gil(),
+      "The inverse of byte_shuffle: dst[i*element_size + k] = src[k*n + i].");
 
   nb::class_<snapcore::CudaEvent>(m, "CudaEvent",
                                   "Completes when the copies it was returned for are done.")
