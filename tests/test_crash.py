@@ -59,28 +59,29 @@ def _base(n: int, salt: int) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.int64) * 2654435761 + salt) % 65521
 
 
-def _ramp(n: int, step: int, salt: int) -> torch.Tensor:
-    """The first n values of a base pattern, shifted by the step: different for each step."""
-    return _base(max(n, MAX_ELEMS), salt)[:n] + step * 65521
+def _ramp(n: int, step: int, salt: int, gen: int) -> torch.Tensor:
+    """The first n values of a base pattern, shifted by the step and generation."""
+    return _base(max(n, MAX_ELEMS), salt)[:n] + step * 65521 + gen * 12345
 
 
 @functools.lru_cache(maxsize=4)
-def expected_state(step: int) -> dict[str, Any]:
+def expected_state(step: int, gen: int = 0) -> dict[str, Any]:
     """The state saved as ``step``: 7 to 20 MiB whose sizes and bytes depend on the step.
 
     The sizes vary so that kills land at different points of a write; the contents so that
-    a snapshot assembled from two steps, or holding stale or zeroed bytes, is caught.
+    a snapshot assembled from two steps, or holding stale or zeroed bytes, is caught. A
+    step saved again (after a rollback) holds other values: ``gen`` tells them apart.
     Cached, hence shared: callers must not modify it.
     """
     return {
-        "fixed": _ramp(FIXED_ELEMS, step, 1).to(torch.float32) / 8,
-        "var": _ramp((1 + step % 7) << 18, step, 2).to(torch.float64) / 7,
-        "ints": _ramp((1 + step % 3) << 16, step, 3),
-        "bf16": _ramp(100_003, step, 4).to(torch.bfloat16),
-        "bytes": _ramp(12_345 + step, step, 5).to(torch.uint8),
-        "nested": {"list": [_ramp(7, step, 6).to(torch.int16), None, step % 2 == 0]},
+        "fixed": _ramp(FIXED_ELEMS, step, 1, gen).to(torch.float32) / 8,
+        "var": _ramp((1 + step % 7) << 18, step, 2, gen).to(torch.float64) / 7,
+        "ints": _ramp((1 + step % 3) << 16, step, 3, gen),
+        "bf16": _ramp(100_003, step, 4, gen).to(torch.bfloat16),
+        "bytes": _ramp(12_345 + step, step, 5, gen).to(torch.uint8),
+        "nested": {"list": [_ramp(7, step, 6, gen).to(torch.int16), None, step % 2 == 0]},
         "lr": step / 10,
-        "tag": f"step {step}",
+        "tag": f"step {step}, generation {gen}",
         "step": step,
     }
 
@@ -229,8 +230,9 @@ def _arm(phase: str) -> None:
         raise ValueError(phase)
 
 
-def _worker(store: str, start: int, mode: str, die_in: str | None = None) -> None:
-    """Save ``expected_state(step)`` for step = start, start + 1, ... until killed.
+def _worker(store: str, start: int, mode: str, die_in: str | None = None, gen: int = 0) -> None:
+    """Save ``expected_state(step)`` for step = start, start + 1, ... until killed; the
+    first one as generation ``gen``.
 
     After the first durable save it waits for SIGUSR1. With ``mode="async"`` the tensor
     ``fixed`` is overwritten in place as soon as ``async_save`` returns, while the snapshot
@@ -243,7 +245,7 @@ def _worker(store: str, start: int, mode: str, die_in: str | None = None) -> Non
     fixed = torch.empty(FIXED_ELEMS, dtype=torch.float32)
     previous: snapcore.SaveHandle | None = None
     for step in itertools.count(start):
-        want = expected_state(step)
+        want = expected_state(step, gen if step == start else 0)
         fixed.copy_(want["fixed"])
         state = {**want, "fixed": fixed}
         _emit(ev="begin", step=step, t=time.monotonic())
@@ -315,9 +317,11 @@ class Zygote:
                 return event
             seen.append(event)
 
-    def fork(self, store: Path, start: int, mode: str, die_in: str | None = None) -> int:
+    def fork(
+        self, store: Path, start: int, mode: str, *, die_in: str | None = None, gen: int = 0
+    ) -> int:
         assert self.live is None, "one worker at a time"
-        args: dict[str, Any] = {"store": str(store), "start": start, "mode": mode}
+        args: dict[str, Any] = {"store": str(store), "start": start, "mode": mode, "gen": gen}
         if die_in is not None:
             args["die_in"] = die_in
         self._send(op="fork", args=args)
@@ -395,27 +399,34 @@ def zygote_proc(zygote_module: Zygote) -> Iterator[Zygote]:
 
 
 def stray_files(store: Path) -> list[str]:
-    """What the store holds besides committed manifests and the files they reference."""
+    """What the store holds besides committed manifests and the files they reference.
+
+    Chunks are shared between snapshots, so a file counts as referenced when any committed
+    manifest names it, whichever step directory holds it.
+    """
     local = LocalStore(store)
+    referenced = {MANIFEST}
+    for step in local.committed_steps():
+        referenced |= {f.name for f in local.read_manifest(step).files}
     stray: list[str] = []
     for snap in local.snapshots():
-        keep = {MANIFEST}
-        if snap.committed:
-            keep |= {Path(f.name).name for f in local.read_manifest(snap.step).files}
-        else:
-            stray.append(snap.path.name + "/")
-        stray += [
-            f"{snap.path.name}/{p.name}" for p in sorted(snap.path.iterdir()) if p.name not in keep
-        ]
+        names = [f"{snap.path.name}/{p.name}" for p in sorted(snap.path.iterdir())]
+        if not names:
+            stray.append(f"{snap.path.name}/ (empty)")
+        stray += [n for n in names if n not in referenced and not n.endswith("/" + MANIFEST)]
     return stray
 
 
-def check_after_kill(store: Path, *, durable: int | None, begun: int) -> int:
+def check_after_kill(
+    store: Path, *, durable: int | None, begun: int, gens: dict[int, int] | None = None
+) -> int:
     """Check what a killed worker left; return the newest committed step.
 
     ``durable``: the newest step the worker saw durable (it must survive), ``begun``: the
-    newest it started (nothing newer may appear).
+    newest it started (nothing newer may appear), ``gens``: the generation each step's
+    snapshot must hold where not 0.
     """
+    gens = gens or {}
     committed = LocalStore(store).committed_steps()
     assert committed, "no committed snapshot survived"
     newest = committed[-1]
@@ -423,8 +434,9 @@ def check_after_kill(store: Path, *, durable: int | None, begun: int) -> int:
         assert newest >= durable, f"step {durable} was durable, the newest committed is {newest}"
     assert newest <= begun, f"step {newest} is committed but only {begun} was begun"
     for step in committed:
-        assert_bit_exact(snapcore.load(store, step=step), expected_state(step), f"step {step}")
-    want = expected_state(newest)
+        want = expected_state(step, gens.get(step, 0))
+        assert_bit_exact(snapcore.load(store, step=step), want, f"step {step}")
+    want = expected_state(newest, gens.get(newest, 0))
     state = _blank(want)
     info = snapcore.restore(state, store)
     assert info.step == newest
@@ -498,23 +510,25 @@ def seed_step_1(z: Zygote, store: Path) -> None:
 def test_sigkill_at_each_commit_phase(
     zygote_proc: Zygote, tmp_path: Path, phase: str, resave: bool
 ) -> None:
-    """A kill at each point of the commit protocol, for a new step and for a re-save."""
+    """A kill at each point of the commit protocol, for a new step and for a committed step
+    saved again with other values (as after a rollback)."""
     z, store = zygote_proc, tmp_path / "store"
     seed_step_1(z, store)
     step = 1 if resave else 2
-    z.fork(store, step, "sync", die_in=phase)
+    z.fork(store, step, "sync", die_in=phase, gen=1)
     seen: list[dict[str, Any]] = []
     z.reap(seen)
     assert _newest(seen, "durable") is None, f"the worker was to die in {phase!r}"
-    committed = phase in ("renamed", "released") and not resave
-    newest = check_after_kill(store, durable=1, begun=step)
-    assert newest == (2 if committed else 1)
+    committed = phase in ("renamed", "released")
+    gens = {step: 1} if committed else {}
+    newest = check_after_kill(store, durable=1, begun=step, gens=gens)
+    assert newest == (step if committed else 1)
     if phase != "released":
         assert stray_files(store), f"a kill in {phase!r} should leave something to collect"
     start_and_check_clean(z, store, newest + 1, "sync")
     z.kill()
     z.reap([])
-    check_after_kill(store, durable=newest + 1, begun=newest + 1)
+    check_after_kill(store, durable=newest + 1, begun=newest + 1, gens=gens)
 
 
 @pytest.mark.parametrize("resave", [False, True], ids=["new-step", "resave"])
@@ -526,7 +540,7 @@ def test_sigkill_while_collecting_leftovers(
     z, store = zygote_proc, tmp_path / "store"
     seed_step_1(z, store)
     step = 1 if resave else 2
-    z.fork(store, step, "sync", die_in="commit")  # leaves a dead writer's lock and data
+    z.fork(store, step, "sync", die_in="commit", gen=1)  # a dead writer's lock and data
     z.reap([])
     z.fork(store, 3, "sync", die_in="collecting")
     seen: list[dict[str, Any]] = []
