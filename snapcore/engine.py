@@ -171,18 +171,15 @@ class Engine:
                 self.host.uncommit_slot(slot)
             size = self._arena_size(layout, budget if streaming else None)
             arena = self._arena(slot, size)
-            if self.local is not None:
-                self.local.store.collect_leftovers()
             stats = SaveStats(step, layout.data_bytes, layout.total, streaming=streaming)
             handle = SaveHandle(step, stats, want)
             handle._t0 = t0
-            pending = self.local.store.begin(step) if "local" in want else None
             windows: queue.Queue[Window | None] = queue.Queue()
             halves = [threading.Event(), threading.Event()]
             for h in halves:
                 h.set()
             slot_free: Future[None] = Future()
-            job = _Job(self, handle, pending, layout, flat.tree, windows, halves, slot, slot_free)
+            job = _Job(self, handle, layout, flat.tree, windows, halves, slot, slot_free)
             self._slot_free[slot] = slot_free
             self._handles = [h for h in self._handles if not h.done() or h.failure() is None]
             self._handles.append(handle)
@@ -482,7 +479,6 @@ class _Job:
         self,
         engine: Engine,
         handle: SaveHandle,
-        pending: Pending | None,
         layout: Layout,
         tree: dict[str, Any],
         windows: queue.Queue[Window | None],
@@ -492,7 +488,7 @@ class _Job:
     ) -> None:
         self.engine = engine
         self.handle = handle
-        self.pending = pending
+        self.pending: Pending | None = None
         self.layout = layout
         self.tree = tree
         self.windows = windows
@@ -504,6 +500,11 @@ class _Job:
         h = self.handle
         upload: Future[None] | None = None
         try:
+            local = self.engine.local
+            if "local" in h.tiers and local is not None:
+                # Off the training thread: the leftovers of a crashed writer, then our lock.
+                local.store.collect_leftovers()
+                self.pending = local.store.begin(h.step)
             if h.stats.streaming:
                 self._run_streaming()
             else:

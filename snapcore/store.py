@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d{1,20})$")
 MANIFEST = "manifest.json"
 PENDING_SUFFIX = ".pending"
+COLLECT_MARKER = "collect.needed"
 
 
 def step_dir_name(step: int) -> str:
@@ -54,6 +55,9 @@ class Pending:
         self.step = step
         self.dir = store.root / step_dir_name(step)
         self._fd: int | None = None
+        if not self.dir.exists():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fsync_dir(store.root)  # the new directory's entry must survive a power loss
         for _ in range(100):
             self.dir.mkdir(parents=True, exist_ok=True)
             self.token = secrets.token_hex(6)
@@ -89,6 +93,9 @@ class Pending:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if (self.dir / MANIFEST).exists():  # a re-save: the old files need a full collection
+            (self.dir / COLLECT_MARKER).touch()
+            fsync_dir(self.dir)
         os.replace(tmp, self.dir / MANIFEST)
         fsync_dir(self.dir)
         self.release()
@@ -220,23 +227,58 @@ class LocalStore:
         dead: set[str] = set()
         removed: list[Path] = []
         listing: dict[Path, list[str]] = {}
-        for snap in snaps:
-            listing[snap.path] = names = _listdir(snap.path)
-            for name in [n for n in names if n.endswith(PENDING_SUFFIX)]:
-                token = name[: -len(PENDING_SUFFIX)]
-                if _remove_if_dead(snap.path / name, dry_run):
-                    dead.add(token)
-                    removed.append(snap.path / name)
-                else:
-                    live.add(token)
+        claimed: dict[Path, int] = {}
+        try:
+            for snap in snaps:
+                listing[snap.path] = names = _listdir(snap.path)
+                for name in [n for n in names if n.endswith(PENDING_SUFFIX)]:
+                    token = name[: -len(PENDING_SUFFIX)]
+                    fd = _claim_if_dead(snap.path / name)
+                    if fd is None:
+                        live.add(token)
+                    else:
+                        dead.add(token)
+                        claimed[snap.path / name] = fd
+            owed = [s for s in snaps if COLLECT_MARKER in listing[s.path]]
+            full = full or bool(owed and not live)
+            self._collect(snaps, listing, live, dead, full, dry_run, removed)
+            if full and not live and not dry_run:
+                for s in owed:
+                    with contextlib.suppress(FileNotFoundError):
+                        (s.path / COLLECT_MARKER).unlink()
+        finally:
+            for lock, fd in claimed.items():  # the marker of a dead writer goes last
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        lock.unlink()
+                removed.append(lock)
+                os.close(fd)
+            for snap in snaps:
+                if not dry_run and not (snap.path / MANIFEST).exists():
+                    with contextlib.suppress(OSError):
+                        snap.path.rmdir()  # only if nothing is left in it
+        if removed:
+            log.info("removed %d leftover file(s) in %s", len(removed), self.root)
+        return removed
+
+    def _collect(
+        self,
+        snaps: list[SnapshotInfo],
+        listing: dict[Path, list[str]],
+        live: set[str],
+        dead: set[str],
+        full: bool,
+        dry_run: bool,
+        removed: list[Path],
+    ) -> None:
         orphan_dirs = [
             s for s in snaps if not s.committed and not _tokens_in(listing[s.path], live)
         ]
         if not (dead or orphan_dirs or full):
-            return removed
+            return
         referenced = self.referenced_files()
         if referenced is None:
-            return removed
+            return
         if full and live:
             log.info(
                 "a snapshot is being written to %s: only dead writers' files are collected",
@@ -245,7 +287,9 @@ class LocalStore:
             full = False
         for snap in snaps:
             for name in listing[snap.path]:
-                if name == MANIFEST or name.endswith(PENDING_SUFFIX) or _tokens_in([name], live):
+                if name in (MANIFEST, COLLECT_MARKER) or name.endswith(PENDING_SUFFIX):
+                    continue
+                if _tokens_in([name], live):
                     continue
                 if f"{snap.path.name}/{name}" in referenced:
                     continue
@@ -261,9 +305,6 @@ class LocalStore:
             if not dry_run and not (snap.path / MANIFEST).exists():
                 with contextlib.suppress(OSError):
                     snap.path.rmdir()  # only if nothing is left in it
-        if removed:
-            log.info("removed %d leftover file(s) in %s", len(removed), self.root)
-        return removed
 
     def delete(self, step: int) -> None:
         """Delete a committed snapshot: its manifest first (so it is never half-visible),
@@ -281,6 +322,22 @@ class LocalStore:
         with contextlib.suppress(FileNotFoundError):
             (d / MANIFEST).unlink()
             fsync_dir(d)
+
+
+def _claim_if_dead(path: Path) -> int | None:
+    """Lock a pending-lock file nobody holds; the open fd, or None if its writer lives."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None
+        raise
+    return fd
 
 
 def _remove_if_dead(path: Path, dry_run: bool = False) -> bool:
