@@ -9,8 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .api import committed
+from .engine import close_all, engine_for
 from .errors import CorruptSnapshot, SnapcoreError
 from .store import LocalStore
+from .tiers import Store, as_store
 
 
 def human_bytes(n: float) -> str:
@@ -21,25 +24,63 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _store(args: argparse.Namespace) -> Store:
+    """The Store the command's arguments describe: STORE is a directory or a URL."""
+    options = json.loads(args.storage_options) if args.storage_options else None
+    base = as_store(args.store)
+    return Store(
+        local=base.local,
+        remote=args.remote or base.remote,
+        host=args.host,
+        storage_options=options,
+        retention=_parse_retention(getattr(args, "retention", None)),
+    )
+
+
+def _parse_retention(text: str | None) -> dict[str, str]:
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        tier, _, value = part.partition("=")
+        if not value:
+            raise SystemExit(f"snapcore: --retention {text!r}: expected TIER=N or TIER=N+EVERY")
+        out[tier.strip()] = value.strip()
+    return out
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
-    store = LocalStore(args.store)
-    snaps = store.snapshots()
-    if not snaps:
-        print(f"no snapshots in {store.root}")
+    store = _store(args)
+    steps = committed(store)
+    engine = engine_for(store)
+    every = sorted({s for ss in steps.values() for s in ss})
+    incomplete = []
+    if store.local is not None:
+        incomplete = [s.step for s in LocalStore(store.local).snapshots() if not s.committed]
+    if not every and not incomplete:
+        print(f"no snapshots in {store.describe()}")
         return 0
-    rows = [("STEP", "TIME", "SIZE", "TENSORS", "STATUS")]
-    for s in snaps:
-        if not s.committed:
-            rows.append((str(s.step), "-", "-", "-", "incomplete (interrupted or in progress)"))
+    rows = [("STEP", "TIME", "SIZE", "TENSORS", "TIERS", "STATUS")]
+    for step in sorted(set(every) | set(incomplete)):
+        tiers = [t for t, ss in steps.items() if step in ss]
+        if not tiers:
+            rows.append((str(step), "-", "-", "-", "-", "incomplete (interrupted or in progress)"))
             continue
         try:
-            m = store.read_manifest(s.step)
+            m = engine.tier(tiers[0]).read_manifest(step)
         except SnapcoreError as e:
-            rows.append((str(s.step), "-", "-", "-", f"damaged manifest: {e}"))
+            rows.append((str(step), "-", "-", "-", ",".join(tiers), f"damaged manifest: {e}"))
             continue
         when = dt.datetime.fromtimestamp(m.created_unix).strftime("%Y-%m-%d %H:%M:%S")
         rows.append(
-            (str(m.step), when, human_bytes(m.stored_bytes), str(len(m.tensors)), "committed")
+            (
+                str(m.step),
+                when,
+                human_bytes(m.nbytes),
+                str(len(m.tensors)),
+                ",".join(tiers),
+                "committed",
+            )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
@@ -107,14 +148,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    store = LocalStore(args.store)
-    removed = store.collect_leftovers(full=True, dry_run=args.dry_run)
-    verb = "would remove" if args.dry_run else "removed"
-    for p in removed:
-        print(f"{verb} {p}")
-    print(
-        f"{len(removed)} leftover file(s) {verb.split()[-1]}{' (dry run)' if args.dry_run else ''}"
-    )
+    store = _store(args)
+    engine = engine_for(store)
+    verb = "would delete" if args.dry_run else "deleted"
+    total = 0
+    for name in store.tiers:
+        tier = engine.tier(name)
+        doomed = store.retention_for(name).doomed(tier.committed_steps())
+        for step in doomed:
+            print(f"{name}: {verb} step {step} (retention)")
+            if not args.dry_run:
+                tier.uncommit(step)
+        if args.dry_run and doomed:
+            print(f"{name}: (data of deleted steps is counted once they are deleted)")
+        removed = tier.collect(dry_run=args.dry_run)
+        for path in removed:
+            print(f"{name}: {verb} {path}")
+        total += len(removed)
+    done = "would be deleted (dry run)" if args.dry_run else "deleted"
+    print(f"{total} unreferenced or leftover file(s) {done}")
     return 0
 
 
@@ -141,8 +193,8 @@ class _Progress:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="snapcore", description="Inspect and manage snapcore stores.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    ls = sub.add_parser("ls", help="list the snapshots of a store")
-    ls.add_argument("store")
+    ls = sub.add_parser("ls", help="list the snapshots of a store, and the tiers holding them")
+    _tier_args(ls)
     ls.set_defaults(func=_cmd_ls)
     ins = sub.add_parser("inspect", help="show the tensors of a snapshot")
     ins.add_argument("store")
@@ -154,12 +206,26 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--step", type=int)
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(func=_cmd_verify)
-    gc = sub.add_parser("gc", help="remove leftovers of interrupted snapshots")
-    gc.add_argument("store")
-    gc.add_argument("--dry-run", action="store_true")
+    gc = sub.add_parser(
+        "gc", help="apply retention and remove unreferenced data and leftovers, per tier"
+    )
+    _tier_args(gc)
+    gc.add_argument(
+        "--retention",
+        metavar="TIER=N[+EVERY],...",
+        help="e.g. local=3,remote=2+10: keep the last N, plus every EVERY-th step",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="print what would be deleted")
     gc.set_defaults(func=_cmd_gc)
     sub.add_parser("plan", help="what-if for the checkpoint interval (see snapcore plan -h)")
     return p
+
+
+def _tier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", help="a local directory, or an fsspec URL (s3://bucket/prefix)")
+    p.add_argument("--remote", metavar="URL", help="the object-storage tier of this store")
+    p.add_argument("--host", metavar="NAME", help="the host-memory tier (/dev/shm/snapcore-NAME)")
+    p.add_argument("--storage-options", metavar="JSON", help="fsspec options for the remote")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -171,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except SnapcoreError as e:
+    except (SnapcoreError, ValueError) as e:
         print(f"snapcore {args.cmd}: {e}", file=sys.stderr)
         return 1
+    finally:
+        close_all()

@@ -70,7 +70,39 @@ def test_gc_removes_leftovers(tmp_path, capsys):
     os.close(p._fd)
     p._fd = None
     assert main(["gc", str(tmp_path), "--dry-run"]) == 0
-    assert "would remove" in capsys.readouterr().out and p.dir.exists()
+    out = capsys.readouterr().out
+    assert "would delete" in out and "would be deleted (dry run)" in out and p.dir.exists()
     assert main(["gc", str(tmp_path)]) == 0
-    assert "2 leftover file(s) removed" in capsys.readouterr().out
+    assert "2 unreferenced or leftover file(s) deleted" in capsys.readouterr().out
     assert not p.dir.exists()
+
+
+def test_ls_shows_tiers_and_gc_applies_retention(tmp_path, capsys):
+    import uuid
+
+    from snapcore.engine import close_all
+    from snapcore.tiers import HostTier
+
+    host = f"test-{uuid.uuid4().hex[:8]}"
+    try:
+        store = snapcore.Store(host=host, local=tmp_path)
+        for step in (1, 2, 3):
+            snapcore.save({"x": torch.full((1000,), float(step))}, store, step=step)
+        close_all()
+        assert main(["ls", str(tmp_path), "--host", host]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert "TIERS" in lines[0]
+        assert " local " in lines[1] and "host,local" in lines[2] and "host,local" in lines[3]
+        assert main(["gc", str(tmp_path), "--retention", "local=1", "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert "local: would delete step 1 (retention)" in out and "step 2" in out
+        assert snapcore.committed(tmp_path)["local"] == [1, 2, 3]
+        assert main(["gc", str(tmp_path), "--retention", "local=1"]) == 0
+        assert "local: deleted step 2 (retention)" in capsys.readouterr().out
+        assert snapcore.committed(tmp_path)["local"] == [3]
+        assert sorted(p.parent.name for p in tmp_path.rglob("*.bin")) == ["step-000000000003"]
+        assert main(["gc", str(tmp_path), "--retention", "disk=1"]) == 1
+        assert "unknown tier" in capsys.readouterr().err
+    finally:
+        close_all()
+        HostTier(host).release()
