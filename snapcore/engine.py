@@ -119,6 +119,7 @@ class Engine:
         self._copiers: dict[int, Any] = {}
         self._index: dict[str, dict[tuple[str, int, str], Location] | None] = {}
         self._uploading: set[int] = set()  # steps whose local files the uploader still needs
+        self._remote_collected = False
 
     @property
     def local_root(self) -> Path:
@@ -262,6 +263,11 @@ class Engine:
         if index is not None:
             self._add_to_index(index, m)
         t = self.tier(tier)
+        if tier == "remote" and not self._remote_collected:
+            self._remote_collected = True  # leftovers of uploads a crash interrupted
+            removed = t.collect()
+            if removed:
+                log.info("remote tier: removed %d leftover object(s)", len(removed))
         protected = self._uploading if tier == "local" else set()
         doomed = [
             s

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -228,7 +229,8 @@ class RemoteStoreTier:
         ctypes.memmove(address, data, length)
 
     def begin(self, step: int, token: str) -> None:
-        self.rt.put_bytes(f"{step_dir_name(step)}/{token}.pending", str(now()).encode())
+        mark = {"t": now(), "host": socket.gethostname(), "pid": os.getpid()}
+        self.rt.put_bytes(f"{step_dir_name(step)}/{token}.pending", json.dumps(mark).encode())
 
     def end(self, step: int, token: str) -> None:
         self.rt.delete([f"{step_dir_name(step)}/{token}.pending"])
@@ -249,18 +251,10 @@ class RemoteStoreTier:
             except (InvalidManifest, SnapshotNotFound):
                 return []
         live: set[str] = set()
-        stale: list[str] = []
         for name in names:
             m = self._PENDING.match(name)
-            if m:
-                try:
-                    started = float(self.rt.read_bytes(name))
-                except (ValueError, OSError):
-                    started = 0.0
-                if now() - started < self.PENDING_GRACE_S:
-                    live.add(m.group(1))
-                else:
-                    stale.append(name)
+            if m and _upload_alive(self.rt.read_bytes(name), self.PENDING_GRACE_S):
+                live.add(m.group(1))
         doomed = [
             n
             for n in names
@@ -272,6 +266,26 @@ class RemoteStoreTier:
         if not dry_run and doomed:
             self.rt.delete(doomed)
         return doomed
+
+
+def _upload_alive(mark: bytes, grace_s: float) -> bool:
+    """Whether the writer of a remote pending marker may still be uploading."""
+    try:
+        info = json.loads(mark)
+        started, host, pid = float(info["t"]), str(info["host"]), int(info["pid"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    if now() - started >= grace_s:
+        return False
+    if host != socket.gethostname():
+        return True  # another machine's process: only time tells
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _listdir(path: Path) -> list[str]:

@@ -74,6 +74,25 @@ class Upload:
         locs: dict[tuple[int, int], Location] = {}
         stored: dict[tuple[int, int], int] = {}
         reused = 0
+        whole = self._whole_file(index, target)
+        if whole is not None:  # the object is this snapshot's local file, as it is
+            try:
+                size, _ = remote.rt.upload_file(str(self.source.root / whole), name)
+            except BaseException:
+                remote.end(m.step, token)
+                raise
+            for b_i, blob in enumerate(m.blobs):
+                for j, c in enumerate(blob.chunks):
+                    f = m.files[c.file]
+                    key = (c.xxh3, c.raw_length, target)
+                    if f.name == whole:
+                        locs[(b_i, j)] = Location(name, c.offset, c.length, size)
+                    else:
+                        locs[(b_i, j)] = index[key]
+                        reused += c.raw_length
+                    stored[(b_i, j)] = locs[(b_i, j)].length
+            self._finish(remote, token, locs, stored, target, size, reused)
+            return
         try:
             for b_i, blob in enumerate(m.blobs):
                 for j, c in enumerate(blob.chunks):
@@ -123,12 +142,43 @@ class Upload:
         for at, key in placed.items():
             offset, length = new[key]
             locs[at] = Location(name, offset, length, size)
+        self._finish(remote, token, locs, stored, target, size, reused)
+
+    def _finish(
+        self,
+        remote: RemoteStoreTier,
+        token: str,
+        locs: dict[tuple[int, int], Location],
+        stored: dict[tuple[int, int], int],
+        target: str,
+        size: int,
+        reused: int,
+    ) -> None:
         rm = self._manifest(locs, stored, target)
         remote.commit(rm)
-        remote.end(m.step, token)
+        remote.end(self.m.step, token)
         self.handle.stats.written["remote"] = size
         self.handle.stats.reused["remote"] = reused
-        engine.after_commit("remote", rm)
+        self.engine.after_commit("remote", rm)
+
+    def _whole_file(self, index: dict[tuple[str, int, str], Location], target: str) -> str | None:
+        """The name of this snapshot's local data file if the remote needs exactly the
+        chunks it holds, in the same codec (the common case): it is then uploaded as is."""
+        if self.arena is not None:
+            return None
+        own = f"{step_dir_name(self.m.step)}/data-"
+        mine = {f.name for f in self.m.files if f.name.startswith(own)}
+        if len(mine) != 1:
+            return None
+        (whole,) = mine
+        for b in self.m.blobs:
+            for c in b.chunks:
+                in_file = self.m.files[c.file].name == whole
+                if c.codec != target:
+                    return None
+                if in_file == ((c.xxh3, c.raw_length, target) in index):
+                    return None  # a chunk of the file the remote has, or one it lacks elsewhere
+        return whole
 
     def _any_codec(self) -> bool:
         return any(c.codec != "none" for b in self.m.blobs for c in b.chunks)

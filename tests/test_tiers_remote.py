@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
+import os
 import shutil
+import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +224,31 @@ def test_full_local_disk_is_a_clear_error_and_loses_nothing(tmp_path, monkeypatc
         snapcore.save({"x": torch.full((1 << 16,), 3.0)}, disk, step=3)
         assert LocalStore(disk).committed_steps() == [1, 3]
         close_all()
+
+
+def test_leftovers_of_an_interrupted_upload_are_collected(tmp_path, s3_bucket):
+    store = snapcore.Store(
+        local=tmp_path, remote=s3_bucket.url, storage_options=s3_bucket.storage_options
+    )
+    snapcore.save(state_at(1, 1024), store, step=1)
+    remote = engine_for(store).remote
+    # a writer on this host that died mid-upload: its marker names a pid that is gone
+    mark = {"t": time.time(), "host": socket.gethostname(), "pid": _dead_pid()}
+    remote.rt.put_bytes("step-000000000002/abc123.pending", json.dumps(mark).encode())
+    remote.rt.put_bytes("step-000000000002/data-abc123-r0.bin", b"partial")
+    # and one that is alive (this process): its objects must stay
+    live = {"t": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+    remote.rt.put_bytes("step-000000000003/def456.pending", json.dumps(live).encode())
+    remote.rt.put_bytes("step-000000000003/data-def456-r0.bin", b"in flight")
+    close_all()
+    snapcore.save(state_at(4, 1024), store, step=4)  # a new run's first upload collects
+    names = set(engine_for(store).remote.rt.list(""))
+    assert "step-000000000002/data-abc123-r0.bin" not in names
+    assert "step-000000000003/data-def456-r0.bin" in names
+    assert snapcore.committed(store)["remote"] == [1, 4]
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
