@@ -120,6 +120,8 @@ class Engine:
         self._index: dict[str, dict[tuple[str, int, str], Location] | None] = {}
         self._uploading: set[int] = set()  # steps whose local files the uploader still needs
         self._remote_collected = False
+        self._slot_steps: list[set[int]] = [set(), set()]  # host steps held by each slot
+        self._slot_last: int | None = None  # the slot staged into last
 
     @property
     def local_root(self) -> Path:
@@ -165,11 +167,14 @@ class Engine:
             if self.host is not None and not self._claimed:
                 self.host.claim(self.config.identity())
                 self._release_stale_host()
+                self._slot_steps = self.host.steps_by_slot()
                 self._claimed = True
             slot = self._free_slot()
             self._raise_unreported()  # the snapshot that used this slot may have failed
             if self.host is not None:
-                self.host.uncommit_slot(slot)
+                # Its host snapshots become invisible before their memory is overwritten.
+                self.host.uncommit_steps(self._slot_steps[slot])
+                self._slot_steps[slot] = {step}
             size = self._arena_size(layout, budget if streaming else None)
             arena = self._arena(slot, size)
             stats = SaveStats(step, layout.data_bytes, layout.total, streaming=streaming)
@@ -307,11 +312,15 @@ class Engine:
                 ) from exc
 
     def _free_slot(self) -> int:
-        """The arena slot to stage into; waits until it is no longer read."""
+        """The arena slot to stage into (not the one holding the newest host snapshot, nor
+        the one being written); waits until it is no longer read."""
         slot = 0
         if self.host is not None:
-            in_use = self.host.slot_in_use()
-            slot = 1 - in_use if in_use is not None else 0
+            newest = [max(steps, default=-1) for steps in self._slot_steps]
+            slot = 0 if self._slot_last == 1 else 1
+            if self._slot_last is None:  # first save: keep the newest committed one
+                slot = 0 if newest[0] <= newest[1] else 1
+            self._slot_last = slot
         fut = self._slot_free[slot]
         if fut is not None:
             fut.result()

@@ -129,27 +129,23 @@ class HostTier(LocalTier):
     def slot_path(self, slot: int) -> Path:
         return self.root / self.slot_name(slot)
 
-    def slot_in_use(self) -> int | None:
-        """The slot holding the newest committed host snapshot."""
-        steps = self.committed_steps()
-        if not steps:
-            return None
-        names = {f.name for f in self.read_manifest(steps[-1]).files}
-        for i in range(self.SLOTS):
-            if self.slot_name(i) in names:
-                return i
-        return None
-
-    def uncommit_slot(self, slot: int) -> None:
-        """Remove every host manifest that references ``slot``: it is about to be reused."""
+    def steps_by_slot(self) -> list[set[int]]:
+        """The committed host steps whose data lie in each slot (read once, at claim)."""
+        out: list[set[int]] = [set() for _ in range(self.SLOTS)]
         for step in self.committed_steps():
             try:
                 names = {f.name for f in self.read_manifest(step).files}
             except (InvalidManifest, SnapshotNotFound):
-                names = {self.slot_name(slot)}
-            if self.slot_name(slot) in names:
-                self.uncommit(step)
-                shutil.rmtree(self.root / step_dir_name(step), ignore_errors=True)
+                names = {self.slot_name(i) for i in range(self.SLOTS)}  # unknown: any slot
+            for i in range(self.SLOTS):
+                if self.slot_name(i) in names:
+                    out[i].add(step)
+        return out
+
+    def uncommit_steps(self, steps: Iterable[int]) -> None:
+        for step in steps:
+            self.uncommit(step)
+            shutil.rmtree(self.root / step_dir_name(step), ignore_errors=True)
 
     def identity(self) -> dict[str, Any] | None:
         try:
