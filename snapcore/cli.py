@@ -1,4 +1,4 @@
-"""The ``snapcore`` command: ls, inspect, verify, gc, plan."""
+"""The ``snapcore`` command: ls, inspect, verify, gc, plan, journal."""
 
 from __future__ import annotations
 
@@ -170,6 +170,28 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_journal(args: argparse.Namespace) -> int:
+    """The run journal's events, failures and the failure rate they give."""
+    from .journal import history_json, history_text, journal_path, read_history
+    from .scheduler.rate import LLAMA3_RATE_PER_DEVICE_HOUR, RatePrior
+
+    store = args.store if args.store.endswith(".jsonl") else _store(args)
+    if journal_path(store) is None:
+        print(f"{args.store}: a store with object storage only keeps no journal", file=sys.stderr)
+        return 1
+    history = read_history(store)
+    prior = None
+    if args.devices is not None:
+        rate = args.rate_per_device_hour or LLAMA3_RATE_PER_DEVICE_HOUR
+        prior = RatePrior.from_devices(args.devices, rate)
+    estimate = history.estimate(prior) if prior or history.exposure_hours > 0 else None
+    if args.json:
+        print(json.dumps(history_json(history, estimate)))
+    else:
+        print("\n".join(history_text(history, estimate)))
+    return 0
+
+
 class _Progress:
     def __init__(self, label: str, *, enabled: bool) -> None:
         self.label = label
@@ -218,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted")
     gc.set_defaults(func=_cmd_gc)
     sub.add_parser("plan", help="what-if for the checkpoint interval (see snapcore plan -h)")
+    jr = sub.add_parser("journal", help="the run journal: starts, restores, exits, failure rate")
+    _tier_args(jr)
+    jr.add_argument("--devices", type=int, help="prior: this many devices (default: no prior)")
+    jr.add_argument("--rate-per-device-hour", type=float, help="prior (default: Llama 3's)")
+    jr.add_argument("--json", action="store_true", help="print one JSON object")
+    jr.set_defaults(func=_cmd_journal)
     return p
 
 

@@ -1,0 +1,328 @@
+"""The run journal: crash-safe appends, a reader that never raises, failure counting."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import snapcore
+from snapcore import journal as jn
+from snapcore.cli import main as cli_main
+from snapcore.scheduler.plan import plan_main
+from snapcore.scheduler.rate import estimate_from_history
+from snapcore.tiers import HostTier
+
+HOUR = 3600.0
+
+
+def write_runs(path: Path, runs: list[list[tuple[str, dict[str, object]]]]) -> list[str]:
+    """Each run: a list of (event, fields); ``at`` in the fields is the event time."""
+    ids = []
+    for events in runs:
+        w = jn.JournalWriter(path)
+        ids.append(w.run)
+        for kind, fields in events:
+            w.append(kind, **fields)
+        w.close()
+    return ids
+
+
+def start(at: float) -> tuple[str, dict[str, object]]:
+    return "start", {"at": at, "pid": 1, "host": "h", "devices": 8}
+
+
+def test_missing_journal_is_empty(tmp_path):
+    assert jn.failure_history(tmp_path) == (0, 0.0)
+    c = jn.read_journal(tmp_path / "none.jsonl")
+    assert c.events == [] and not c.torn and not c.live
+    assert jn.journal_path(snapcore.Store(remote="memory://x")) is None
+    assert jn.failure_history(snapcore.Store(remote="memory://x")) == (0, 0.0)
+
+
+def test_journal_location(tmp_path):
+    assert jn.journal_path(tmp_path) == tmp_path / "journal.jsonl"
+    assert jn.journal_path(snapcore.Store(host="x", local=tmp_path)) == tmp_path / "journal.jsonl"
+    assert jn.journal_path(snapcore.Store(host="x", remote="memory://y")) == (
+        HostTier("x").root / "journal.jsonl"
+    )
+    assert jn.journal_path(str(tmp_path / "j.jsonl")) == tmp_path / "j.jsonl"
+
+
+def test_clean_runs_are_exposure_only(tmp_path):
+    write_runs(
+        tmp_path / "journal.jsonl",
+        [
+            [start(0), ("snapshot", {"at": HOUR, "step": 5, "tiers": ["local"]}),
+             ("exit", {"at": 2 * HOUR, "clean": True})],
+            [start(3 * HOUR), ("restore", {"at": 3 * HOUR + 1, "step": 5, "tier": "local"}),
+             ("exit", {"at": 4 * HOUR, "clean": True})],
+        ],
+    )  # fmt: skip
+    h = jn.read_history(tmp_path)
+    assert h.failures == 0
+    assert h.exposure_hours == pytest.approx(3.0)
+    assert [r.clean for r in h.runs] == [True, True]
+    assert jn.failure_history(tmp_path) == (0, pytest.approx(3.0))
+
+
+def test_unclean_ends_are_classed_by_the_next_restore(tmp_path):
+    write_runs(
+        tmp_path / "journal.jsonl",
+        [
+            # crashed; the next run restored from host memory: the machine survived
+            [start(0), ("snapshot", {"at": HOUR, "step": 1, "tiers": ["host"]})],
+            [start(2 * HOUR), ("restore", {"at": 2 * HOUR, "step": 1, "tier": "host"}),
+             ("snapshot", {"at": 3 * HOUR, "step": 2, "tiers": ["host", "remote"]})],
+            # lost the machine: the next run read local disk and object storage
+            [start(4 * HOUR), ("restore", {"at": 4 * HOUR, "step": 2, "tier": "local+remote"}),
+             ("exit", {"at": 5 * HOUR, "clean": False, "reason": "RuntimeError"})],
+            # ended by an unclean exit; the next run found nothing to restore
+            [start(6 * HOUR), ("exit", {"at": 6.5 * HOUR, "clean": True})],
+        ],
+    )  # fmt: skip
+    h = jn.read_history(tmp_path)
+    assert [r.failure for r in h.runs] == [jn.PROCESS, jn.MACHINE, jn.UNKNOWN, None]
+    assert h.by_class == {jn.PROCESS: 1, jn.MACHINE: 1, jn.UNKNOWN: 1}
+    assert h.failures == 3
+    assert h.exposure_hours == pytest.approx(1 + 1 + 1 + 0.5)
+    assert jn.failure_class("host+local") == jn.PROCESS
+    assert jn.failure_class("remote") == jn.MACHINE
+
+
+def test_the_last_run_is_a_failure_unless_live(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    [_, last] = write_runs(
+        path, [[start(0), ("exit", {"at": HOUR, "clean": True})], [start(2 * HOUR)]]
+    )
+    assert jn.read_history(tmp_path).failures == 1  # nobody holds the journal: it died
+    assert jn.read_history(tmp_path).by_class[jn.UNKNOWN] == 1
+    assert jn.read_history(tmp_path, live_runs=[last]).failures == 0
+    # a live writer holds the journal's lock: the newest run is going on, not failed
+    w = jn.JournalWriter(path)
+    try:
+        h = jn.read_history(tmp_path)
+        assert h.contents.live and h.runs[-1].live and h.failures == 0
+        assert jn.failure_history(tmp_path) == (0, pytest.approx(1.0))
+    finally:
+        w.close()
+    assert not jn.read_journal(path).live
+
+
+def test_a_rollback_is_a_failure_inside_a_run(tmp_path):
+    write_runs(
+        tmp_path / "journal.jsonl",
+        [[start(0), ("restore", {"at": 1, "step": 0, "tier": "host"}),
+          ("restore", {"at": HOUR, "step": 9, "tier": "host", "rollback": True}),
+          ("exit", {"at": 2 * HOUR, "clean": True})]],
+    )  # fmt: skip
+    h = jn.read_history(tmp_path)
+    assert h.failures == 1 and h.by_class[jn.PROCESS] == 1
+
+
+def test_damaged_lines_are_skipped_and_counted(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    [run] = write_runs(path, [[start(0)]])
+    good = {"v": 1, "event": "exit", "time": HOUR, "run": run, "clean": True}
+    bad_lines = [
+        b"not json",
+        b"[1, 2]",
+        b'"a string"',
+        json.dumps({**good, "time": True}).encode(),
+        json.dumps({**good, "time": "1"}).encode(),
+        b'{"v":1,"event":"exit","time":NaN,"run":"x","clean":true}',
+        json.dumps({**good, "run": ""}).encode(),
+        json.dumps({**good, "clean": "yes"}).encode(),
+        json.dumps({"v": 1, "event": "snapshot", "time": 1, "run": run, "step": "7"}).encode(),
+        json.dumps({"v": 1, "event": "restore", "time": 1, "run": run, "step": 1}).encode(),
+        b"\xff\xfe\x00garbage",
+        b'{"v":1,"event":"exit","time":1,"run":"' + b"x" * (20 << 10) + b'","clean":true}',
+        b"[" * 15_000,  # deep nesting: json raises RecursionError, not ValueError
+    ]
+    with open(path, "ab") as f:
+        for line in bad_lines:
+            f.write(line + b"\n")
+        f.write(json.dumps({**good, "event": "checkpoint-v2"}).encode() + b"\n")
+        f.write(b"\n   \n")  # blank lines are nothing
+        f.write(json.dumps(good).encode() + b"\n")
+        f.write(b'{"v":1,"event":"snapshot","ti')  # torn
+    c = jn.read_journal(path)
+    assert c.malformed == len(bad_lines)
+    assert c.unknown == 1
+    assert c.torn
+    assert [e.kind for e in c.events] == ["start", "exit"]
+    h = jn.analyse(c)
+    assert h.failures == 0 and h.exposure_hours == pytest.approx(1.0)
+
+
+def test_reader_never_raises_on_random_damage(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    write_runs(
+        path,
+        [[start(0), ("snapshot", {"at": 1, "step": 1, "tiers": ["host"]}),
+          ("exit", {"at": 2, "clean": True})],
+         [start(3), ("restore", {"at": 4, "step": 1, "tier": "host"})]],
+    )  # fmt: skip
+    original = path.read_bytes()
+    rng = random.Random(4)
+    for _ in range(200):
+        data = bytearray(original)
+        for _ in range(rng.randint(1, 8)):
+            op = rng.random()
+            i = rng.randrange(len(data))
+            if op < 0.5:
+                data[i] = rng.randrange(256)
+            elif op < 0.8:
+                del data[i : i + rng.randint(1, 20)]
+            else:
+                data[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 5)))
+        path.write_bytes(bytes(data))
+        h = jn.analyse(jn.read_journal(path))  # must not raise
+        assert h.failures >= 0 and h.exposure_hours >= 0
+
+
+def test_a_torn_tail_is_ended_before_the_next_append(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    write_runs(path, [[start(0)]])
+    with open(path, "ab") as f:  # a crash mid-append (a power cut: part of the line)
+        f.write(b'{"v":1,"event":"snapshot","time":5,"run":"ab')
+    assert jn.read_journal(path).torn
+    [run] = write_runs(path, [[start(HOUR), ("exit", {"at": 2 * HOUR, "clean": True})]])
+    c = jn.read_journal(path)
+    assert not c.torn and c.malformed == 1  # the torn line, alone on its line
+    assert [e.kind for e in c.events] == ["start", "start", "exit"]
+    assert c.events[-1].run == run
+
+
+def test_writer_refuses_nonsense(tmp_path):
+    w = jn.JournalWriter(tmp_path / "journal.jsonl")
+    with pytest.raises(ValueError, match="unknown journal event"):
+        w.append("heartbeat")
+    with pytest.raises(ValueError, match="bytes"):
+        w.append("exit", clean=True, reason="x" * (20 << 10))
+    w.close()
+    with pytest.raises(ValueError, match="closed"):
+        w.append("exit", clean=True)
+
+
+# The child imports snapcore.journal without snapcore/__init__.py, which imports torch
+# (3 s a child); the journal needs none of it.
+LIGHT_IMPORT = textwrap.dedent(
+    """
+    import importlib.util, sys, types
+    pkg = types.ModuleType("snapcore")
+    pkg.__path__ = list(importlib.util.find_spec("snapcore").submodule_search_locations)
+    sys.modules["snapcore"] = pkg
+    """
+)
+
+CHILD = LIGHT_IMPORT + textwrap.dedent(
+    """
+    from snapcore.journal import JournalWriter
+    assert "torch" not in sys.modules
+    w = JournalWriter(sys.argv[1])
+    w.start(devices=1)
+    sys.stdout.write("ready\\n")
+    sys.stdout.flush()
+    i = 0
+    while True:  # as fast as it can: fdatasync on every line
+        w.append("snapshot", step=i, tiers=["local"], pad="x" * (i % 300))
+        i += 1
+    """
+)
+
+
+def test_journal_survives_sigkill_mid_append(tmp_path):
+    """A child appends in a tight loop and is killed at random moments, several times: every
+    complete line parses, at most one line is torn (the last), and appends go on."""
+    path = tmp_path / "journal.jsonl"
+    rng = random.Random(7)
+    runs: list[str] = []
+    kills = 8
+    for _ in range(kills):
+        with subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True
+        ) as child:
+            try:
+                assert child.stdout is not None and child.stdout.readline() == "ready\n"
+                time.sleep(rng.uniform(0.02, 0.15))
+            finally:
+                child.send_signal(signal.SIGKILL)
+        assert child.returncode == -signal.SIGKILL
+        raw = path.read_bytes()
+        c = jn.read_journal(path)
+        assert not c.live  # the dead child's lock is gone
+        assert c.torn == (not raw.endswith(b"\n") and bool(raw))
+        unterminated = bool(raw) and not raw.endswith(b"\n")
+        assert len(c.events) + c.malformed == raw.count(b"\n") + (unterminated and not c.torn)
+        assert c.malformed <= len(runs)  # only torn tails of earlier kills, ended since
+        runs.append(c.events[-1].run)
+        for run in runs:  # each child's steps: 0, 1, 2, ... with no gap
+            steps = [e.data["step"] for e in c.events if e.run == run and e.kind == "snapshot"]
+            assert steps == list(range(len(steps))) and steps
+    h = jn.read_history(tmp_path)
+    assert len(h.runs) == kills
+    assert h.failures == kills and h.by_class[jn.UNKNOWN] == kills  # killed, and nobody restored
+    w = jn.JournalWriter(path)  # still usable
+    w.exit(clean=True)
+    w.close()
+    c = jn.read_journal(path)
+    assert c.events[-1].kind == "exit" and not c.torn
+
+
+def test_live_writer_in_another_process(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    code = LIGHT_IMPORT + (
+        "import time; from snapcore.journal import JournalWriter\n"
+        "w = JournalWriter(sys.argv[1]); w.start(devices=2); print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+            h = jn.read_history(tmp_path)
+            assert h.runs[-1].live and h.failures == 0
+        finally:
+            child.kill()
+    h = jn.read_history(tmp_path)
+    assert not h.runs[-1].live and h.failures == 1
+
+
+def test_plan_journal_option_reads_the_history(tmp_path, capsys):
+    write_runs(
+        tmp_path / "journal.jsonl",
+        [[start(0)], [start(10 * HOUR), ("restore", {"at": 10 * HOUR, "step": 1, "tier": "remote"}),
+                      ("exit", {"at": 20 * HOUR, "clean": True})]],
+    )  # fmt: skip
+    assert plan_main(["--journal", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # one failure in 10 h of exposure (a dead run with no event after its start has none)
+    want = estimate_from_history(1, 10.0).conservative_mtbf_hours
+    assert out["mtbf_s"] == pytest.approx(3600 * want)
+
+
+def test_cli_journal_verb(tmp_path, capsys):
+    write_runs(
+        tmp_path / "journal.jsonl",
+        [[start(0)], [start(HOUR), ("restore", {"at": HOUR, "step": 3, "tier": "host"}),
+                      ("exit", {"at": 2 * HOUR, "clean": True})]],
+    )  # fmt: skip
+    assert cli_main(["journal", str(tmp_path), "--devices", "16384"]) == 0
+    text = capsys.readouterr().out
+    assert "restore   step 3 from host" in text
+    assert "1 failure(s): 1 process crash(es)" in text
+    assert "MTBF" in text
+    assert cli_main(["journal", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["failures"] == 1 and out["failures_by_class"]["process"] == 1
+    assert [e["event"] for e in out["events"]] == ["start", "start", "restore", "exit"]
+    assert out["rate"]["conservative_per_hour"] > out["rate"]["mean_per_hour"] > 0
+    assert cli_main(["journal", str(tmp_path / "empty")]) == 0
+    assert "no events" in capsys.readouterr().out
