@@ -252,3 +252,22 @@ def _dead_pid() -> int:
     p = subprocess.Popen(["true"])
     p.wait()
     return p.pid
+
+
+def test_damage_inside_a_coalesced_remote_read_is_found(tmp_path, s3_bucket):
+    store = snapcore.Store(remote=s3_bucket.url, storage_options=s3_bucket.storage_options)
+    snapcore.save(state_at(6), store, step=6)
+    remote = engine_for(store).remote
+    m = remote.read_manifest(6)
+    c = m.blobs[1].chunks[0]
+    name = m.files[c.file].name
+    raw = bytearray(remote.rt.read_bytes(name))
+    raw[c.offset + 5] ^= 0x10
+    remote.rt.put_bytes(name, bytes(raw))
+    close_all()
+    with pytest.raises(snapcore.CorruptSnapshot) as e:
+        snapcore.load(store)
+    assert e.value.tensor == "i" and e.value.chunk == 0
+    assert s3_bucket.url in str(e.value) and name in str(e.value)
+    out = snapcore.load(store, verify=False)
+    assert torch.equal(out["w"], state_at(6)["w"])  # the chunks around it were read
