@@ -110,16 +110,18 @@ def build_state(size_gb: float) -> tuple[Any, Any, Result]:
         for p in model.parameters():
             p.uniform_(-0.02, 0.02, generator=gen)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    # One shared gradient per shape: Adam only reads it, and it saves a parameter-sized copy.
-    grads = {
-        shape: torch.full(shape, 1e-3) for shape in {tuple(p.shape) for p in model.parameters()}
-    }
+    # One step for each parameter in turn (Adam skips parameters without a gradient), with
+    # a gradient of its own in a buffer shared per shape: no parameter-sized copies, and
+    # no two chunks of the state alike (snapcore stores identical chunks once, and a
+    # constant or shared gradient would make Adam's moments identical across layers).
+    buffers = {shape: torch.empty(shape) for shape in {tuple(p.shape) for p in model.parameters()}}
     for p in model.parameters():
-        p.grad = grads[tuple(p.shape)]
-    opt.step()
-    for p in model.parameters():
+        grad = buffers[tuple(p.shape)]
+        torch.mul(p.detach(), 0.05, out=grad)
+        p.grad = grad
+        opt.step()
         p.grad = None
-    del grads
+    del buffers
     gc.collect()
     tensors = state_tensors(model, opt)
     info = {
@@ -173,15 +175,17 @@ def probe_memcpy(address: int, size: int, reps: int = 2) -> float:
     return best
 
 
-def probe_odirect(path: Path, address: int, size: int) -> float:
-    """Bandwidth of one O_DIRECT write of ``size`` bytes at ``address``, fdatasync included."""
+def probe_odirect(path: Path, address: int, size: int, total: int) -> float:
+    """Bandwidth of O_DIRECT writes of ``total`` bytes, ``size`` at a time from ``address``
+    (the same buffer at successive offsets), fdatasync included."""
     from snapcore import _native
 
     t0 = time.perf_counter()
     with _native.FileWriter(str(path), direct=True) as w:
-        w.write_at(0, address, size)
+        for offset in range(0, total, size):
+            w.write_at(offset, address, min(size, total - offset))
         w.sync()
-    rate = size / (time.perf_counter() - t0)
+    rate = total / (time.perf_counter() - t0)
     path.unlink()
     return rate
 
@@ -291,59 +295,91 @@ def phase_machine(args: argparse.Namespace, work: Path) -> Result:
 
 
 # -- phase: snapcore --------------------------------------------------------------------------
-def _close_engine(store: Path) -> None:
+def _close_engine(store: Any) -> None:
+    """Close the store's engine (frees its arena) and forget it."""
     import snapcore.engine
 
+    engine = snapcore.engine.engine_for(store)
     with contextlib.suppress(Exception):
-        snapcore.engine.engine_for(store).close()
-    snapcore.engine._engines.pop(store.absolute(), None)
+        engine.close()
+    with snapcore.engine._engines_lock:
+        for key in [k for k, e in snapcore.engine._engines.items() if e is engine]:
+            del snapcore.engine._engines[key]
 
 
-def _remove_steps(store: Path, keep: int | None) -> None:
-    for d in store.glob("step-*"):
-        if keep is None or int(d.name.split("-")[1]) != keep:
-            shutil.rmtree(d, ignore_errors=True)
+def snapcore_store(work: Path) -> Any:
+    """The local store every phase uses: the last 2 snapshots kept, as a run would."""
+    import snapcore
+
+    return snapcore.Store(local=work / "snapcore-store", retention={"local": 2})
+
+
+def perturb(tensors: list[Any]) -> None:
+    """Change every element, as a training step does, so that no chunk of the next
+    snapshot equals one already stored (snapcore stores identical chunks once). A product
+    keeps distinct values distinct, where a sum could round tiny ones to one value."""
+    import torch
+
+    with torch.no_grad():
+        torch._foreach_mul_(tensors, 1.0 + 2.0**-10)
+
+
+def fingerprint(tensors: list[Any]) -> list[float]:
+    """Sums of two tensors past the first 4-byte step tensor (where the read probes of the
+    restore phase land shifted)."""
+    return [float(t.double().sum()) for t in (tensors[len(tensors) // 2], tensors[-1])]
 
 
 def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
     """async_save (first = cold arena, then warm) and the blocking save, to one store.
 
-    Around the warm saves: memcpy inside the (idle) arena, a bare copy_host of the state's
-    tensors into it (what staging costs without snapcore's bookkeeping) and O_DIRECT
-    writes of it, so that each target has a probe taken next to it.
+    Around the warm saves, with a probe arena of its own (up to 1 GiB, allocated before
+    the baseline RSS is taken): memcpy inside it, a bare copy_host of the state's tensors
+    into it (what staging costs without snapcore's bookkeeping) and O_DIRECT writes of
+    state-sized files from it, so that each target has a probe taken next to it.
     """
     import snapcore
-    import snapcore.engine
     from snapcore import _native
 
     model, opt, info = build_state(args.size_gb)
     state = {"model": model, "optim": opt}
     tensors = state_tensors(model, opt)
-    store = work / "snapcore-store"
+    page = _native.page_size()
+    probe_arena = _native.Arena(max(page, min(GIB, info["state_bytes"]) // page * page))
+    ctypes.memset(probe_arena.address, 0x5A, probe_arena.size)
+    gc.collect()
+    info["baseline_rss"] = _status_bytes("VmRSS")  # the state and the probe arena
+    store = snapcore_store(work)
     probe_file = work / "odirect-probe.bin"
     runs: list[Result] = []
     odirect: list[float] = []
     step = 0
 
-    def arena() -> Any:
-        return snapcore.engine.engine_for(store).arena
-
     def bare_copy() -> float:
-        a = arena()
         copies, offset = [], 0
         for t in tensors:
             n = t.numel() * t.element_size()
-            copies.append((a.address + offset, t.data_ptr(), n))
+            if offset + n > probe_arena.size:
+                offset = 0  # wrap around: the arena is larger than any cache
+            copies.append((probe_arena.address + offset, t.data_ptr(), min(n, probe_arena.size)))
             offset += -(-n // 64) * 64
         t0 = time.perf_counter()
         _native.copy_host(copies, 0)
         return time.perf_counter() - t0
 
+    def odirect_probe() -> None:
+        odirect.append(
+            probe_odirect(probe_file, probe_arena.address, probe_arena.size, info["state_bytes"])
+        )
+
     for i in range(1 + args.repeats):
         step += 1
         probe: Result = {}
-        if i > 0:  # the arena exists and is idle: probe it right before the save
-            probe["memcpy_Bps"] = probe_memcpy(arena().address, arena().size)
+        if i > 0:
+            probe["memcpy_Bps"] = probe_memcpy(probe_arena.address, probe_arena.size)
+        if i == 1:  # around the warm saves
+            odirect_probe()
+        perturb(tensors)
         with Peak(info["baseline_rss"]) as peak:
             t0 = time.perf_counter()
             h = snapcore.async_save(state, store, step=step)
@@ -352,8 +388,8 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
             durable = time.perf_counter() - t0
         if i > 0:
             probe["bare_copy_s"] = bare_copy()
-        if i in (0, args.repeats):  # O_DIRECT before the first warm save and after the last
-            odirect.append(probe_odirect(probe_file, arena().address, arena().size))
+        if i == args.repeats:
+            odirect_probe()
         runs.append(
             {
                 "step": step,
@@ -361,17 +397,17 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
                 "staged_s": stats.staged_s,
                 "durable_s": durable,
                 "write_s": durable - stats.staged_s,
-                "engine_durable_s": stats.durable_s,
                 "peak_extra": peak.extra,
                 "o_direct": stats.o_direct,
-                "file_bytes": stats.file_bytes,
+                "written": stats.written.get("local"),
+                "reused": stats.reused.get("local"),
                 **probe,
             }
         )
-        _remove_steps(store, keep=step)
     blocking: list[Result] = []
     for _ in range(2):
         step += 1
+        perturb(tensors)
         with Peak(info["baseline_rss"]) as peak:
             t0 = time.perf_counter()
             stats = snapcore.save(state, store, step=step)
@@ -385,12 +421,11 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
                 "peak_extra": peak.extra,
             }
         )
-        _remove_steps(store, keep=step)
 
     # Staging, interleaved: snapcore's async_save, DCP's DefaultStager as async_save uses
     # it (staging thread, cache reused) and a bare copy_host, round after round, so that
-    # all three see the same memory bandwidth. Peak RSS is not taken here: DCP's cache is
-    # alive too.
+    # all three see the same memory bandwidth; who goes first alternates. Peak RSS is not
+    # taken here: DCP's cache is alive too.
     duel: list[Result] = []
     if args.duel_rounds:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -403,27 +438,32 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
             staged.result()
 
         dcp_stage()  # allocates its copy
-        for _ in range(args.duel_rounds):
-            step += 1
-            h = snapcore.async_save(state, store, step=step)
-            snap = h.wait().staged_s
+
+        def timed_dcp_stage() -> float:
             t0 = time.perf_counter()
             dcp_stage()
-            dcp_s = time.perf_counter() - t0
+            return time.perf_counter() - t0
+
+        for i in range(args.duel_rounds):
+            step += 1
+            perturb(tensors)
+            dcp_s = timed_dcp_stage() if i % 2 else 0.0
+            snap = snapcore.async_save(state, store, step=step).wait().staged_s
+            dcp_s = dcp_s or timed_dcp_stage()
             duel.append({"snapcore_s": snap, "dcp_s": dcp_s, "bare_copy_s": bare_copy()})
-            _remove_steps(store, keep=step)
         stager.close()
         del stager
         gc.collect()
     _close_engine(store)
+    probe_arena.close()
     return {
         **info,
         "async": runs,
         "save": blocking,
         "duel": duel,
         "odirect_Bps": odirect,
-        "store": str(store),
         "kept_step": step,
+        "kept_fingerprint": fingerprint(tensors),  # what the restore phase must get back
     }
 
 
@@ -433,10 +473,12 @@ def phase_torch_save(args: argparse.Namespace, work: Path) -> Result:
 
     model, opt, info = build_state(args.size_gb)
     runs: list[Result] = []
+    tensors = state_tensors(model, opt)
     path = work / "torch-save.pt"
     for i in range(2):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+        perturb(tensors)
         with Peak(info["baseline_rss"]) as peak:
             t0 = time.perf_counter()
             with open(path, "wb") as f:
@@ -591,13 +633,18 @@ def phase_restore(args: argparse.Namespace, work: Path) -> Result:
     model, opt, info = build_state(args.size_gb)
     state = {"model": model, "optim": opt}
     tensors = state_tensors(model, opt)
-    store = work / "snapcore-store"
+    store = snapcore_store(work)
+    root = Path(store.local)
     torch_file = work / "torch-save.pt"
     dcp_dir = work / "dcp-ckpt"
+    saved = work / "snapcore.json"
     # Phases run alone (--phases restore) write what they need first.
-    if not list(store.glob("step-*/manifest.json")):
+    if saved.exists() and snapcore.committed(store).get("local"):
+        expected = json.loads(saved.read_text())["kept_fingerprint"]
+    else:
         snapcore.save(state, store, step=1)
         _close_engine(store)
+        expected = fingerprint(tensors)
     if not torch_file.exists():
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, torch_file)
         _fsync_path(torch_file)
@@ -620,22 +667,19 @@ def phase_restore(args: argparse.Namespace, work: Path) -> Result:
             "page_cache_dropped": dropped,
         }
 
-    def fingerprint() -> list[float]:
-        # Tensors past the first 4-byte step tensor: the probe's reads land shifted there.
-        return [float(t.double().sum()) for t in (tensors[len(tensors) // 2], tensors[-1])]
-
-    sc_files = sorted(glob.glob(f"{store}/step-*/data-*.bin"))
-    expected = fingerprint()  # the state equals the saved one: it is built deterministically
+    # Every data file is dropped from the page cache; the newest one is read by the probes.
+    sc_files = sorted(glob.glob(f"{root}/**/*.bin", recursive=True))
+    newest = max(sc_files, key=os.path.getmtime)
     # Restores alternate with probes of the same file: the disk's cache on the host side
     # speeds up a file that was just read, so each restore has a probe on either side.
     cold: list[Result] = []
     restores: list[Result] = []
     for streams in (1, 4):
-        cold.append({"streams": streams, "Bps": probe_cold_read(sc_files[0], tensors, streams)})
+        cold.append({"streams": streams, "Bps": probe_cold_read(newest, tensors, streams)})
         measure("snapcore_restore", sc_files, lambda: snapcore.restore(state, store))
         restores.append(out["snapcore_restore"])
-        restores[-1]["state_matches"] = fingerprint() == expected
-    cold.append({"streams": 1, "Bps": probe_cold_read(sc_files[0], tensors, 1)})
+        restores[-1]["state_matches"] = fingerprint(tensors) == expected
+    cold.append({"streams": 1, "Bps": probe_cold_read(newest, tensors, 1)})
     out["cold_read"] = cold
     out["snapcore_restore_runs"] = restores
     out["snapcore_restore"] = min(restores, key=lambda x: x["seconds"])
@@ -781,7 +825,7 @@ def check_targets(r: Result) -> list[Result]:
         1.2 * ideal if ideal else None,
         f"best warm staging {_s(staged)} s (async_save runs and interleaved rounds); "
         f"state/memcpy = {_s(ideal)} s at {_gb(memcpy)} GB/s, the best memcpy inside the "
-        "arena just before a warm save"
+        "probe arena just before a warm save"
         + (
             f" (machine phase: {_gb(m['memcpy_Bps'])} GB/s)"
             if m.get("memcpy_Bps") and ideal
@@ -820,8 +864,8 @@ def check_targets(r: Result) -> list[Result]:
         "durable >= 0.8 x O_DIRECT",
         state / durable if state and durable else None,
         0.8 * odirect if odirect else None,
-        f"best warm save {_s(durable)} s; the best O_DIRECT write of the arena next to the "
-        f"saves: {_gb(odirect)} GB/s"
+        f"best warm save {_s(durable)} s; the best O_DIRECT write of a state-sized file next "
+        f"to the saves: {_gb(odirect)} GB/s"
         + (f" (machine phase: {_gb(m['odirect_Bps'])} GB/s)" if m.get("odirect_Bps") else ""),
         le=False,
     )
@@ -1015,17 +1059,22 @@ def render(r: Result) -> str:
         bare = [x["bare_copy_s"] for x in warm if "bare_copy_s" in x]
         write = _best(warm, "write_s")
         lines += [
-            "Next to snapcore's warm saves: memcpy inside the idle arena "
+            "Next to snapcore's warm saves: memcpy inside a pre-faulted probe arena "
             + ", ".join(_gb(x["memcpy_Bps"]) for x in warm if "memcpy_Bps" in x)
             + f" GB/s (best {_gb(near['memcpy_Bps'])}), so state/memcpy = "
             f"{_s(state / near['memcpy_Bps'] if near['memcpy_Bps'] else None)} s; one bare "
-            f"`copy_host` of the state's tensors into the arena takes "
+            "`copy_host` of the state's tensors into the probe arena takes "
             + ", ".join(_s(x) for x in bare)
-            + " s (staging without snapcore's bookkeeping); O_DIRECT writes of the arena "
+            + " s (staging without snapcore's bookkeeping); O_DIRECT writes of state-sized "
+            "files from it "
             + ", ".join(f"{_gb(x)}" for x in sc.get("odirect_Bps", []))
             + " GB/s; the write after staging (durable - staged) takes "
             + ", ".join(_s(x["write_s"]) for x in warm)
-            + f" s ({_gb(state / write if write else None)} GB/s at best).",
+            + f" s ({_gb(state / write if write else None)} GB/s at best). Each warm save "
+            "wrote "
+            + ", ".join(_gb(x["written"]) for x in warm if x.get("written") is not None)
+            + " GB to its data file (the state changes between saves, so nothing is "
+            "shared with an earlier snapshot).",
             "",
         ]
     if sc.get("duel"):
