@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .api import async_save, committed, load, restore, save
+from .checkpointer import Checkpointer
 from .errors import (
     CorruptSnapshot,
     CudaError,
@@ -22,6 +23,7 @@ from .tiers import Retention, Store
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpointer",
     "CorruptSnapshot",
     "CudaError",
     "InvalidManifest",

@@ -1,0 +1,512 @@
+"""The Checkpointer: restore, snapshots at the planned intervals, tiers, failures, SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import snapcore
+from snapcore import journal as jn
+from snapcore.engine import close_all
+from snapcore.errors import SnapshotFailed
+from snapcore.tiers import TIER_ORDER, HostTier
+
+
+class FakeClock:
+    """Seconds that move only when the test says so: schedules become deterministic."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(autouse=True)
+def _clean_up():
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    close_all()
+    signal.signal(signal.SIGTERM, handler)
+
+
+@pytest.fixture
+def host_name():
+    name = f"test-ckpt-{uuid.uuid4().hex[:10]}"
+    yield name
+    close_all()
+    HostTier(name).release()
+
+
+def make_state(seed: int = 0) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "step": 0}
+
+
+def run_steps(ckpt: snapcore.Checkpointer, clock: FakeClock, state, steps, dt: float = 1.0):
+    """Train for ``steps`` (fake) seconds-long steps; each snapshot is let finish before the
+    next step, so that no tier is ever busy (the real engine is faster than no time)."""
+    for step in steps:
+        clock.t += dt
+        state["step"] = step
+        before = ckpt.stats().snapshots
+        ckpt.step(step, state)
+        if ckpt.stats().snapshots != before:
+            ckpt.wait()
+
+
+def replay(intervals: dict[str, float], steps: range, t0: float = 0.0, dt: float = 1.0):
+    """The documented rule: a tier is due once its interval has elapsed since its last
+    snapshot began; tiers due within half the fastest interval join it."""
+    last = dict.fromkeys(intervals, t0)
+    out = []
+    now = t0
+    for step in steps:
+        now += dt
+        if any(now >= last[t] + iv for t, iv in intervals.items()):
+            slack = 0.5 * min(intervals.values())
+            due = [
+                t for t in TIER_ORDER if t in intervals and now + slack >= last[t] + intervals[t]
+            ]
+            out.append((step, due))
+            for t in due:
+                last[t] = now
+    return out
+
+
+def journal_snapshots(store) -> list[tuple[int, list[str]]]:
+    c = jn.read_journal(jn.journal_path(store))
+    return [(e.data["step"], e.data["tiers"]) for e in c.events if e.kind == "snapshot"]
+
+
+def test_restore_returns_0_on_an_empty_store_then_the_next_step(tmp_path):
+    clock = FakeClock()
+    state = make_state(1)
+    ckpt = snapcore.Checkpointer(tmp_path, clock=clock)
+    assert ckpt.restore(state) == 0
+    state["step"] = 7
+    stats = ckpt.snapshot_now(state, 7)
+    assert stats.step == 7 and "local" in stats.tiers
+    ckpt.close()
+    assert snapcore.committed(tmp_path)["local"] == [7]
+
+    fresh = make_state(2)
+    ckpt = snapcore.Checkpointer(tmp_path, clock=clock)
+    assert ckpt.restore(fresh) == 8
+    assert torch.equal(fresh["w"], state["w"]) and fresh["step"] == 7
+    assert ckpt.stats().restored_step == 7 and ckpt.stats().restored_from == "local"
+    assert "restore_s:local" in ckpt.plan().costs.measured
+    ckpt.close()
+    kinds = [
+        (e.kind, e.data.get("clean")) for e in jn.read_journal(tmp_path / "journal.jsonl").events
+    ]
+    assert kinds == [
+        ("start", None),
+        ("snapshot", None),
+        ("exit", True),
+        ("start", None),
+        ("restore", None),
+        ("exit", True),
+    ]
+    assert jn.failure_history(tmp_path)[0] == 0
+
+
+def test_snapshots_come_at_the_planned_interval(tmp_path):
+    clock = FakeClock()
+    state = make_state()
+    # replan_s=inf: the first plan (default costs) stays, so the schedule is known
+    ckpt = snapcore.Checkpointer(tmp_path, devices=16384, replan_s=math.inf, clock=clock)
+    assert ckpt.restore(state) == 0
+    interval = ckpt.plan().intervals_s
+    assert set(interval) == {"local"} and 60 < interval["local"] < 600
+    run_steps(ckpt, clock, state, range(2000))
+    ckpt.close()
+    want = replay(interval, range(2000))
+    assert len(want) >= 4
+    assert journal_snapshots(tmp_path) == [(s, ["local"]) for s, _ in want]
+    assert ckpt.stats().snapshots == len(want)
+    assert snapcore.committed(tmp_path)["local"] == [s for s, _ in want]
+
+
+def test_step_measures_costs_and_replans(tmp_path):
+    clock = FakeClock()
+    state = make_state()
+    ckpt = snapcore.Checkpointer(tmp_path, devices=16384, replan_s=5.0, clock=clock)
+    first = ckpt.plan()
+    assert first.costs.measured == frozenset() and first.intervals_steps is None
+    assert ckpt.stats().costs.stall_s == 1.0  # the default, until measured
+    run_steps(ckpt, clock, state, range(300), dt=0.5)
+    ckpt.close()
+    p = ckpt.plan()
+    assert {"step_s", "stall_s", "persist_s:local"} <= p.costs.measured
+    assert p.costs.step_s == pytest.approx(0.5, rel=0.05)
+    assert p.costs.stall_s < 1.0 and p.costs.persist_s["local"] < 20.0
+    assert p.intervals_steps == {"local": round(p.intervals_s["local"] / p.costs.step_s)}
+    # cheaper snapshots than the defaults assumed: more often, and less waste predicted
+    assert p.intervals_s["local"] < first.intervals_s["local"]
+    assert p.predicted_waste < first.predicted_waste
+    assert ckpt.stats().replans >= 2
+
+
+def test_several_tiers_share_one_staged_copy(tmp_path, host_name):
+    clock = FakeClock()
+    state = make_state()
+    store = snapcore.Store(
+        host=host_name, local=tmp_path / "local", remote=(tmp_path / "remote").as_uri()
+    )
+    ckpt = snapcore.Checkpointer(store, devices=16384, replan_s=math.inf, clock=clock)
+    assert ckpt.restore(state) == 0
+    p = ckpt.plan()
+    # crashes recover from host memory, lost machines from remote; local is written with
+    # every remote snapshot, since uploads read the local copy
+    assert p.recovers_from == {"process": "host", "machine": "remote"}
+    assert set(p.intervals_s) == {"host", "local", "remote"} and "local" in p.forced
+    assert p.intervals_s["host"] < p.intervals_s["remote"] == p.intervals_s["local"]
+    run_steps(ckpt, clock, state, range(2500))
+    ckpt.close()
+    want = replay(p.intervals_s, range(2500))
+    assert journal_snapshots(store) == want
+    assert any(tiers == ["host"] for _, tiers in want)
+    assert any(tiers == ["host", "local", "remote"] for _, tiers in want)
+    committed = snapcore.committed(store)
+    assert committed["remote"] == [s for s, t in want if "remote" in t]
+    assert committed["host"][-1] == want[-1][0] if "host" in want[-1][1] else True
+    assert ckpt.stats().per_tier["host"] == sum("host" in t for _, t in want)
+
+
+def test_host_and_local_only_writes_local_for_lost_machines(tmp_path, host_name):
+    clock = FakeClock()
+    ckpt = snapcore.Checkpointer(
+        snapcore.Store(host=host_name, local=tmp_path), devices=16384, replan_s=60, clock=clock
+    )
+    p = ckpt.plan()
+    assert p.uncovered == ("machine",)  # no tier survives a lost machine: local is the best
+    assert "local" in p.intervals_s and p.recovers_from["machine"] == "local"
+    state = make_state()
+    ckpt.restore(state)
+    run_steps(ckpt, clock, state, range(400))
+    ckpt.close()
+    assert snapcore.committed(snapcore.Store(local=tmp_path))["local"]
+
+
+def test_plan_says_when_the_target_is_out_of_reach(tmp_path):
+    far = snapcore.Checkpointer(tmp_path, devices=100_000, target_waste=0.02)
+    p = far.plan()
+    assert not p.target_met
+    assert p.shortfall == pytest.approx(p.predicted_waste - 0.02)
+    assert p.waste.total == pytest.approx(p.waste.overhead + p.waste.redone + p.waste.restart)
+    assert (
+        p.rate.conservative_per_hour
+        > p.rate.mean_per_hour
+        == pytest.approx(100_000 * 419 / (54 * 24 * 16384))
+    )
+    far.close()
+    near = snapcore.Checkpointer(tmp_path, devices=8, target_waste=0.02)
+    assert near.plan().target_met and near.plan().shortfall == 0.0
+    near.close()
+
+
+def write_history(path: Path, runs: int, failures: int, hours_each: float, tier: str) -> None:
+    """``runs`` runs of ``hours_each``; the first ``failures`` end uncleanly, each followed
+    by a run that restored from ``tier``."""
+    t = 0.0
+    for i in range(runs):
+        w = jn.JournalWriter(path)
+        w.start(devices=1024, at=t)
+        if i > 0:
+            w.restore(i, tier if i <= failures else "local", at=t + 1)
+        w.snapshot(i, ["local"], at=t + hours_each * 3600)
+        if i >= failures:
+            w.exit(clean=True, at=t + hours_each * 3600)
+        w.close()
+        t += hours_each * 3600 + 60
+
+
+def test_failures_in_the_journal_shorten_the_intervals(tmp_path):
+    calm, rough = tmp_path / "calm", tmp_path / "rough"
+    write_history(calm / "journal.jsonl", runs=11, failures=0, hours_each=10, tier="remote")
+    write_history(rough / "journal.jsonl", runs=11, failures=10, hours_each=10, tier="remote")
+    a = snapcore.Checkpointer(calm, devices=1024)
+    b = snapcore.Checkpointer(rough, devices=1024)
+    assert a.plan().rate.failures == 0 and a.plan().rate.exposure_hours == pytest.approx(110)
+    assert b.plan().rate.failures == 10 and b.plan().rate.by_class["machine"] == 10
+    assert b.plan().rate.conservative_per_hour > 2 * a.plan().rate.conservative_per_hour
+    assert b.plan().intervals_s["local"] < 0.7 * a.plan().intervals_s["local"]
+    assert b.plan().predicted_waste > a.plan().predicted_waste
+    a.close()
+    b.close()
+
+
+def test_a_dead_run_is_classed_by_this_runs_restore_and_a_rollback_counts(tmp_path, host_name):
+    clock = FakeClock()
+    store = snapcore.Store(host=host_name, local=tmp_path)
+    state = make_state()
+    first = snapcore.Checkpointer(store, clock=clock, handle_sigterm=False)
+    first.restore(state)
+    first.snapshot_now(state, 3)
+    first._shutdown()  # dies without a clean exit (the journal's lock goes with it)
+
+    second = snapcore.Checkpointer(store, clock=clock, handle_sigterm=False)
+    assert second.plan().rate.by_class == {"process": 0, "machine": 0, "unknown": 1}
+    assert second.restore(state) == 4  # from host memory: the process crashed, not the machine
+    assert second.plan().rate.by_class == {"process": 1, "machine": 0, "unknown": 0}
+    run_steps(second, clock, state, range(4, 10))
+    assert second.restore(state) == 4  # a rollback in the middle of the run
+    assert second.plan().rate.failures == 2
+    second.close()
+    h = jn.read_history(store)
+    assert h.failures == 2 and h.by_class["process"] == 2
+
+
+def test_background_failure_is_raised_once(tmp_path, monkeypatch, caplog):
+    from snapcore import persist
+
+    clock = FakeClock()
+    state = make_state()
+    ckpt = snapcore.Checkpointer(tmp_path, devices=16384, replan_s=math.inf, clock=clock)
+    ckpt.restore(state)
+    interval = ckpt.plan().intervals_s["local"]
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(persist.LocalWriter, "write", broken)
+    raised = []
+    step = 0
+    deadline = time.monotonic() + 20
+    while clock.t < 3 * interval and time.monotonic() < deadline:
+        clock.t += 1.0
+        try:
+            ckpt.step(step, state)
+        except SnapshotFailed as e:
+            raised.append(e)
+            monkeypatch.undo()  # the disk is back
+        if ckpt.stats().in_flight:
+            time.sleep(0.001)  # let the failing snapshot fail (real time)
+            clock.t -= 1.0  # ...without the fake clock running ahead meanwhile
+            continue
+        step += 1
+    ckpt.close()
+    assert len(raised) == 1
+    e = raised[0]
+    assert e.tier == "local" and "injected" in str(e) and isinstance(e.__cause__, OSError)
+    assert "failed in tier local" in caplog.text
+    assert ckpt.stats().failed == 1
+    assert len(snapcore.committed(tmp_path)["local"]) >= 1  # later snapshots went through
+
+
+def test_close_makes_the_last_snapshot_durable(tmp_path, host_name):
+    clock = FakeClock()
+    state = make_state()
+    store = snapcore.Store(host=host_name, local=tmp_path)
+    ckpt = snapcore.Checkpointer(store, devices=16384, replan_s=math.inf, clock=clock)
+    ckpt.restore(state)
+    step = 0
+    while ckpt.stats().snapshots == 0:
+        clock.t += 1.0
+        ckpt.step(step, state)
+        step += 1
+    ckpt.close()  # no wait() before: close waits
+    last = step - 1
+    for tier in ("host", "local"):
+        assert last in snapcore.committed(store)[tier]
+    events = jn.read_journal(jn.journal_path(store)).events
+    assert (events[-2].kind, events[-2].data["step"]) == ("snapshot", last)
+    assert (events[-1].kind, events[-1].data["clean"]) == ("exit", True)
+    assert ckpt.stats().durable_step == {"host": last, "local": last}
+    ckpt.step(step, state)  # after close: nothing happens
+    ckpt.close()
+
+
+def test_a_checkpointer_only_asked_for_its_plan_leaves_no_trace(tmp_path):
+    ckpt = snapcore.Checkpointer(tmp_path / "store", devices=64)
+    assert ckpt.plan().intervals_s
+    ckpt.close()
+    assert not (tmp_path / "store" / "journal.jsonl").exists()
+
+
+def test_context_manager_journals_an_exception_as_unclean(tmp_path):
+    state = make_state()
+    with pytest.raises(RuntimeError), snapcore.Checkpointer(tmp_path) as ckpt:
+        ckpt.restore(state)
+        raise RuntimeError("NaN loss")
+    c = jn.read_journal(tmp_path / "journal.jsonl")
+    assert c.events[-1].data == {**c.events[-1].data, "clean": False, "reason": "RuntimeError"}
+    assert jn.failure_history(tmp_path)[0] == 1
+
+
+def test_sigterm_in_process_snapshots_then_hands_the_signal_on(tmp_path):
+    calls = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    state = make_state()
+    ckpt = snapcore.Checkpointer(tmp_path, grace_s=30)
+    assert ckpt.restore(state) == 0
+    for step in range(3):
+        ckpt.step(step, state)
+    signal.raise_signal(signal.SIGTERM)  # our handler only records it
+    assert calls == [] and ckpt.stats().sigterm
+    state["step"] = 3
+    ckpt.step(3, state)  # the final snapshot, then the signal goes to the old handler
+    assert calls == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is not None
+    assert snapcore.committed(tmp_path)["local"][-1] == 3
+    last = jn.read_journal(tmp_path / "journal.jsonl").events[-1]
+    assert last.kind == "exit" and last.data["clean"] and last.data["reason"] == "sigterm"
+    assert last.data["step"] == 3 and last.data["durable"]
+    ckpt.step(4, state)  # closed: nothing more
+    assert snapcore.committed(tmp_path)["local"][-1] == 3
+
+
+def test_sigterm_during_close_is_handed_on_after_it(tmp_path):
+    calls = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    state = make_state()
+    ckpt = snapcore.Checkpointer(tmp_path)
+    ckpt.restore(state)
+    signal.raise_signal(signal.SIGTERM)
+    ckpt.close()  # no step() came: close() is the end, and the signal goes on after it
+    assert calls == [signal.SIGTERM]
+    assert jn.read_journal(tmp_path / "journal.jsonl").events[-1].data["clean"]
+
+
+def test_grace_expired_passes_the_signal_to_a_python_handler(tmp_path):
+    calls = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    state = make_state()
+    ckpt = snapcore.Checkpointer(tmp_path, grace_s=0.05)
+    ckpt.restore(state)
+    signal.raise_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)  # a step that hangs, in Python: handlers run in between
+    assert calls == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is not None and not ckpt.stats().in_flight
+    last = jn.read_journal(tmp_path / "journal.jsonl").events[-1]
+    assert last.kind == "exit" and not last.data["clean"]
+    ckpt.step(1, state)  # closed: the state may be mid-update, nothing is taken
+    assert "local" not in snapcore.committed(tmp_path) or not snapcore.committed(tmp_path)["local"]
+
+
+def test_an_ignored_sigterm_stays_ignored(tmp_path):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ckpt = snapcore.Checkpointer(tmp_path)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    ckpt.close()
+
+
+def test_no_handler_outside_the_main_thread(tmp_path, caplog):
+    before = signal.getsignal(signal.SIGTERM)
+    made = []
+    with caplog.at_level(logging.WARNING, logger="snapcore.checkpointer"):
+        t = threading.Thread(target=lambda: made.append(snapcore.Checkpointer(tmp_path)))
+        t.start()
+        t.join()
+    assert "no SIGTERM handler installed" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is before
+    made[0].close()
+
+
+TRAIN = textwrap.dedent(
+    """
+    import sys, time, torch, snapcore
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = {"model": model, "optim": opt, "step": 0}
+    ckpt = snapcore.Checkpointer(sys.argv[1], grace_s=float(sys.argv[2]), devices=8)
+    start = ckpt.restore(state)
+    x = torch.randn(32, 16)
+    for step in range(start, 1_000_000):
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["step"] = step
+        w = float(model.weight.detach().sum())
+        print(f"at {step} {w!r}", flush=True)
+        if step == 20 and sys.argv[3] == "hang":
+            time.sleep(60)  # a hung step: step() is never called again
+        ckpt.step(step, state)
+        time.sleep(0.002)
+    """
+)
+
+
+def run_child(store: Path, grace: float, mode: str) -> tuple[subprocess.Popen, list[str], float]:
+    with subprocess.Popen(
+        [sys.executable, "-c", TRAIN, str(store), str(grace), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        assert child.stdout is not None
+        lines = []
+        for line in child.stdout:
+            lines.append(line)
+            if line.startswith("at 20 "):
+                break
+        t0 = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        lines += child.stdout.readlines()
+        child.wait(timeout=60)
+    return child, lines, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """Both SIGTERM children at once: most of their time is importing torch."""
+    stores = {m: tmp_path_factory.mktemp(f"sigterm-{m}") for m in ("train", "hang")}
+    grace = {"train": 30.0, "hang": 0.5}
+    out: dict[str, object] = {}
+
+    def go(mode: str) -> None:
+        try:
+            out[mode] = (stores[mode], *run_child(stores[mode], grace[mode], mode))
+        except BaseException as e:
+            out[mode] = e
+
+    threads = [threading.Thread(target=go, args=(m,)) for m in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for v in out.values():
+        if isinstance(v, BaseException):
+            raise v
+    return out
+
+
+def test_sigterm_child_exits_after_a_final_snapshot_of_its_step(children):
+    tmp_path, child, lines, _ = children["train"]
+    assert child.returncode == -signal.SIGTERM  # ended as SIGTERM's default action would
+    last_step, weight = lines[-1].split()[1:]
+    assert snapcore.committed(tmp_path)["local"][-1] == int(last_step)
+    model = torch.nn.Linear(16, 4)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.01), "step": -1}
+    info = snapcore.restore(state, tmp_path)
+    assert info.step == state["step"] == int(last_step)
+    assert float(model.weight.detach().sum()) == float(weight)
+    last = jn.read_journal(tmp_path / "journal.jsonl").events[-1]
+    assert last.data["reason"] == "sigterm" and last.data["durable"] and last.data["clean"]
+    assert jn.failure_history(tmp_path)[0] == 0  # a preemption is no failure
+
+
+def test_sigterm_hung_step_hands_on_after_grace_without_a_snapshot(children):
+    tmp_path, child, lines, waited = children["hang"]
+    assert child.returncode == -signal.SIGTERM
+    assert 0.4 < waited < 20
+    assert lines[-1].startswith("at 20 ")
+    assert 20 not in snapcore.committed(tmp_path).get("local", [])  # nothing taken mid-step
+    last = jn.read_journal(tmp_path / "journal.jsonl").events[-1]
+    assert last.kind == "exit" and not last.data["clean"]
+    assert "no step() within grace" in last.data["reason"]
