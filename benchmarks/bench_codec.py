@@ -8,9 +8,14 @@ Data (fp32 unless said):
 
 Each is cut into 64 MiB chunks, as snapcore stores blobs, and encoded and decoded with
 each codec (zstd and shuffle-zstd at levels 1 and 3) on 1 thread, then on 2 threads of a
-ThreadPoolExecutor taking chunks in turn, the way snapcore's chunk pool runs them. Speeds
-are raw bytes over wall time (GB = 1e9 bytes), best of ``--repeats``: this machine is a
-shared virtual machine whose speeds drift. Every decode is checked bit for bit.
+ThreadPoolExecutor taking chunks in turn, the way snapcore's chunk pool runs them. Every
+decode is checked bit for bit.
+
+Speeds are raw bytes over wall time (GB = 1e9 bytes), best of ``--repeats``. This
+machine is shared with other jobs, so each timed run first waits (up to ``--max-wait``
+seconds) until other processes take less than ``--quiet-cores`` of the CPUs, and the
+table shows how many cores they took during the timings it reports, next to the speed per
+CPU-second of this process, which depends less on them.
 
     python benchmarks/bench_codec.py                  # 256 MB tensors, a few minutes
     python benchmarks/bench_codec.py --size-mb 64     # a quick run
@@ -42,6 +47,7 @@ GB = 1e9
 MiB = 1 << 20
 CHUNK = 64 * MiB  # snapcore's chunk size (docs/format.md)
 CODECS = (("zstd", 1), ("zstd", 3), ("shuffle-zstd", 1), ("shuffle-zstd", 3))
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -50,12 +56,70 @@ class Row:
     codec: str
     level: int
     ratio: float
-    encode: dict[int, float]  # threads -> bytes/s of wall time
+    encode: dict[int, float]  # threads -> bytes per second of wall time
     decode: dict[int, float]
     encode_cpu: float  # bytes per CPU-second of this process, on one thread
     decode_cpu: float
+    others: float  # the most cores other processes took during one of the row's timings
 
 
+@dataclass
+class Settings:
+    repeats: int
+    quiet_cores: float  # before each timed run, wait until other processes take less ...
+    max_wait: float  # ... but for at most this many seconds
+
+
+# -- other processes' load ---------------------------------------------------------------
+def _jiffies() -> tuple[int, int]:
+    """(busy jiffies of all CPUs, steal included; jiffies of this process's threads)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(v) - v[3] - v[4], int(fields[11]) + int(fields[12])  # less idle and iowait
+
+
+class Others:
+    """The CPU, in cores, that other processes took during a `with` block."""
+
+    cores = 0.0
+
+    def __enter__(self) -> Others:
+        self._start, self._t0 = _jiffies(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        (busy, own), (busy0, own0) = _jiffies(), self._start
+        elapsed = time.perf_counter() - self._t0
+        self.cores = max(0, (busy - busy0) - (own - own0)) / CLK_TCK / elapsed
+
+
+def wait_for_quiet(settings: Settings) -> None:
+    deadline = time.monotonic() + settings.max_wait
+    while time.monotonic() < deadline:
+        with Others() as others:
+            time.sleep(0.5)
+        if others.cores < settings.quiet_cores:
+            return
+
+
+def best_time(fn: Callable[[], object], settings: Settings) -> tuple[float, float, float]:
+    """The shortest wall time of `repeats` calls, each started once the machine is quiet
+    (or the wait is over), with this process's CPU time in that call and the cores other
+    processes took meanwhile."""
+    best = (float("inf"), 0.0, 0.0)
+    for _ in range(settings.repeats):
+        wait_for_quiet(settings)
+        with Others() as others:
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        best = min(best, (wall, cpu, others.cores))
+    return best
+
+
+# -- data ----------------------------------------------------------------------------------
 def adam_state(size_mb: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """exp_avg and exp_avg_sq of all parameters, flattened, after `steps` Adam steps."""
     width = int((size_mb * 1e6 / 4 / 4) ** 0.5)  # 4 layers of width x width fp32
@@ -82,19 +146,8 @@ def chunks(t: torch.Tensor) -> list[tuple[int, memoryview]]:
     return [(off, raw[off : off + CHUNK]) for off in range(0, raw.nbytes, CHUNK)]
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """The shortest wall time of `repeats` calls, and the least CPU time (all of this
-    process's threads) of one call."""
-    best = cpu = float("inf")
-    for _ in range(repeats):
-        c0, t0 = time.process_time(), time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        cpu = min(cpu, time.process_time() - c0)
-    return best, cpu
-
-
-def measure(name: str, t: torch.Tensor, repeats: int) -> list[Row]:
+# -- measurements --------------------------------------------------------------------------
+def measure(name: str, t: torch.Tensor, settings: Settings) -> list[Row]:
     parts = chunks(t)
     nbytes = t.numel() * t.element_size()
     es = t.element_size()
@@ -112,57 +165,67 @@ def measure(name: str, t: torch.Tensor, repeats: int) -> list[Row]:
             off, s, n = job
             codec.decode(s, codec=c, element_size=es, raw_length=n, out=out.data_ptr() + off)
 
-        enc: dict[int, float] = {}
-        dec: dict[int, float] = {}
+        wall: dict[tuple[str, int], float] = {}
         cpu: dict[str, float] = {}
+        others = 0.0
         for threads in (1, 2):
             with ThreadPoolExecutor(threads) as pool:
+                for step, fn, items in (
+                    ("encode", encode_one, parts),
+                    ("decode", decode_one, jobs),
+                ):
 
-                def run_all(fn: Callable, items: list, pool: ThreadPoolExecutor = pool) -> None:
-                    for _ in pool.map(fn, items):
-                        pass
+                    def run_all(fn: Callable = fn, items: list = items, pool=pool) -> None:
+                        for _ in pool.map(fn, items):
+                            pass
 
-                wall, cpu_s = best_time(lambda: run_all(encode_one, parts), repeats)
-                enc[threads] = nbytes / wall
-                if threads == 1:
-                    cpu["encode"] = nbytes / cpu_s
-                out.zero_()
-                wall, cpu_s = best_time(lambda jobs=jobs: run_all(decode_one, jobs), repeats)
-                dec[threads] = nbytes / wall
-                if threads == 1:
-                    cpu["decode"] = nbytes / cpu_s
-                if not torch.equal(out.view(torch.uint8), t.view(torch.uint8)):
-                    raise AssertionError(f"{name} {codec_name} level {level}: decode differs")
+                    out.zero_()
+                    seconds, cpu_seconds, busy = best_time(run_all, settings)
+                    wall[step, threads] = nbytes / seconds
+                    others = max(others, busy)
+                    if threads == 1:
+                        cpu[step] = nbytes / cpu_seconds
+            if not torch.equal(out.view(torch.uint8), t.view(torch.uint8)):
+                raise AssertionError(f"{name} {codec_name} level {level}: decode differs")
         ratio = nbytes / sum(len(s) for s in stored)
-        rows.append(Row(name, codec_name, level, ratio, enc, dec, cpu["encode"], cpu["decode"]))
-        print(
-            f"  {name:<22} {codec_name:<12} {level}  ratio {ratio:.3f}  "
-            f"encode {enc[1] / GB:.2f}/{enc[2] / GB:.2f}  decode {dec[1] / GB:.2f}/"
-            f"{dec[2] / GB:.2f} GB/s (1/2 threads); per CPU-second {cpu['encode'] / GB:.2f}/"
-            f"{cpu['decode'] / GB:.2f}",
-            file=sys.stderr,
-            flush=True,
+        row = Row(
+            name,
+            codec_name,
+            level,
+            ratio,
+            {n: wall["encode", n] for n in (1, 2)},
+            {n: wall["decode", n] for n in (1, 2)},
+            cpu["encode"],
+            cpu["decode"],
+            others,
         )
+        rows.append(row)
+        print(format_row(row), file=sys.stderr, flush=True)
     return rows
 
 
-def shuffle_speed(repeats: int) -> dict[int, tuple[float, float]]:
-    """byte_shuffle and byte_unshuffle alone on one 64 MiB chunk, one thread: GB/s."""
+def shuffle_speed(settings: Settings) -> dict[int, tuple[float, float]]:
+    """byte_shuffle and byte_unshuffle alone on one 64 MiB chunk, one thread: bytes/s."""
     a = torch.randint(0, 256, (CHUNK,), dtype=torch.uint8)
     b = torch.empty_like(a)
     speeds = {}
     for es in (2, 4, 8):
-        _native.byte_shuffle(b.data_ptr(), a.data_ptr(), CHUNK, es, 1)
-        s, _ = best_time(
-            lambda es=es: _native.byte_shuffle(b.data_ptr(), a.data_ptr(), CHUNK, es, 1), repeats
+
+        def shuffle(es: int = es) -> None:
+            _native.byte_shuffle(b.data_ptr(), a.data_ptr(), CHUNK, es, 1)
+
+        def unshuffle(es: int = es) -> None:
+            _native.byte_unshuffle(a.data_ptr(), b.data_ptr(), CHUNK, es, 1)
+
+        shuffle()
+        speeds[es] = (
+            CHUNK / best_time(shuffle, settings)[0],
+            CHUNK / best_time(unshuffle, settings)[0],
         )
-        u, _ = best_time(
-            lambda es=es: _native.byte_unshuffle(a.data_ptr(), b.data_ptr(), CHUNK, es, 1), repeats
-        )
-        speeds[es] = (CHUNK / s, CHUNK / u)
     return speeds
 
 
+# -- report --------------------------------------------------------------------------------
 def machine() -> str:
     cpu = "?"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
@@ -174,31 +237,27 @@ def machine() -> str:
     )
 
 
-def load_average() -> str:
-    with open("/proc/loadavg") as f:
-        return f.read().split()[0]
+def format_row(r: Row) -> str:
+    cells = [r.data, r.codec, str(r.level), f"{r.ratio:.3f}"]
+    cells += [f"{x / GB:.2f}" for x in (r.encode[1], r.encode[2], r.decode[1], r.decode[2])]
+    cells += [f"{r.encode_cpu / GB:.2f}", f"{r.decode_cpu / GB:.2f}", f"{r.others:.2f}"]
+    return "| " + " | ".join(cells) + " |"
 
 
-def markdown(
-    rows: list[Row], shuffles: dict[int, tuple[float, float]], command: str, load: str
-) -> str:
+def markdown(rows: list[Row], shuffles: dict[int, tuple[float, float]], command: str) -> str:
     lines = [
         f"Measured {datetime.date.today().isoformat()} on {machine()}, with",
-        f"`{command}` (1-minute load average {load}: at 2 and more, other jobs shared the",
-        "cores and the wall-time speeds, 2 threads above all, are low and noisy; the speeds",
-        "per CPU-second hold regardless). Chunks of 64 MiB; ratio = raw bytes / stored",
-        "bytes; speeds in GB (1e9 bytes) of raw data per second, best of the run's repeats.",
+        f"`{command}`. Chunks of 64 MiB; ratio = raw bytes / stored bytes; speeds in GB",
+        "(1e9 bytes) of raw data per second of wall time, best of the run's repeats, and per",
+        'CPU-second of the benchmark\'s process (1 thread); "others" is the most CPU, in',
+        "cores, that other processes took during one of the row's timings.",
         "",
-        "| data | codec | level | ratio | encode GB/s 1 thread | 2 threads "
-        "| decode GB/s 1 thread | 2 threads | encode GB per CPU-s | decode GB per CPU-s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| data | codec | level | ratio | encode GB/s, 1 thread | 2 threads "
+        "| decode GB/s, 1 thread | 2 threads | encode GB per CPU-s | decode GB per CPU-s "
+        "| others |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.data} | {r.codec} | {r.level} | {r.ratio:.3f} | {r.encode[1] / GB:.2f} "
-            f"| {r.encode[2] / GB:.2f} | {r.decode[1] / GB:.2f} | {r.decode[2] / GB:.2f} "
-            f"| {r.encode_cpu / GB:.2f} | {r.decode_cpu / GB:.2f} |"
-        )
+    lines += [format_row(r) for r in rows]
     lines += [
         "",
         "byte_shuffle / byte_unshuffle alone, one thread, one 64 MiB chunk: "
@@ -216,13 +275,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size-mb", type=int, default=256, help="fp32 tensor size (MB)")
     parser.add_argument("--adam-steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quiet-cores", type=float, default=0.2)
+    parser.add_argument("--max-wait", type=float, default=60.0, help="seconds")
     parser.add_argument("--markdown", help="also write the table to this file")
     args = parser.parse_args(argv)
-    command = "python benchmarks/bench_codec.py " + shlex.join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    settings = Settings(args.repeats, args.quiet_cores, args.max_wait)
+    command = shlex.join(["python", "benchmarks/bench_codec.py", *(argv or sys.argv[1:])])
 
-    loads = [load_average()]
     print(f"building data: {args.size_mb} MB tensors ...", file=sys.stderr, flush=True)
     torch.manual_seed(1)
     weights = torch.randn(args.size_mb * 1_000_000 // 4) * 0.02
@@ -235,10 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     rows = []
     for name, t in data:
-        rows += measure(name, t.contiguous(), args.repeats)
-    shuffles = shuffle_speed(max(3, args.repeats))
-    loads.append(load_average())
-    text = markdown(rows, shuffles, command.strip(), " at the start, ".join(loads) + " at the end")
+        rows += measure(name, t.contiguous(), settings)
+    text = markdown(rows, shuffle_speed(settings), command)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:
