@@ -1,24 +1,26 @@
 """First benchmark of snapcore: save, async_save and restore against torch.save and DCP.
 
 One run measures the machine (memcpy into pre-faulted memory, O_DIRECT and buffered
-writes, cold sequential reads) and then each method on the same ~4 GB state (a stack of
-``nn.Linear`` layers plus Adam's state after one step), and checks issue 2's targets as
-ratios of figures taken in that run.
+writes, cold sequential reads) and then each method on the same ~4.4 GB state (a stack
+of ``nn.Linear`` layers plus Adam's state after one step), and checks issue 2's targets
+as ratios of figures taken in that run. docs/benchmarks.md explains every figure.
 
 This machine's memory and disk bandwidths drift by 2-3x within minutes (a shared virtual
-machine), so each target is checked against a probe taken right next to the measurement
-it judges: memcpy inside snapcore's warm arena just before each save, O_DIRECT writes of
-that arena around the saves, cold reads of the snapshot's own data file around the
-restore. The machine phase's figures are shown as well.
+machine), so each target is checked against a probe taken right next to what it judges:
+memcpy in a probe arena just before each warm save, O_DIRECT writes of state-sized files
+around the saves, cold reads of the snapshot's own data file around the restores, and
+DCP's staging interleaved round by round with snapcore's. Targets compare the best run
+with the best probe; the table shows medians too.
 
 Each group of methods runs in a child process of its own that builds a fresh state, so
 that one method's arena, staging cache or page cache does not change another's figures,
 and so that peak RSS is the child's own: ``VmHWM`` is reset (``/proc/self/clear_refs``)
 before each measured call and read after it; "peak extra" is that peak minus the RSS of
-the state alone, measured right after the state was built.
+the state alone, measured right after the state was built. Every element of the state
+changes before each save, as in training: snapcore stores a chunk it already holds once.
 
-    python benchmarks/bench_save.py                    # ~4.4 GB state, a few minutes
-    python benchmarks/bench_save.py --size-gb 0.3      # a quick smoke run
+    python benchmarks/bench_save.py                    # ~4.4 GB state, 6-7 minutes
+    python benchmarks/bench_save.py --size-gb 0.3      # a smoke run, about a minute
     python benchmarks/bench_save.py --json out.json --markdown out.md
 
 Never run by the test suite.
@@ -619,10 +621,10 @@ def _daemon_hwm() -> int | None:
 def phase_restore(args: argparse.Namespace, work: Path) -> Result:
     """snapcore.restore / load, torch.load and dcp.load, each from a cold page cache.
 
-    Cold reads of the snapshot's data file into the state's tensors, just before and just
-    after the first restore, are the bandwidth it is judged against: the virtual disk's
-    own cache makes a recently written file read faster than an old one, so the probe
-    reads the very file the restore reads.
+    The restores are judged against cold reads of the snapshot's own data file into the
+    state's tensors, before, between and after them: the virtual disk's cache on the host
+    makes a file that was just written or read faster than an old one, so the probes read
+    the very file the restores read, in the same conditions.
     """
     import torch
     import torch.distributed.checkpoint as dcp
