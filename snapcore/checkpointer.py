@@ -336,6 +336,8 @@ class Checkpointer:
         the background), ``SnapshotFailed`` if it (or an earlier one nobody was told of)
         failed.
         """
+        if self._closed:
+            raise ValueError("snapshot_now() after close() (or after a SIGTERM was handled)")
         self._begin()
         now = self._clock()
         failure = self._poll()
