@@ -77,20 +77,65 @@ def _reset_peak() -> bool:
     return True
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+QUIET = {"cores": 0.25, "max_wait_s": 2.0}  # set from --quiet-cores / --quiet-wait
+
+
+def _jiffies() -> tuple[int, int]:
+    """(busy jiffies of all CPUs, steal included; jiffies of this process's threads)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(v) - v[3] - v[4], int(fields[11]) + int(fields[12])  # less idle and iowait
+
+
+class Others:
+    """The CPU, in cores, that other processes took during a ``with`` block (this machine
+    is shared: other people's tests and builds run on its 2 cores)."""
+
+    cores = 0.0
+
+    def __enter__(self) -> Others:
+        self._start, self._t0 = _jiffies(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        (busy, own), (busy0, own0) = _jiffies(), self._start
+        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        self.cores = max(0, (busy - busy0) - (own - own0)) / CLK_TCK / elapsed
+
+
+def settle() -> None:
+    """Wait (a few seconds at most) until other processes leave the CPUs nearly idle."""
+    deadline = time.monotonic() + QUIET["max_wait_s"]
+    while time.monotonic() < deadline:
+        with Others() as others:
+            time.sleep(0.3)
+        if others.cores < QUIET["cores"]:
+            return
+
+
 class Peak:
-    """Peak RSS above a baseline (the state alone) during a ``with`` block."""
+    """Peak RSS above a baseline (the state alone) during a ``with`` block, and the CPU
+    that other processes took meanwhile; it starts once the machine is quiet."""
 
     def __init__(self, baseline: int) -> None:
         self.baseline = baseline
         self.extra = 0
+        self.others = 0.0
         self.reset_ok = False
 
     def __enter__(self) -> Peak:
         gc.collect()
+        settle()
         self.reset_ok = _reset_peak()
+        self._others = Others().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._others.__exit__()
+        self.others = self._others.cores
         self.extra = max(0, _status_bytes("VmHWM") - self.baseline)
 
 
@@ -171,6 +216,7 @@ def probe_memcpy(address: int, size: int, reps: int = 2) -> float:
     half = size // 2 // _native.page_size() * _native.page_size()
     best = 0.0
     for _ in range(reps):
+        settle()
         t0 = time.perf_counter()
         _native.copy_host([(address + half, address, half)], 0)
         best = max(best, half / (time.perf_counter() - t0))
@@ -182,6 +228,7 @@ def probe_odirect(path: Path, address: int, size: int, total: int) -> float:
     (the same buffer at successive offsets), fdatasync included."""
     from snapcore import _native
 
+    settle()
     t0 = time.perf_counter()
     with _native.FileWriter(str(path), direct=True) as w:
         for offset in range(0, total, size):
@@ -210,6 +257,7 @@ def probe_cold_read(path: str, tensors: list[Any], streams: int) -> float:
         jobs += [(offset + s, min(piece, n - s), t.data_ptr() + s) for s in range(0, n, piece)]
         offset += max(n, 0)
     _drop([path])
+    settle()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         for f in [pool.submit(_native.read_into, path, o, n, a) for o, n, a in jobs]:
@@ -236,6 +284,7 @@ def phase_machine(args: argparse.Namespace, work: Path) -> Result:
     def bw(fn: Callable[[], None], nbytes: int, reps: int) -> list[float]:
         rates = []
         for _ in range(reps):
+            settle()
             t0 = time.perf_counter()
             fn()
             rates.append(nbytes / (time.perf_counter() - t0))
@@ -255,6 +304,7 @@ def phase_machine(args: argparse.Namespace, work: Path) -> Result:
     path = str(work / "probe.bin")
 
     def write(direct: bool) -> tuple[float, bool]:
+        settle()
         t0 = time.perf_counter()
         w = _native.FileWriter(path, direct=direct)
         w.write_at(0, src.address, size)
@@ -284,6 +334,7 @@ def phase_machine(args: argparse.Namespace, work: Path) -> Result:
         rates = []
         for _ in range(2):
             out["drop_page_cache_ok"] = _drop([path])
+            settle()
             t0 = time.perf_counter()
             _native.read_into(path, 0, size, src.address, threads=threads)
             _native.read_into(path, size, size, dst.address, threads=threads)
@@ -365,6 +416,7 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
                 offset = 0  # wrap around: the arena is larger than any cache
             copies.append((probe_arena.address + offset, t.data_ptr(), min(n, probe_arena.size)))
             offset += -(-n // 64) * 64
+        settle()
         t0 = time.perf_counter()
         _native.copy_host(copies, 0)
         return time.perf_counter() - t0
@@ -400,6 +452,7 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
                 "durable_s": durable,
                 "write_s": durable - stats.staged_s,
                 "peak_extra": peak.extra,
+                "others": peak.others,
                 "o_direct": stats.o_direct,
                 "written": stats.written.get("local"),
                 "reused": stats.reused.get("local"),
@@ -421,6 +474,7 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
                 "staged_s": stats.staged_s,
                 "durable_s": durable,
                 "peak_extra": peak.extra,
+                "others": peak.others,
             }
         )
 
@@ -442,6 +496,7 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
         dcp_stage()  # allocates its copy
 
         def timed_dcp_stage() -> float:
+            settle()
             t0 = time.perf_counter()
             dcp_stage()
             return time.perf_counter() - t0
@@ -450,6 +505,7 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
             step += 1
             perturb(tensors)
             dcp_s = timed_dcp_stage() if i % 2 else 0.0
+            settle()
             snap = snapcore.async_save(state, store, step=step).wait().staged_s
             dcp_s = dcp_s or timed_dcp_stage()
             duel.append({"snapcore_s": snap, "dcp_s": dcp_s, "bare_copy_s": bare_copy()})
@@ -489,7 +545,13 @@ def phase_torch_save(args: argparse.Namespace, work: Path) -> Result:
                 os.fsync(f.fileno())
             durable = time.perf_counter() - t0
         runs.append(
-            {"run": i, "blocked_s": durable, "durable_s": durable, "peak_extra": peak.extra}
+            {
+                "run": i,
+                "blocked_s": durable,
+                "durable_s": durable,
+                "peak_extra": peak.extra,
+                "others": peak.others,
+            }
         )
         _drop([str(path)])  # leave no cached pages behind for the next measurement
     return {**info, "runs": runs, "file": str(path), "file_bytes": path.stat().st_size}
@@ -521,7 +583,14 @@ def phase_dcp(args: argparse.Namespace, work: Path) -> Result:
         t0 = time.perf_counter()
         dcp.save(state, storage_writer=writer(path), no_dist=True)
         durable = time.perf_counter() - t0
-    out["save"] = [{"blocked_s": durable, "durable_s": durable, "peak_extra": peak.extra}]
+    out["save"] = [
+        {
+            "blocked_s": durable,
+            "durable_s": durable,
+            "peak_extra": peak.extra,
+            "others": peak.others,
+        }
+    ]
     _drop(_files_under(path))
 
     def async_runs(kind: Any, options: Any, extra: dict[str, Any]) -> list[Result]:
@@ -552,6 +621,7 @@ def phase_dcp(args: argparse.Namespace, work: Path) -> Result:
                         "staged_s": staged,
                         "durable_s": durable,
                         "peak_extra": peak.extra,
+                        "others": peak.others,
                     }
                 )
                 _drop(_files_under(path))
@@ -666,6 +736,7 @@ def phase_restore(args: argparse.Namespace, work: Path) -> Result:
             "seconds": seconds,
             "Bps": info["state_bytes"] / seconds,
             "peak_extra": peak.extra,
+            "others": peak.others,
             "page_cache_dropped": dropped,
         }
 
@@ -738,9 +809,14 @@ def run_phase(name: str, args: argparse.Namespace, work: Path) -> Result:
         str(args.dcp_repeats),
         "--duel-rounds",
         str(args.duel_rounds),
+        "--quiet-cores",
+        str(args.quiet_cores),
+        "--quiet-wait",
+        str(args.quiet_wait),
     ]
     t0 = time.perf_counter()
     print(f"[{name}] running ...", flush=True)
+    busy0, children0 = _jiffies()[0], _children_cpu()
     with open(log_file, "w") as log:
         try:
             rc = subprocess.run(
@@ -749,14 +825,24 @@ def run_phase(name: str, args: argparse.Namespace, work: Path) -> Result:
         except subprocess.TimeoutExpired:
             rc = -1
     wall = time.perf_counter() - t0
+    busy = (_jiffies()[0] - busy0) / CLK_TCK
+    others = max(0.0, busy - (_children_cpu() - children0)) / wall
     if rc != 0 or not out_file.exists():
         tail = log_file.read_text(errors="replace")[-2000:]
         print(f"[{name}] FAILED (rc={rc}) after {wall:.1f}s:\n{tail}", flush=True)
         return {"error": f"phase exited with {rc}", "log_tail": tail, "wall_s": wall}
     result = json.loads(out_file.read_text())
     result["wall_s"] = wall
+    result["others_cores"] = others
     print(f"[{name}] done in {wall:.1f}s", flush=True)
     return result
+
+
+def _children_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _median(runs: list[Result], key: str) -> float:
@@ -975,6 +1061,14 @@ def render(r: Result) -> str:
         f"{info['python']}, torch {info['torch']}, snapcore at {info['commit'] or '?'}; "
         f"{info['date']}.",
         "",
+        "Other processes' CPU during each phase (average cores of 2): "
+        + ", ".join(
+            f"{name} {r[name]['others_cores']:.2f}"
+            for name in PHASES
+            if "others_cores" in r.get(name, {})
+        )
+        + ".",
+        "",
     ]
     if state:
         lines += [
@@ -1008,11 +1102,13 @@ def render(r: Result) -> str:
         lines += [f"Machine phase failed: {m['error']}", ""]
     lines += [
         "Times are the median of the runs, with the best in parentheses; GB/s to durable is "
-        "state bytes over the best time to durable.",
+        "state bytes over the best time to durable; others' CPU is the most CPU (in cores) "
+        "that other processes on this shared machine took during one of the runs, each of "
+        "which waited up to a few seconds for a quiet machine first.",
         "",
         "| save | blocked s | staged s | durable s | GB/s to durable | peak extra RSS GB "
-        "(x state) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "(x state) | others' CPU |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def cell(runs: list[Result], key: str) -> str:
@@ -1022,15 +1118,16 @@ def render(r: Result) -> str:
 
     def row(name: str, runs: list[Result] | None, note: str = "") -> None:
         if not runs:
-            lines.append(f"| {name} | {note or 'not run'} | | | | |")
+            lines.append(f"| {name} | {note or 'not run'} | | | | | |")
             return
         staged = cell(runs, "staged_s" if "staged_s" in runs[0] else "blocked_s")
         peak = max(x["peak_extra"] for x in runs)
         rate = _gb(state / _best(runs, "durable_s")) if state else "—"
         mem = f"{peak / GB:.2f} ({peak / state:.2f})" if state else "—"
+        others = max(x.get("others", 0.0) for x in runs)
         lines.append(
             f"| {name} | {cell(runs, 'blocked_s')} | {staged} | {cell(runs, 'durable_s')} | "
-            f"{rate} | {mem} |"
+            f"{rate} | {mem} | {others:.2f} |"
         )
 
     if "async" in sc:
@@ -1101,8 +1198,9 @@ def render(r: Result) -> str:
         ]
     if rs and "error" not in rs:
         lines += [
-            "| restore (page cache dropped first) | seconds | GB/s | peak extra RSS GB |",
-            "| --- | --- | --- | --- |",
+            "| restore (page cache dropped first) | seconds | GB/s | peak extra RSS GB | "
+            "others' CPU |",
+            "| --- | --- | --- | --- | --- |",
         ]
         for key, label in (
             ("snapcore_restore", "snapcore.restore into the state (hashes verified), best of 2"),
@@ -1113,7 +1211,8 @@ def render(r: Result) -> str:
         ):
             x = rs[key]
             lines.append(
-                f"| {label} | {_s(x['seconds'])} | {_gb(x['Bps'])} | {x['peak_extra'] / GB:.2f} |"
+                f"| {label} | {_s(x['seconds'])} | {_gb(x['Bps'])} | {x['peak_extra'] / GB:.2f} | "
+                f"{x.get('others', 0.0):.2f} |"
             )
         lines += [
             "",
@@ -1184,12 +1283,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dcp-io-threads", type=int, default=1, help="FileSystemWriter thread_count for DCP"
     )
+    p.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.25,
+        help="before each timing, wait until other processes take less CPU than this",
+    )
+    p.add_argument(
+        "--quiet-wait", type=float, default=2.0, help="... but for at most this many seconds"
+    )
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # child process mode
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    QUIET.update(cores=args.quiet_cores, max_wait_s=args.quiet_wait)
     if args.phase:
         work = Path(args.dir)
         result = PHASE_FUNCS[args.phase](args, work)
