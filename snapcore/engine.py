@@ -118,6 +118,7 @@ class Engine:
         self._handles: list[SaveHandle] = []
         self._copiers: dict[int, Any] = {}
         self._index: dict[str, dict[tuple[str, int, str], Location] | None] = {}
+        self._index_steps: dict[str, frozenset[int]] = {}
         self._uploading: set[int] = set()  # steps whose local files the uploader still needs
         self._remote_collected = False
         self._slot_steps: list[set[int]] = [set(), set()]  # host steps held by each slot
@@ -158,11 +159,12 @@ class Engine:
             flat = flatten(state)
             layout = plan(flat.tensors)
             streaming = budget is not None and budget < layout.total * self.slots
-            if streaming and (self.host is not None or self.local is None):
+            if streaming and (self.host is not None or want != ("local",)):
                 raise ValueError(
                     f"a budget of {budget} bytes is less than {self.slots} x the state "
-                    f"({layout.total} bytes): streaming needs a store with a local tier "
-                    "and no host tier"
+                    f"({layout.total} bytes): streaming writes to the local tier only "
+                    "(a store with a local tier and no host tier; send it with "
+                    "tiers=['local'] when the store also has a remote)"
                 )
             if self.host is not None and not self._claimed:
                 self.host.claim(self.config.identity())
@@ -175,21 +177,23 @@ class Engine:
                 # Its host snapshots become invisible before their memory is overwritten.
                 self.host.uncommit_steps(self._slot_steps[slot])
                 self._slot_steps[slot] = {step}
+                for other in self._slot_steps[:slot] + self._slot_steps[slot + 1 :]:
+                    other.discard(step)  # a re-saved step's manifest will name this slot
             size = self._arena_size(layout, budget if streaming else None)
             arena = self._arena(slot, size)
             stats = SaveStats(step, layout.data_bytes, layout.total, streaming=streaming)
             handle = SaveHandle(step, stats, want)
             handle._t0 = t0
-            windows: queue.Queue[Window | None] = queue.Queue()
+            windows: queue.Queue[Window | _Aborted | None] = queue.Queue()
             halves = [threading.Event(), threading.Event()]
             for h in halves:
                 h.set()
             slot_free: Future[None] = Future()
             job = _Job(self, handle, layout, flat.tree, windows, halves, slot, slot_free)
+            self._handles = [h for h in self._handles if not h.done() or h.unreported()]
+            self._persist.submit(job.run)  # before the slot is marked: a failed submit frees it
             self._slot_free[slot] = slot_free
-            self._handles = [h for h in self._handles if not h.done() or h.failure() is None]
             self._handles.append(handle)
-            self._persist.submit(job.run)
             try:
                 if streaming:
                     if overlap:
@@ -201,8 +205,10 @@ class Engine:
                     self._stage_whole(
                         arena, layout, windows, flat.optimizers if overlap else None, handle
                     )
-            finally:
-                windows.put(None)
+            except BaseException as e:
+                windows.put(_Aborted(e))  # the persist thread must not commit a partial image
+                raise
+            windows.put(None)
             if not handle._deferred:
                 handle._mark_staged()
             stats.stall_s = time.perf_counter() - t0
@@ -240,12 +246,18 @@ class Engine:
         return self._encoder
 
     def chunk_index(self, tier: str) -> dict[tuple[str, int, str], Location]:
-        """Where the tier already stores each chunk content (from its committed manifests)."""
+        """Where the tier already stores each chunk content (from its committed manifests).
+
+        Rebuilt whenever the tier's committed steps are not what this engine last saw: a
+        `snapcore gc` or another process may have removed snapshots (and their files).
+        """
+        t = self.tier(tier)
+        steps = frozenset(t.committed_steps())
         index = self._index.get(tier)
-        if index is None:
+        if index is None or steps != self._index_steps.get(tier):
             index = {}
-            t = self.tier(tier)
-            for step in t.committed_steps():
+            self._index_steps[tier] = steps
+            for step in sorted(steps):
                 try:
                     self._add_to_index(index, t.read_manifest(step))
                 except SnapcoreError as e:
@@ -267,6 +279,7 @@ class Engine:
         index = self._index.get(tier)
         if index is not None:
             self._add_to_index(index, m)
+            self._index_steps[tier] = self._index_steps.get(tier, frozenset()) | {m.step}
         t = self.tier(tier)
         if tier == "remote" and not self._remote_collected:
             self._remote_collected = True  # leftovers of uploads a crash interrupted
@@ -301,7 +314,7 @@ class Engine:
 
     def _raise_unreported(self) -> None:
         for h in self._handles:
-            failed = h.failure()
+            failed = h.take_failure()
             if failed is not None:
                 tier, exc = failed
                 raise SnapshotFailed(
@@ -370,7 +383,7 @@ class Engine:
         self,
         arena: HostArena,
         layout: Layout,
-        windows: queue.Queue[Window | None],
+        windows: queue.Queue[Window | _Aborted | None],
         optimizers: list[torch.optim.Optimizer] | None,
         handle: SaveHandle,
     ) -> None:
@@ -390,7 +403,7 @@ class Engine:
         self,
         arena: HostArena,
         layout: Layout,
-        windows: queue.Queue[Window | None],
+        windows: queue.Queue[Window | _Aborted | None],
         halves: list[threading.Event],
         handle: SaveHandle,
     ) -> None:
@@ -398,7 +411,7 @@ class Engine:
         for i, start in enumerate(range(0, layout.total, half)):
             h = i % 2
             while not halves[h].wait(0.05):
-                if handle.done():
+                if handle.done("local"):
                     handle.wait()  # the writer failed: raise its error here
             halves[h].clear()
             w = Window(arena, start, min(start + half, layout.total), h * half, h)
@@ -496,7 +509,7 @@ class _Job:
         handle: SaveHandle,
         layout: Layout,
         tree: dict[str, Any],
-        windows: queue.Queue[Window | None],
+        windows: queue.Queue[Window | _Aborted | None],
         halves: list[threading.Event],
         slot: int,
         slot_free: Future[None],
@@ -510,6 +523,7 @@ class _Job:
         self.halves = halves
         self.slot = slot
         self.slot_free = slot_free
+        self.helpers: list[Future[Any]] = []  # hash and encode work that reads the arena
 
     def run(self) -> None:
         h = self.handle
@@ -531,13 +545,21 @@ class _Job:
             h._mark_staged()
             for half in self.halves:
                 half.set()
-            if self.pending is not None:
+            if self.pending is not None and not self.pending.committed:
                 with contextlib.suppress(Exception):
                     self.pending.abort()
+            self._settle()  # the host commit, if it happens, resolves its own tier
             for tier in h.tiers:
                 h._resolve(tier, e)
         finally:
+            self._settle()
             self._release_slot(upload)
+
+    def _settle(self) -> None:
+        """Wait for every helper thread still reading the arena (the slot is then free)."""
+        for fut in self.helpers:
+            with contextlib.suppress(BaseException):
+                fut.result()
 
     def _release_slot(self, upload: Future[None] | None) -> None:
         if upload is None:
@@ -547,6 +569,8 @@ class _Job:
 
     def _take_window(self) -> Window | None:
         w = self.windows.get()
+        if isinstance(w, _Aborted):
+            raise SnapcoreError(f"staging of step {self.handle.step} was interrupted") from w.error
         if w is None:
             return None
         for copy in w.deferred:
@@ -561,7 +585,9 @@ class _Job:
     def _run_whole(self) -> Future[None] | None:
         engine, h = self.engine, self.handle
         w = self._take_window()
-        assert w is not None and self.windows.get() is None
+        end = self._take_window()
+        if w is None or end is not None:
+            raise SnapcoreError(f"step {h.step}: expected one staged window")
         s = Staged(
             h.step,
             self.layout,
@@ -582,17 +608,23 @@ class _Job:
                     h._resolve("host")
 
         hashing = engine._hasher.submit(hash_chunks, s, ready, after_hashing)
+        self.helpers.append(hashing)
         local_m = None
         if "local" in h.tiers:
             assert self.pending is not None and engine.local is not None
             resaved = h.step in engine.local.committed_steps()
-            local_m = LocalWriter(engine, s, self.pending, h).write(ready, hashing)
+            local_m = LocalWriter(engine, s, self.pending, h, self.helpers).write(ready, hashing)
             hashing.result()
+            if "remote" in h.tiers:
+                engine._uploading.add(h.step)  # before retention can drop it
             self.pending.commit(local_m)
-            if resaved:  # the old files of a re-saved step may now be unreferenced
-                engine._index["local"] = None
-                engine.local.collect()
-            engine.after_commit("local", local_m)  # retention, before wait() returns
+            try:  # housekeeping: it cannot undo the commit, so its errors are warnings
+                if resaved:  # the old files of a re-saved step may now be unreferenced
+                    engine._index["local"] = None  # it may point into them
+                    engine.local.collect()
+                engine.after_commit("local", local_m)  # retention, before wait() returns
+            except Exception as e:
+                h.warn(f"local tier: housekeeping after the commit of step {h.step} failed: {e}")
             h._resolve("local")
         hashing.result()
         if "remote" not in h.tiers:
@@ -600,7 +632,6 @@ class _Job:
         from .upload import Upload
 
         if local_m is not None:
-            engine._uploading.add(h.step)
             job = Upload(engine, h, engine.local, local_m)  # type: ignore[arg-type]
         else:  # no local tier: upload straight from host memory
             locs = [Location("arena", off, n, w.arena.size) for _, _, off, n in s.chunks]
@@ -628,15 +659,20 @@ class _Job:
             str(engine.local_root / name), direct=settings.o_direct() == "auto"
         )
         h.stats.o_direct = writer.direct
+        written = 0
         try:
             while (w := self._take_window()) is not None:
                 hashed = engine._hasher.submit(_hash_window, w, chunks, digests, partial)
+                self.helpers.append(hashed)
                 writer.write_at(w.start, w.arena.address + w.arena_offset, w.end - w.start)
                 hashed.result()
+                written = w.end
                 self.halves[w.half].set()
             writer.sync()
         finally:
             writer.close()
+        if written != layout.total or any(not d for ds in digests for d in ds):
+            raise SnapcoreError(f"step {h.step}: the image was not staged whole")
         files = [mf.FileRef(name, layout.total)]
         blobs = [
             mf.Blob(
@@ -659,12 +695,22 @@ class _Job:
         )
         resaved = h.step in engine.local.committed_steps()
         self.pending.commit(m)
-        if resaved:
-            engine._index["local"] = None
-            engine.local.collect()
         h.stats.written["local"] = layout.total
-        engine.after_commit("local", m)
+        try:
+            if resaved:
+                engine._index["local"] = None
+                engine.local.collect()
+            engine.after_commit("local", m)
+        except Exception as e:
+            h.warn(f"local tier: housekeeping after the commit of step {h.step} failed: {e}")
         h._resolve("local")
+
+
+@dataclass
+class _Aborted:
+    """Put in the window queue when staging failed: nothing may be committed."""
+
+    error: BaseException
 
 
 def _writer_info() -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 
 from .errors import SnapshotFailed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,6 +35,7 @@ class SaveStats:
     )  # chunk bytes shared with earlier snapshots
     streaming: bool = False
     o_direct: bool = False
+    warnings: list[str] = field(default_factory=list)  # housekeeping that failed after a commit
 
 
 class SaveHandle:
@@ -65,7 +69,7 @@ class SaveHandle:
                     f"snapshot of step {self.step} not durable in {name} after {timeout}s"
                 ) from None
             except BaseException as e:
-                self._reported.add(name)
+                self._mark_reported(e)
                 if isinstance(e, SnapshotFailed):
                     raise
                 raise SnapshotFailed(
@@ -85,16 +89,33 @@ class SaveHandle:
         if not self._staged.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not staged after {timeout}s")
 
-    def failure(self) -> tuple[str, BaseException] | None:
-        """The first tier failure nobody has been told about yet (and mark it told)."""
+    def unreported(self) -> tuple[str, BaseException] | None:
+        """The first tier failure nobody has been told about yet (no side effect)."""
         for name, fut in self._futures.items():
             if name in self._reported or not fut.done():
                 continue
             exc = fut.exception()
             if exc is not None:
-                self._reported.add(name)
                 return name, exc
         return None
+
+    def take_failure(self) -> tuple[str, BaseException] | None:
+        """Like ``unreported``, and mark that failure told (in every tier it failed)."""
+        failed = self.unreported()
+        if failed is not None:
+            self._mark_reported(failed[1])
+        return failed
+
+    def _mark_reported(self, exc: BaseException) -> None:
+        # One error often fails several tiers at once: it is reported once.
+        for name, fut in self._futures.items():
+            if fut.done() and fut.exception() is exc:
+                self._reported.add(name)
+
+    def warn(self, message: str) -> None:
+        """A problem after a commit (it stays committed): logged and kept in the stats."""
+        log.error("%s", message)
+        self.stats.warnings.append(message)
 
     def _select(self, tier: str | None) -> dict[str, Future[None]]:
         if tier is None:

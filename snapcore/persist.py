@@ -148,8 +148,16 @@ class LocalWriter:
     on the encoder pool, a few ahead of the writer.
     """
 
-    def __init__(self, engine: Engine, s: Staged, pending: Pending, handle: SaveHandle) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        s: Staged,
+        pending: Pending,
+        handle: SaveHandle,
+        helpers: list[Any] | None = None,
+    ) -> None:
         self.engine = engine
+        self.helpers = helpers if helpers is not None else []  # futures the job waits for
         self.s = s
         self.pending = pending
         self.handle = handle
@@ -207,7 +215,7 @@ class LocalWriter:
                     end = pos + length
                 else:
                     flush()
-                    data = bytes(self._encoded(k, encoded, ready))
+                    data = bytes(self._encoded(k, encoded, ready, new, index))
                     nbytes = len(data)
                     writer.write_at(end, address_of(data), nbytes)
                     new[key] = (end, nbytes)
@@ -217,6 +225,8 @@ class LocalWriter:
             flush()
             writer.sync()
         finally:
+            for fut in encoded.values():  # look-ahead work nobody will use: stop it
+                fut.cancel()
             writer.close()
         size = end
         for k in placed:
@@ -228,24 +238,41 @@ class LocalWriter:
         self.handle.stats.written["local"] = size
         self.handle.stats.reused["local"] = reused
         final = [loc for loc in locs if loc is not None]
+        if len(final) != n:
+            raise AssertionError(f"step {s.step}: {n - len(final)} chunk(s) without a location")
         # A shared chunk was looked up with this tier's codec, so every chunk has it.
         return build_manifest(s, final, [self.codec] * n, stored)
 
-    def _encoded(self, k: int, cache: dict[int, Any], ready: list[threading.Event]) -> Any:
-        """Encode chunk ``k``, and start encoding the next few on the encoder pool."""
+    def _encoded(
+        self,
+        k: int,
+        cache: dict[int, Any],
+        ready: list[threading.Event],
+        new: dict[ChunkKey, tuple[int, int]],
+        index: dict[ChunkKey, Location],
+    ) -> Any:
+        """Encode chunk ``k``, and start encoding the next few that will be written (not
+        those the tier already holds) on the encoder pool."""
         from . import codec
 
         s, engine = self.s, self.engine
         pool = engine.encoder()
         for j in range(k, min(k + engine.encode_ahead, len(s.chunks))):
-            if j not in cache and ready[j].is_set():
-                b_i, _, off, length = s.chunks[j]
-                cache[j] = pool.submit(
-                    codec.encode,
-                    s.arena.view(off, length),
-                    codec=self.codec,
-                    element_size=s.layout.blobs[b_i].element_size,
-                )
+            if j in cache or not ready[j].is_set():
+                continue
+            key = (s.digests[j], s.chunks[j][3], self.codec)
+            if j > k and (key in new or key in index):
+                continue
+            if j > k and any(key == (s.digests[i], s.chunks[i][3], self.codec) for i in cache):
+                continue  # the same content is being encoded already
+            b_i, _, off, length = s.chunks[j]
+            cache[j] = pool.submit(
+                codec.encode,
+                s.arena.view(off, length),
+                codec=self.codec,
+                element_size=s.layout.blobs[b_i].element_size,
+            )
+            self.helpers.append(cache[j])
         return cache.pop(k).result()
 
 

@@ -22,7 +22,7 @@ import xxhash
 
 from . import _native, settings
 from . import manifest as mf
-from .errors import CorruptSnapshot, SnapcoreError, StateMismatch
+from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, StateMismatch
 from .layout import contiguous_strides
 from .tree import build, restore_into, tensor_paths
 
@@ -62,18 +62,34 @@ class Reader:
     def __init__(self, sources: list[tuple[Tier, mf.Manifest]], *, verify: bool = True) -> None:
         if not sources:
             raise ValueError("no source to read from")
-        self.sources = [
-            (t, m) for t, m in sources if t is sources[0][0] or _same_chunks(sources[0][1], m)
-        ]
-        self.m = sources[0][1]
+        self.damaged: list[str] = []
+        self._sizes: dict[tuple[int, str], int | None] = {}
+        # Every file's size is checked before anything is allocated or read: a manifest's
+        # sizes bound what a reader trusts. A tier whose files do not match is skipped.
+        usable = []
+        first: CorruptSnapshot | None = None
+        for t, m in sources:
+            try:
+                for j, f in enumerate(m.files):
+                    self._check_file(t, m, j, f)
+            except (CorruptSnapshot, OSError, SnapcoreError) as e:
+                err = e if isinstance(e, CorruptSnapshot) else CorruptSnapshot(str(e), step=m.step)
+                first = first or err
+                self.damaged.append(f"{t.name}: {err}")
+                continue
+            usable.append((t, m))
+        if not usable:
+            assert first is not None
+            raise first
+        ref = usable[0][1]
+        self.sources = [(t, m) for t, m in usable if m is ref or _same_chunks(ref, m)]
+        self.m = ref
         self.verify = verify
         self.paths = tensor_paths(self.m.tree)
         self.blob_users: dict[int, list[int]] = {}
         for i, t in enumerate(self.m.tensors):
             self.blob_users.setdefault(t.pieces[0].blob, []).append(i)
-        self.damaged: list[str] = []
         self.used: set[str] = set()
-        self._sizes: dict[tuple[int, str], int | None] = {}
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._blobs: dict[int, torch.Tensor] = {}
@@ -108,18 +124,26 @@ class Reader:
         assert first is not None
         raise first
 
-    def _check_size(self, tier: Tier, m: mf.Manifest, b_i: int, j: int) -> None:
-        f = m.files[m.blobs[b_i].chunks[j].file]
+    def _check_file(self, tier: Tier, m: mf.Manifest, index: int, f: mf.FileRef) -> None:
         key = (id(tier), f.name)
         if key not in self._sizes:
             self._sizes[key] = tier.file_size(f.name)
         size = self._sizes[key]
+        where = f"{tier.describe().rstrip('/')}/{f.name}"
         if size is None:
-            raise self._corrupt(tier, m, b_i, j, f"data file {f.name} is missing")
-        if size != f.size:
-            raise self._corrupt(
-                tier, m, b_i, j, f"{f.name} has {size} bytes, the manifest says {f.size}"
+            raise CorruptSnapshot(
+                f"step {m.step}: data file {where} is missing", step=m.step, file=where
             )
+        if size != f.size:
+            raise CorruptSnapshot(
+                f"step {m.step}: data file {where} has {size} bytes, the manifest says {f.size}",
+                step=m.step,
+                file=where,
+            )
+
+    def _check_size(self, tier: Tier, m: mf.Manifest, b_i: int, j: int) -> None:
+        c = m.blobs[b_i].chunks[j]
+        self._check_file(tier, m, c.file, m.files[c.file])
 
     def _read_from(self, tier: Tier, m: mf.Manifest, b_i: int, j: int, address: int) -> None:
         c = m.blobs[b_i].chunks[j]
@@ -262,7 +286,7 @@ class Reader:
         t = self._blobs.get(b_i)
         if t is None:
             nbytes = self.m.blobs[b_i].nbytes
-            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            t = _alloc(nbytes, pin, self.m.step)
             self.read_blobs([(b_i, t.data_ptr())])
             self._blobs[b_i] = t
         return t
@@ -292,7 +316,7 @@ class Reader:
     def prefetch(self, indices: list[int]) -> None:
         """Read the blobs of these tensors in one parallel batch."""
         need = sorted({self.m.tensors[i].pieces[0].blob for i in indices} - self._blobs.keys())
-        bufs = {b: torch.empty(self.m.blobs[b].nbytes, dtype=torch.uint8) for b in need}
+        bufs = {b: _alloc(self.m.blobs[b].nbytes, False, self.m.step) for b in need}
         self.read_blobs([(b, t.data_ptr()) for b, t in bufs.items()])
         self._blobs.update(bufs)
 
@@ -365,9 +389,7 @@ class Reader:
             return
         pin = _native.cuda_available() and any(t.device.type == "cuda" for _, t in batch)
         blobs = {self.m.tensors[i].pieces[0].blob for i, _ in batch} - self._blobs.keys()
-        bufs = {
-            b: torch.empty(self.m.blobs[b].nbytes, dtype=torch.uint8, pin_memory=pin) for b in blobs
-        }
+        bufs = {b: _alloc(self.m.blobs[b].nbytes, pin, self.m.step) for b in blobs}
         self.read_blobs([(b, buf.data_ptr()) for b, buf in bufs.items()])
         with torch.no_grad():
             for i, t in batch:
@@ -437,3 +459,13 @@ def _same_chunks(a: mf.Manifest, b: mf.Manifest) -> bool:
 
 def _chunk(m: mf.Manifest, job: tuple[int, int, int]) -> mf.Chunk:
     return m.blobs[job[0]].chunks[job[1]]
+
+
+def _alloc(nbytes: int, pin: bool, step: int) -> torch.Tensor:
+    """A byte buffer whose size a manifest claimed: a failure is the snapshot's fault."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    except (RuntimeError, MemoryError) as e:
+        raise InvalidManifest(
+            f"step {step}: cannot allocate the {nbytes} bytes a blob claims: {e}", step=step
+        ) from None

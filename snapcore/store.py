@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class Pending:
         self.step = step
         self.dir = store.root / step_dir_name(step)
         self._fd: int | None = None
+        self.committed = False
         if not self.dir.exists():
             self.dir.mkdir(parents=True, exist_ok=True)
             fsync_dir(store.root)  # the new directory's entry must survive a power loss
@@ -62,7 +64,10 @@ class Pending:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.token = secrets.token_hex(6)
             self.lock_path = self.dir / f"{self.token}{PENDING_SUFFIX}"
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # a collector removed the empty directory meanwhile
+                continue
             # A collector may claim the fresh lock file between open and flock (it then
             # deletes it): take the lock, then make sure the file is still ours.
             try:
@@ -97,11 +102,14 @@ class Pending:
             (self.dir / COLLECT_MARKER).touch()
             fsync_dir(self.dir)
         os.replace(tmp, self.dir / MANIFEST)
+        self.committed = True  # visible now: from here on nothing may abort it
         fsync_dir(self.dir)
         self.release()
 
     def abort(self) -> None:
         """Remove what this snapshot wrote; the previous committed one is untouched."""
+        if self.committed:
+            raise AssertionError("a committed snapshot cannot be aborted")
         for p in self.dir.glob(f"*{self.token}*"):
             if p != self.lock_path:
                 with contextlib.suppress(OSError):
@@ -145,8 +153,10 @@ class LocalStore:
         out = []
         for name in names:
             m = STEP_DIR.match(name)
-            if m:
-                path = self.root / name
+            path = self.root / name
+            # A symlink named like a step is not ours: collecting "its" leftovers would
+            # delete files outside the store.
+            if m and stat.S_ISDIR(_lstat_mode(path)):
                 out.append(SnapshotInfo(int(m.group(1)), path, (path / MANIFEST).is_file()))
         out.sort(key=lambda s: s.step)
         return out
@@ -271,9 +281,9 @@ class LocalStore:
         dry_run: bool,
         removed: list[Path],
     ) -> None:
-        orphan_dirs = [
-            s for s in snaps if not s.committed and not _tokens_in(listing[s.path], live)
-        ]
+        # While any writer is live, only dead writers' own files go: a live one may be
+        # about to reference any other file (shared chunks), even in an uncommitted dir.
+        orphan_dirs = [] if live else [s for s in snaps if not s.committed]
         if not (dead or orphan_dirs or full):
             return
         referenced = self.referenced_files()
@@ -296,10 +306,12 @@ class LocalStore:
                 if not (full or _tokens_in([name], dead) or snap in orphan_dirs):
                     continue
                 path = snap.path / name
+                if not stat.S_ISREG(_lstat_mode(path)):
+                    continue  # only regular files are ours to delete
                 if not dry_run:
                     try:
                         path.unlink()
-                    except (IsADirectoryError, FileNotFoundError):
+                    except FileNotFoundError:
                         continue
                 removed.append(path)
             if not dry_run and not (snap.path / MANIFEST).exists():
@@ -365,6 +377,13 @@ def _remove_if_dead(path: Path, dry_run: bool = False) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _lstat_mode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except FileNotFoundError:
+        return 0
 
 
 def _listdir(path: Path) -> list[str]:

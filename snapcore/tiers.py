@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -160,9 +161,10 @@ class HostTier(LocalTier):
             self.release()
         self.root.mkdir(parents=True, exist_ok=True)
         if current != identity:
-            tmp = self.root / "store.json.tmp"
-            tmp.write_text(json.dumps(identity))
-            tmp.replace(self.root / "store.json")
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".store.json.")  # O_EXCL, 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(identity))
+            os.replace(tmp, self.root / "store.json")
 
     def release(self) -> None:
         """Free the whole area (its memory)."""
@@ -247,10 +249,12 @@ class RemoteStoreTier:
             except (InvalidManifest, SnapshotNotFound):
                 return []
         live: set[str] = set()
+        dead: set[str] = set()
         for name in names:
             m = self._PENDING.match(name)
-            if m and _upload_alive(self.rt.read_bytes(name), self.PENDING_GRACE_S):
-                live.add(m.group(1))
+            if m:
+                alive = _upload_alive(self.rt.read_bytes(name), self.PENDING_GRACE_S)
+                (live if alive else dead).add(m.group(1))
         doomed = [
             n
             for n in names
@@ -258,6 +262,8 @@ class RemoteStoreTier:
             and n not in referenced
             and not any(t in n for t in live)
             and n.startswith("step-")
+            # a live upload may reference any other object: then only dead ones' go
+            and (not live or any(t in n for t in dead))
         ]
         if not dry_run and doomed:
             self.rt.delete(doomed)

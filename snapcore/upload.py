@@ -156,10 +156,13 @@ class Upload:
     ) -> None:
         rm = self._manifest(locs, stored, target)
         remote.commit(rm)
-        remote.end(self.m.step, token)
         self.handle.stats.written["remote"] = size
         self.handle.stats.reused["remote"] = reused
-        self.engine.after_commit("remote", rm)
+        try:  # committed: what follows cannot undo it, so its errors are warnings
+            remote.end(self.m.step, token)
+            self.engine.after_commit("remote", rm)
+        except Exception as e:
+            self.handle.warn(f"remote tier: housekeeping after step {self.m.step} failed: {e}")
 
     def _whole_file(self, index: dict[tuple[str, int, str], Location], target: str) -> str | None:
         """The name of this snapshot's local data file if the remote needs exactly the
