@@ -346,3 +346,75 @@ def test_concurrent_saves_from_threads_are_serialised(tmp_path):
     assert not errors
     for k in range(4):
         assert snapcore.load(tmp_path, step=k)["v"][0] == k
+
+
+def test_interrupted_streaming_resave_keeps_the_committed_step(tmp_path, monkeypatch):
+    big = {f"t{i}": random_bits((1 << 20,), torch.float32, i) for i in range(3)}  # 12 MiB
+    snapcore.save(big, tmp_path, step=5)
+    real = engine_mod.Engine._copy
+    calls = 0
+
+    def copy(self, blobs, w, **kw):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyboardInterrupt  # Ctrl-C while the second window is staged
+        return real(self, blobs, w, **kw)
+
+    monkeypatch.setattr(engine_mod.Engine, "_copy", copy)
+    with pytest.raises(KeyboardInterrupt):
+        snapcore.async_save(
+            {k: v + 1 for k, v in big.items()}, tmp_path, step=5, budget_bytes=8 << 20
+        )
+    monkeypatch.setattr(engine_mod.Engine, "_copy", real)
+    with pytest.raises(snapcore.SnapshotFailed, match="interrupted"):
+        snapcore.save({"x": torch.ones(1)}, tmp_path, step=6)
+    out = snapcore.load(tmp_path, step=5)
+    for k, v in big.items():
+        assert same_bits(out[k], v), k
+
+
+def test_errors_after_a_commit_are_warnings_not_failures(tmp_path, monkeypatch):
+    store = snapcore.Store(local=tmp_path, retention={"local": 1})
+    snapcore.save({"x": torch.zeros(4)}, store, step=1)
+
+    def broken(self, step):
+        raise OSError(5, "Input/output error (simulated)")
+
+    monkeypatch.setattr(snapcore.tiers.LocalTier, "uncommit", broken)
+    stats = snapcore.save({"x": torch.ones(4)}, store, step=2)
+    assert any("simulated" in w for w in stats.warnings)
+    assert torch.equal(snapcore.load(tmp_path, step=2)["x"], torch.ones(4))
+    assert torch.equal(snapcore.load(tmp_path, step=1)["x"], torch.zeros(4))
+
+
+def test_a_failure_is_reported_once_not_once_per_tier(tmp_path, monkeypatch):
+    import uuid
+
+    store = snapcore.Store(local=tmp_path, remote=f"memory://snapcore-{uuid.uuid4().hex[:8]}")
+
+    def failing(*a, **k):
+        raise OSError(28, "No space left on device (simulated)")
+
+    monkeypatch.setattr(engine_mod._native, "FileWriter", failing)
+    h = snapcore.async_save({"x": torch.ones(8)}, store, step=1)
+    with pytest.raises(snapcore.SnapshotFailed) as e:
+        h.wait()  # one error failed both tiers
+    assert e.value.tier == "local"
+    with pytest.raises(snapcore.SnapshotFailed):
+        h.wait(tier="remote")  # asking again still raises...
+    monkeypatch.undo()
+    snapcore.save({"x": torch.ones(8)}, store, step=2)  # ...but it is not reported again
+    assert snapcore.committed(store) == {"local": [2], "remote": [2]}
+
+
+def test_stale_chunk_index_is_rebuilt_after_an_outside_gc(tmp_path):
+    from snapcore.cli import main
+
+    frozen = torch.randn(1 << 16)
+    snapcore.save({"f": frozen, "c": torch.tensor(1)}, tmp_path, step=1)
+    snapcore.save({"f": frozen, "c": torch.tensor(2)}, tmp_path, step=2)
+    assert main(["gc", str(tmp_path), "--retention", "local=1"]) == 0  # "another process"
+    snapcore.save({"f": frozen, "c": torch.tensor(1)}, tmp_path, step=3)
+    out = snapcore.load(tmp_path, step=3)
+    assert torch.equal(out["f"], frozen) and out["c"] == 1

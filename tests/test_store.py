@@ -74,3 +74,15 @@ def test_bad_step_values_are_refused(tmp_path):
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(ValueError, match="step must be"):
             snapcore.save({"x": torch.ones(1)}, tmp_path, step=bad)  # type: ignore[arg-type]
+
+
+def test_a_symlink_named_like_a_step_is_never_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("years of work")
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "step-000000000009").symlink_to(victim, target_is_directory=True)
+    snapcore.save({"x": torch.ones(1)}, store, step=1)
+    assert LocalStore(store).collect_leftovers(full=True) == []
+    assert (victim / "thesis.tex").read_text() == "years of work"
