@@ -3,7 +3,8 @@
 Runs on the engine's upload thread, one snapshot after another, so a slow or dead object
 store never holds up staging or local commits. Chunks the remote tier already holds
 (same content, same codec) are referenced, not uploaded again. The remote manifest is
-written last, with one PUT, after the data object has been checked (size and hash).
+written last, with one PUT, after the data object is complete and its size checked (each
+request's body carries a checksum that S3 verifies; chunk hashes are checked on read).
 """
 
 from __future__ import annotations
