@@ -40,6 +40,7 @@ from .persist import (
     chunk_list,
     commit_host,
     hash_chunks,
+    writer_info,
 )
 from .store import Pending
 from .tiers import TIER_ORDER, HostTier, LocalTier, Store, as_store
@@ -685,7 +686,7 @@ class _Job:
         m = mf.Manifest(
             step=h.step,
             created_unix=time.time(),
-            writer=_writer_info(),
+            writer=writer_info(),
             world_size=1,
             rank_files=[[0]],
             files=files,
@@ -711,19 +712,6 @@ class _Aborted:
     """Put in the window queue when staging failed: nothing may be committed."""
 
     error: BaseException
-
-
-def _writer_info() -> dict[str, Any]:
-    import socket
-
-    from .persist import _version
-
-    return {
-        "snapcore": _version(),
-        "torch": torch.__version__,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-    }
 
 
 def _hash_window(

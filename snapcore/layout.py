@@ -8,7 +8,6 @@ of a big storage costs only its own elements.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +140,3 @@ def _end_byte(t: torch.Tensor) -> int:
         return t.storage_offset() * t.element_size()
     last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
     return (t.storage_offset() + last + 1) * t.element_size()
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

@@ -1,4 +1,4 @@
-"""Manifest of a snapshot (format v1, docs/format.md): build, serialise, parse defensively.
+"""Manifest of a snapshot (format v2, docs/format.md): build, serialise, parse defensively.
 
 Parsing never trusts the file: JSON size is capped before parsing, the schema is checked,
 then every cross-reference, size and offset is checked before anything is read or

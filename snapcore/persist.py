@@ -100,12 +100,7 @@ def build_manifest(
     return mf.Manifest(
         step=s.step,
         created_unix=time.time(),
-        writer={
-            "snapcore": _version(),
-            "torch": torch.__version__,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-        },
+        writer=writer_info(),
         world_size=1,
         rank_files=[list(range(len(files)))],
         files=files,
@@ -274,6 +269,16 @@ class LocalWriter:
             )
             self.helpers.append(cache[j])
         return cache.pop(k).result()
+
+
+def writer_info() -> dict[str, Any]:
+    """Who wrote a manifest (informational)."""
+    return {
+        "snapcore": _version(),
+        "torch": torch.__version__,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
 
 
 def address_of(data: bytes) -> int:

@@ -352,33 +352,6 @@ def _claim_if_dead(path: Path) -> int | None:
     return fd
 
 
-def _remove_if_dead(path: Path, dry_run: bool = False) -> bool:
-    """Delete a pending-lock file nobody holds (its writer died); True if deleted.
-
-    The file is unlinked while we hold its lock, so a writer that opened it but had not
-    locked it yet fails its own check and starts over with a new token.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return False
-        raise
-    try:
-        if not dry_run:
-            path.unlink()
-        return True
-    except FileNotFoundError:
-        return False
-    finally:
-        os.close(fd)
-
-
 def _lstat_mode(path: Path) -> int:
     try:
         return os.lstat(path).st_mode

@@ -290,13 +290,6 @@ def _upload_alive(mark: bytes, grace_s: float) -> bool:
     return True
 
 
-def _listdir(path: Path) -> list[str]:
-    try:
-        return os.listdir(path)
-    except FileNotFoundError:
-        return []
-
-
 @dataclass
 class Store:
     """The tiers of one run. Any of them may be left out (``local`` alone is a path).
