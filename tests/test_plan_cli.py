@@ -114,14 +114,6 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--persist" in capsys.readouterr().out
 
 
-def test_journal_without_reader_is_a_clear_error(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, "snapcore.journal", None)  # import raises ImportError
-    assert plan_main(["--journal", "/tmp/store"]) == 2
-    assert "journal reader" in capsys.readouterr().err
-
-
 def test_journal_hook_uses_history(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -155,14 +155,9 @@ class _UsageError(ValueError):
 
 
 def _mtbf_from_journal(store: str, prior: RatePrior | None) -> float:
-    """Conservative MTBF in seconds from a store's run journal (reader lives elsewhere)."""
-    try:
-        from snapcore.journal import failure_history  # type: ignore[import-not-found]
-    except ImportError as e:
-        raise _UsageError(
-            "--journal needs snapcore.journal.failure_history(store), the run journal "
-            "reader, which this build does not have yet; give --mtbf or --devices instead"
-        ) from e
+    """Conservative MTBF in seconds from a store's run journal."""
+    from snapcore.journal import failure_history
+
     failures, exposure_hours = failure_history(store)
     est = estimate_from_history(int(failures), float(exposure_hours), prior)
     return 3600.0 * est.conservative_mtbf_hours
