@@ -581,12 +581,8 @@ class Checkpointer:
     @staticmethod
     def _drain(rec: _InFlight) -> list[tuple[str, BaseException]]:
         """Take every failure of the handle nobody was told of (marking them told)."""
-        # SaveHandle.failure() is being renamed take_failure() (same contract; one error
-        # that fails several tiers is told once): either is taken while that lands.
-        h: Any = rec.handle
-        take = getattr(h, "take_failure", None) or h.failure
         out = []
-        while (f := take()) is not None:
+        while (f := rec.handle.take_failure()) is not None:
             out.append(f)
         return out
 
