@@ -228,3 +228,18 @@ def s3_bucket(s3_server: str, s3_client: Any) -> Iterator[S3Bucket]:
             for obj in page.get("Contents", []):
                 s3_client.delete_object(Bucket=name, Key=obj["Key"])
         s3_client.delete_bucket(Bucket=name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_host_area_leaks() -> Iterator[None]:
+    """Host-memory areas are process-outliving by design: a test that makes one must
+    release it. Checked once, at the end of the session."""
+    import glob
+
+    before = set(glob.glob("/dev/shm/snapcore-test-*"))
+    yield
+    from snapcore.engine import close_all
+
+    close_all()
+    leaked = set(glob.glob("/dev/shm/snapcore-test-*")) - before
+    assert not leaked, f"tests left host-memory areas behind: {sorted(leaked)}"
