@@ -116,6 +116,7 @@ class Engine:
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="snapcore-hash")
         self._upload = ThreadPoolExecutor(1, thread_name_prefix="snapcore-upload")
         self._encoder: ThreadPoolExecutor | None = None
+        self._preparer: ThreadPoolExecutor | None = None
         self._handles: list[SaveHandle] = []
         self._copiers: dict[int, Any] = {}
         self._index: dict[str, dict[tuple[str, int, str], Location] | None] = {}
@@ -213,6 +214,8 @@ class Engine:
             if not handle._deferred:
                 handle._mark_staged()
             stats.stall_s = time.perf_counter() - t0
+            if self.slots > 1 and not streaming:
+                self._prepare_other_slot(slot, size)
             return handle
 
     def wait(self) -> None:
@@ -226,7 +229,7 @@ class Engine:
     def close(self) -> None:
         with contextlib.suppress(SnapcoreError):
             self.wait()
-        for pool in (self._persist, self._hasher, self._upload, self._encoder):
+        for pool in (self._persist, self._hasher, self._upload, self._encoder, self._preparer):
             if pool is not None:
                 pool.shutdown(wait=True)
         for c in self._copiers.values():
@@ -339,6 +342,23 @@ class Engine:
         if fut is not None:
             fut.result()
         return slot
+
+    def _prepare_other_slot(self, slot: int, size: int) -> None:
+        """Allocate and fault the next slot's arena in the background, so that the next
+        save does not do it on the training thread."""
+        other = 1 - slot
+        arena, busy = self.arenas[other], self._slot_free[other]
+        if (arena is not None and arena.size >= size) or (busy is not None and not busy.done()):
+            return
+        if self._preparer is None:
+            self._preparer = ThreadPoolExecutor(1, thread_name_prefix="snapcore-prepare")
+        self._slot_free[other] = self._preparer.submit(self._try_arena, other, size)
+
+    def _try_arena(self, slot: int, size: int) -> None:
+        try:
+            self._arena(slot, size)
+        except Exception as e:  # the next save allocates it again, and raises then
+            log.warning("could not prepare arena slot %d in the background: %s", slot, e)
 
     def _arena(self, slot: int, size: int) -> HostArena:
         arena = self.arenas[slot]
