@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .api import async_save, committed, load, restore, save
+from .api import async_save, committed, load, prepare, restore, save, wait_all
 from .checkpointer import Checkpointer
 from .errors import (
     CorruptSnapshot,
@@ -42,6 +42,8 @@ __all__ = [
     "async_save",
     "committed",
     "load",
+    "prepare",
     "restore",
     "save",
+    "wait_all",
 ]

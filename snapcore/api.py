@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from .engine import engine_for
@@ -143,6 +144,15 @@ def load(store: StoreLike, *, step: int | None = None, verify: bool = True) -> A
     return _reader(store, step, verify).load_tree()
 
 
+def prepare(state: object, store: StoreLike) -> Future[None]:
+    """Allocate and fault the staging memory for ``state`` in the background, so that the
+    first ``async_save`` does not (memory touched for the first time can fill at well under
+    1 GB/s). Returns a future; a save waits for it. A store with a host-memory tier
+    prepares its second slot after its first save instead."""
+    return engine_for(store).prepare(state)
+
+
 def wait_all(store: StoreLike) -> None:
-    """Wait until every snapshot to ``store`` in flight is durable (raises a failure)."""
+    """Wait until every snapshot to ``store`` in flight is durable and the housekeeping
+    after it (retention, garbage collection) is done; raises a failure nobody saw."""
     engine_for(store).wait()

@@ -219,12 +219,43 @@ class Engine:
             return handle
 
     def wait(self) -> None:
-        """Wait for every snapshot in flight; raise the first failure nobody saw."""
+        """Wait for every snapshot in flight and the housekeeping after it (retention,
+        collection); raise the first failure nobody saw."""
         for h in list(self._handles):
             for fut in h._futures.values():
                 with contextlib.suppress(BaseException):
                     fut.exception()
+        for pool in (self._persist, self._upload):  # in order: what was queued is done
+            with contextlib.suppress(RuntimeError):  # a closed engine has nothing queued
+                pool.submit(lambda: None).result()
         self._raise_unreported()
+
+    def prepare(self, state: object) -> Future[None]:
+        """Allocate and fault the arena(s) for ``state`` in the background, so that the
+        first save does not do it on the training thread (memory touched for the first
+        time fills at well under 1 GB/s on some machines)."""
+        size = self._arena_size(plan(flatten(state).tensors), None)
+        with self._lock:
+            futures = []
+            if self.host is not None:
+                # Slot files may hold committed host snapshots until a save claims the area;
+                # the second slot is prepared in the background after the first save.
+                return _done()
+            for slot in range(self.slots):
+                arena, busy = self.arenas[slot], self._slot_free[slot]
+                if (arena is not None and arena.size >= size) or (
+                    busy is not None and not busy.done()
+                ):
+                    continue
+                if self._preparer is None:
+                    self._preparer = ThreadPoolExecutor(1, thread_name_prefix="snapcore-prepare")
+                fut = self._slot_free[slot] = self._preparer.submit(self._try_arena, slot, size)
+                futures.append(fut)
+        if not futures:
+            return _done()
+        done: Future[None] = Future()
+        futures[-1].add_done_callback(lambda _: done.set_result(None))
+        return done
 
     def close(self) -> None:
         with contextlib.suppress(SnapcoreError):
@@ -639,14 +670,14 @@ class _Job:
             if "remote" in h.tiers:
                 engine._uploading.add(h.step)  # before retention can drop it
             self.pending.commit(local_m)
+            h._resolve("local")  # durable: retention's deletions are not the caller's wait
             try:  # housekeeping: it cannot undo the commit, so its errors are warnings
                 if resaved:  # the old files of a re-saved step may now be unreferenced
                     engine._index["local"] = None  # it may point into them
                     engine.local.collect()
-                engine.after_commit("local", local_m)  # retention, before wait() returns
+                engine.after_commit("local", local_m)
             except Exception as e:
                 h.warn(f"local tier: housekeeping after the commit of step {h.step} failed: {e}")
-            h._resolve("local")
         hashing.result()
         if "remote" not in h.tiers:
             return None
@@ -717,6 +748,7 @@ class _Job:
         resaved = h.step in engine.local.committed_steps()
         self.pending.commit(m)
         h.stats.written["local"] = layout.total
+        h._resolve("local")
         try:
             if resaved:
                 engine._index["local"] = None
@@ -724,7 +756,12 @@ class _Job:
             engine.after_commit("local", m)
         except Exception as e:
             h.warn(f"local tier: housekeeping after the commit of step {h.step} failed: {e}")
-        h._resolve("local")
+
+
+def _done() -> Future[None]:
+    f: Future[None] = Future()
+    f.set_result(None)
+    return f
 
 
 @dataclass

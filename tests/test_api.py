@@ -223,6 +223,7 @@ def test_async_save_default_mode_snapshot_is_isolated_from_later_changes(tmp_pat
 def test_resaving_a_committed_step_replaces_it_atomically(tmp_path):
     snapcore.save({"x": torch.zeros(4)}, tmp_path, step=5)
     snapcore.save({"x": torch.ones(4)}, tmp_path, step=5)
+    snapcore.wait_all(tmp_path)  # the replaced files are collected after the commit
     assert torch.equal(snapcore.load(tmp_path)["x"], torch.ones(4))
     step_dir = next(tmp_path.iterdir())
     assert len(list(step_dir.glob("*.bin"))) == 1  # the old data file was collected
@@ -383,6 +384,7 @@ def test_errors_after_a_commit_are_warnings_not_failures(tmp_path, monkeypatch):
 
     monkeypatch.setattr(snapcore.tiers.LocalTier, "uncommit", broken)
     stats = snapcore.save({"x": torch.ones(4)}, store, step=2)
+    snapcore.wait_all(store)  # retention runs after the commit
     assert any("simulated" in w for w in stats.warnings)
     assert torch.equal(snapcore.load(tmp_path, step=2)["x"], torch.ones(4))
     assert torch.equal(snapcore.load(tmp_path, step=1)["x"], torch.zeros(4))

@@ -261,6 +261,7 @@ def _worker(store: str, start: int, mode: str, die_in: str | None = None, gen: i
                 previous = None
                 _emit(ev="durable", step=handle.wait().step)
         if step == start:
+            snapcore.wait_all(store)  # the collection after a re-save runs after its commit
             _emit(ev="first", step=step)
             signal.sigwait({signal.SIGUSR1})
 

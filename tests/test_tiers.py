@@ -188,6 +188,7 @@ def test_retention_keeps_shared_chunks_alive(tmp_path):
     store = snapcore.Store(local=tmp_path, retention={"local": 2})
     for step in range(1, 6):
         snapcore.save({"frozen": frozen, "x": torch.full((10,), float(step))}, store, step=step)
+    snapcore.wait_all(store)  # retention runs after each commit, in the background
     assert LocalStore(tmp_path).committed_steps() == [4, 5]
     # step 1's file holds the frozen chunk that 4 and 5 share: it must still be there
     for step in (4, 5):
