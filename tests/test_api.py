@@ -420,3 +420,15 @@ def test_stale_chunk_index_is_rebuilt_after_an_outside_gc(tmp_path):
     snapcore.save({"f": frozen, "c": torch.tensor(1)}, tmp_path, step=3)
     out = snapcore.load(tmp_path, step=3)
     assert torch.equal(out["f"], frozen) and out["c"] == 1
+
+
+def test_prepare_faults_the_arena_before_the_first_save(tmp_path):
+    state = {"t": torch.randn(1 << 20)}
+    fut = snapcore.prepare(state, tmp_path)
+    fut.result(timeout=60)
+    arena = engine_mod.engine_for(tmp_path).arenas[0]
+    assert arena is not None and arena.size >= 4 << 20
+    stats = snapcore.save(state, tmp_path, step=1)
+    assert engine_mod.engine_for(tmp_path).arenas[0] is arena  # used, not made again
+    assert stats.stall_s < 5
+    assert snapcore.prepare(state, tmp_path).result(timeout=1) is None  # nothing to do
