@@ -38,8 +38,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import machine_load
 import torch
 import zstandard
+from machine_load import Others
 
 from snapcore import _native, codec
 
@@ -47,7 +49,6 @@ GB = 1e9
 MiB = 1 << 20
 CHUNK = 64 * MiB  # snapcore's chunk size (docs/format.md)
 CODECS = (("zstd", 1), ("zstd", 3), ("shuffle-zstd", 1), ("shuffle-zstd", 3))
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -71,37 +72,8 @@ class Settings:
 
 
 # -- other processes' load ---------------------------------------------------------------
-def _jiffies() -> tuple[int, int]:
-    """(busy jiffies of all CPUs, steal included; jiffies of this process's threads)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return sum(v) - v[3] - v[4], int(fields[11]) + int(fields[12])  # less idle and iowait
-
-
-class Others:
-    """The CPU, in cores, that other processes took during a `with` block."""
-
-    cores = 0.0
-
-    def __enter__(self) -> Others:
-        self._start, self._t0 = _jiffies(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        (busy, own), (busy0, own0) = _jiffies(), self._start
-        elapsed = time.perf_counter() - self._t0
-        self.cores = max(0, (busy - busy0) - (own - own0)) / CLK_TCK / elapsed
-
-
 def wait_for_quiet(settings: Settings) -> None:
-    deadline = time.monotonic() + settings.max_wait
-    while time.monotonic() < deadline:
-        with Others() as others:
-            time.sleep(0.5)
-        if others.cores < settings.quiet_cores:
-            return
+    machine_load.wait_for_quiet(settings.quiet_cores, settings.max_wait, probe_s=0.5)
 
 
 def best_time(fn: Callable[[], object], settings: Settings) -> tuple[float, float, float]:

@@ -50,6 +50,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import machine_load
+from machine_load import CLK_TCK, Others, jiffies
+
 GB = 1e9
 GIB = 1 << 30
 PHASES = ("machine", "snapcore", "torch_save", "dcp", "restore")
@@ -77,43 +80,12 @@ def _reset_peak() -> bool:
     return True
 
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 QUIET = {"cores": 0.25, "max_wait_s": 2.0}  # set from --quiet-cores / --quiet-wait
-
-
-def _jiffies() -> tuple[int, int]:
-    """(busy jiffies of all CPUs, steal included; jiffies of this process's threads)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return sum(v) - v[3] - v[4], int(fields[11]) + int(fields[12])  # less idle and iowait
-
-
-class Others:
-    """The CPU, in cores, that other processes took during a ``with`` block (this machine
-    is shared: other people's tests and builds run on its 2 cores)."""
-
-    cores = 0.0
-
-    def __enter__(self) -> Others:
-        self._start, self._t0 = _jiffies(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        (busy, own), (busy0, own0) = _jiffies(), self._start
-        elapsed = max(time.perf_counter() - self._t0, 1e-9)
-        self.cores = max(0, (busy - busy0) - (own - own0)) / CLK_TCK / elapsed
 
 
 def settle() -> None:
     """Wait (a few seconds at most) until other processes leave the CPUs nearly idle."""
-    deadline = time.monotonic() + QUIET["max_wait_s"]
-    while time.monotonic() < deadline:
-        with Others() as others:
-            time.sleep(0.3)
-        if others.cores < QUIET["cores"]:
-            return
+    machine_load.wait_for_quiet(QUIET["cores"], QUIET["max_wait_s"])
 
 
 class Peak:
@@ -819,7 +791,7 @@ def run_phase(name: str, args: argparse.Namespace, work: Path) -> Result:
     ]
     t0 = time.perf_counter()
     print(f"[{name}] running ...", flush=True)
-    busy0, children0 = _jiffies()[0], _children_cpu()
+    busy0, children0 = jiffies()[0], _children_cpu()
     with open(log_file, "w") as log:
         try:
             rc = subprocess.run(
@@ -828,7 +800,7 @@ def run_phase(name: str, args: argparse.Namespace, work: Path) -> Result:
         except subprocess.TimeoutExpired:
             rc = -1
     wall = time.perf_counter() - t0
-    busy = (_jiffies()[0] - busy0) / CLK_TCK
+    busy = (jiffies()[0] - busy0) / CLK_TCK
     others = max(0.0, busy - (_children_cpu() - children0)) / wall
     if rc != 0 or not out_file.exists():
         tail = log_file.read_text(errors="replace")[-2000:]
