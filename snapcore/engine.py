@@ -507,6 +507,11 @@ class Engine:
 
         def cpu_copies() -> None:
             _native.copy_host(host, threads)
+            if gathers:
+                with torch.no_grad():  # a source may require grad: the copy is not autograd's
+                    _gather(gathers)
+
+        def _gather(gathers: list[tuple[BlobPlan, int, int]]) -> None:
             for b, s, e in gathers:
                 lo = w.arena_offset + s - w.start
                 if s == b.offset and e == b.offset + b.nbytes:

@@ -92,7 +92,8 @@ def flatten(state: object) -> Flattened:
             i = index.get(key)
             if i is None:
                 i = index[key] = len(out.tensors)
-                out.tensors.append(obj.detach())
+                # state_dict() tensors are detached already; detach costs ~20 us a tensor
+                out.tensors.append(obj.detach() if obj.requires_grad else obj)
                 out.paths.append(path)
             return {"tensor": i}
         if obj is None:
