@@ -215,7 +215,7 @@ class Engine:
                 handle._mark_staged()
             stats.stall_s = time.perf_counter() - t0
             if self.slots > 1 and not streaming:
-                self._prepare_other_slot(slot, size)
+                self._prepare_slot(1 - slot, size)  # the next save's, while training runs
             return handle
 
     def wait(self) -> None:
@@ -235,27 +235,12 @@ class Engine:
         first save does not do it on the training thread (memory touched for the first
         time fills at well under 1 GB/s on some machines)."""
         size = self._arena_size(plan(flatten(state).tensors), None)
-        with self._lock:
-            futures = []
-            if self.host is not None:
-                # Slot files may hold committed host snapshots until a save claims the area;
-                # the second slot is prepared in the background after the first save.
-                return _done()
-            for slot in range(self.slots):
-                arena, busy = self.arenas[slot], self._slot_free[slot]
-                if (arena is not None and arena.size >= size) or (
-                    busy is not None and not busy.done()
-                ):
-                    continue
-                if self._preparer is None:
-                    self._preparer = ThreadPoolExecutor(1, thread_name_prefix="snapcore-prepare")
-                fut = self._slot_free[slot] = self._preparer.submit(self._try_arena, slot, size)
-                futures.append(fut)
-        if not futures:
+        if self.host is not None:
+            # Slot files may hold committed host snapshots until a save claims the area;
+            # the second slot is prepared in the background after the first save.
             return _done()
-        done: Future[None] = Future()
-        futures[-1].add_done_callback(lambda _: done.set_result(None))
-        return done
+        with self._lock:
+            return self._prepare_slot(0, size) or _done()
 
     def close(self) -> None:
         with contextlib.suppress(SnapcoreError):
@@ -374,16 +359,16 @@ class Engine:
             fut.result()
         return slot
 
-    def _prepare_other_slot(self, slot: int, size: int) -> None:
-        """Allocate and fault the next slot's arena in the background, so that the next
-        save does not do it on the training thread."""
-        other = 1 - slot
-        arena, busy = self.arenas[other], self._slot_free[other]
+    def _prepare_slot(self, slot: int, size: int) -> Future[None] | None:
+        """Allocate and fault a slot's arena in the background (off the training thread)
+        unless it is big enough or in use; the next save of that slot waits for it."""
+        arena, busy = self.arenas[slot], self._slot_free[slot]
         if (arena is not None and arena.size >= size) or (busy is not None and not busy.done()):
-            return
+            return None
         if self._preparer is None:
             self._preparer = ThreadPoolExecutor(1, thread_name_prefix="snapcore-prepare")
-        self._slot_free[other] = self._preparer.submit(self._try_arena, other, size)
+        fut = self._slot_free[slot] = self._preparer.submit(self._try_arena, slot, size)
+        return fut
 
     def _try_arena(self, slot: int, size: int) -> None:
         try:
