@@ -64,11 +64,15 @@ class Reader:
             raise ValueError("no source to read from")
         self.damaged: list[str] = []
         self._sizes: dict[tuple[int, str], int | None] = {}
-        # Every file's size is checked before anything is allocated or read: a manifest's
-        # sizes bound what a reader trusts. A tier whose files do not match is skipped.
+        # The reference tier's files are all checked before anything is allocated: its
+        # manifest's sizes bound what a reader trusts. A tier whose files do not match is
+        # skipped; the tiers behind it are checked file by file before each read from them.
         usable = []
         first: CorruptSnapshot | None = None
         for t, m in sources:
+            if usable:
+                usable.append((t, m))
+                continue
             try:
                 for j, f in enumerate(m.files):
                     self._check_file(t, m, j, f)
