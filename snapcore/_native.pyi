@@ -82,10 +82,14 @@ class Arena:
         self, exc_type: object | None, exc_value: object | None, traceback: object | None
     ) -> None: ...
 
-def copy_host(copies: Sequence[tuple[int, int, int]], threads: int = 0) -> None:
+def copy_host(
+    copies: Sequence[tuple[int, int, int]], threads: int = 0, *, nontemporal: bool = False
+) -> None:
     """
     Copies every (dst_address, src_address, nbytes) in parallel on `threads`
-    threads (0 = all) of a persistent pool, without the GIL.
+    threads (0 = all) of a persistent pool, without the GIL. `nontemporal` writes
+    with streaming stores that bypass the caches (x86-64; memcpy elsewhere): for
+    copies much larger than the caches that are not read back at once.
     """
 
 def byte_shuffle(dst: int, src: int, nbytes: int, element_size: int, threads: int = 0) -> None:

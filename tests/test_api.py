@@ -232,9 +232,9 @@ def test_resaving_a_committed_step_replaces_it_atomically(tmp_path):
 def _slow_copy(monkeypatch, delay: float):
     real = engine_mod._native.copy_host
 
-    def slow(copies, threads=0):
+    def slow(copies, threads=0, **kw):
         time.sleep(delay)
-        real(copies, threads)
+        real(copies, threads, **kw)
 
     monkeypatch.setattr(engine_mod._native, "copy_host", slow)
 

@@ -184,8 +184,9 @@ def test_arena_shm_error_is_storage_error(tmp_path):
 # --- copy_host ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("nontemporal", [False, True])
 @pytest.mark.parametrize("threads", [1, 0, 3, 7])
-def test_copy_host_many_odd_sizes(threads):
+def test_copy_host_many_odd_sizes(threads, nontemporal):
     rng = random.Random(threads)
     sizes = [0, 1, 3, 4095, 4097, 1, 0, 65537, 3 * MiB + 5, 7, 12 * MiB + 1, 100, 0]
     sizes += [rng.randrange(1, 20000) for _ in range(200)]
@@ -209,8 +210,37 @@ def test_copy_host_many_odd_sizes(threads):
             copies.append((dst.address + dpos, src.address + offsets[i], n))
             expected[dpos : dpos + n] = data[offsets[i] : offsets[i] + n]
             dpos += n
-        _native.copy_host(copies, threads=threads)
+        _native.copy_host(copies, threads=threads, nontemporal=nontemporal)
         assert read(dst.address, total) == bytes(expected)
+
+
+def test_copy_host_streaming_stores_keep_the_bytes_around_each_copy():
+    """Streaming stores write whole cache lines: the part of a copy that shares a line
+    with its neighbours (head and tail) must go through ordinary stores, for every
+    alignment of source and destination."""
+    rng = random.Random(7)
+    size = 4 * PAGE + 4096
+    with _native.Arena(size, pin=False) as src, _native.Arena(size, pin=False) as dst:
+        data = rng.randbytes(size)
+        fill(src.address, data)
+        for src_shift, dst_shift, n in [
+            (0, 0, 4 * PAGE),
+            (1, 0, 3 * PAGE + 17),
+            (0, 63, 2 * PAGE + 1),
+            (17, 5, 64),
+            (5, 17, 63),
+            (33, 31, 129),
+            (0, 1, 1),
+        ]:
+            guard = bytes([0xA5]) * size
+            fill(dst.address, guard)
+            _native.copy_host(
+                [(dst.address + dst_shift, src.address + src_shift, n)], 0, nontemporal=True
+            )
+            got = read(dst.address, size)
+            assert got[dst_shift : dst_shift + n] == data[src_shift : src_shift + n]
+            assert got[:dst_shift] == guard[:dst_shift], (src_shift, dst_shift, n)
+            assert got[dst_shift + n :] == guard[dst_shift + n :], (src_shift, dst_shift, n)
 
 
 def test_copy_host_empty_and_zero_length():

@@ -137,14 +137,18 @@ NB_MODULE(_native, m) {
 
   m.def(
       "copy_host",
-      [](const std::vector<CopyTuple>& copies, std::size_t threads) {
+      [](const std::vector<CopyTuple>& copies, std::size_t threads, bool nontemporal) {
         const auto specs = to_specs(copies);
         nb::gil_scoped_release release;
-        snapcore::copy_host(specs, threads);
+        snapcore::copy_host(specs, threads,
+                            nontemporal ? snapcore::Stores::kNonTemporal
+                                        : snapcore::Stores::kNormal);
       },
-      "copies"_a, "threads"_a = 0,
+      "copies"_a, "threads"_a = 0, nb::kw_only(), "nontemporal"_a = false,
       "Copies every (dst_address, src_address, nbytes) in parallel on `threads`\n"
-      "threads (0 = all) of a persistent pool, without the GIL.");
+      "threads (0 = all) of a persistent pool, without the GIL. `nontemporal` writes\n"
+      "with streaming stores that bypass the caches (x86-64; memcpy elsewhere): for\n"
+      "copies much larger than the caches that are not read back at once.");
 
   m.def(
       "byte_shuffle",

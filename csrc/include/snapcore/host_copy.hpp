@@ -15,10 +15,23 @@ struct CopySpec {
   std::size_t nbytes = 0;
 };
 
+// How the bytes reach the destination.
+enum class Stores {
+  kNormal,       // memcpy: the C library picks (non-temporal only for very large calls)
+  kNonTemporal,  // streaming stores that bypass the caches (x86-64; memcpy elsewhere)
+};
+
 // Performs every copy, splitting the total bytes evenly over `threads` workers
 // (0 = hardware_threads()): a large copy is cut into pieces, small ones are grouped.
 // The regions of one copy must not overlap (checked); different copies must not write
 // the same bytes (not checked). Runs on the shared ThreadPool plus the calling thread.
-void copy_host(const std::vector<CopySpec>& copies, std::size_t threads = 0);
+//
+// kNonTemporal is for copies far larger than the caches whose destination is not read
+// back at once (staging a state into the arena). memcpy switches to streaming stores only
+// above a size derived from the last-level cache (hundreds of MB on large server parts),
+// so a state made of many tensors of tens of MB each is copied with ordinary stores, which
+// read every destination line before writing it: a third more memory traffic.
+void copy_host(const std::vector<CopySpec>& copies, std::size_t threads = 0,
+               Stores stores = Stores::kNormal);
 
 }  // namespace snapcore
