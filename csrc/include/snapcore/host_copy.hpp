@@ -28,9 +28,10 @@ enum class Stores {
 //
 // kNonTemporal is for copies far larger than the caches whose destination is not read
 // back at once (staging a state into the arena). memcpy switches to streaming stores only
-// above a size derived from the last-level cache (hundreds of MB on large server parts),
-// so a state made of many tensors of tens of MB each is copied with ordinary stores, which
-// read every destination line before writing it: a third more memory traffic.
+// for a single copy above glibc's x86_non_temporal_threshold (derived from the cache
+// sizes; 240 MiB on a 2-core EPYC VM), so a state made of many tensors of tens of MB each
+// is copied with ordinary stores, which read every destination line before writing it: a
+// third more memory traffic.
 void copy_host(const std::vector<CopySpec>& copies, std::size_t threads = 0,
                Stores stores = Stores::kNormal);
 
