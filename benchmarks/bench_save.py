@@ -421,15 +421,12 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
         t0 = time.perf_counter()
         snapcore.wait_all(store)
         probe["housekeeping_wait_s"] = time.perf_counter() - t0
-        kept = len(snapcore.committed(store).get("local", []))
         with Peak(info["baseline_rss"]) as peak:
             t0 = time.perf_counter()
             h = snapcore.async_save(state, store, step=step)
             blocked = time.perf_counter() - t0
             stats = h.wait()
             durable = time.perf_counter() - t0
-        # Retention (keep 2) deleted the oldest snapshot before wait() returned.
-        probe["retention_deleted"] = len(snapcore.committed(store).get("local", [])) <= kept
         if i > 0:
             probe["bare_copy_s"] = bare_copy()
         if i == args.repeats:
@@ -1040,19 +1037,6 @@ def _gb(x: float | None) -> str:
     return "—" if x is None else f"{x / GB:.2f}"
 
 
-def _retention_note(warm: list[Result]) -> str:
-    deleting = [x["durable_s"] for x in warm if x.get("retention_deleted")]
-    keeping = [x["durable_s"] for x in warm if x.get("retention_deleted") is False]
-    if not deleting or not keeping:
-        return ""
-    return (
-        f" Time to durable of the saves after which retention (keep 2) deleted the oldest "
-        f"snapshot before wait() returned: {_s(statistics.median(deleting))} s (median of "
-        f"{len(deleting)}); of those that deleted nothing: {_s(statistics.median(keeping))} s "
-        f"(median of {len(keeping)})."
-    )
-
-
 def render(r: Result) -> str:
     info, m = r["info"], r.get("machine", {})
     sc, ts, dc, rs = (r.get(k, {}) for k in PHASES[1:])
@@ -1181,7 +1165,7 @@ def render(r: Result) -> str:
             "wrote "
             + ", ".join(_gb(x["written"]) for x in warm if x.get("written") is not None)
             + " GB to its data file (the state changes between saves, so nothing is "
-            "shared with an earlier snapshot)." + _retention_note(warm),
+            "shared with an earlier snapshot).",
             "",
         ]
     if sc.get("duel"):
