@@ -760,15 +760,7 @@ class Checkpointer:
             for _, tier, rollback in r.restores:
                 if rollback:
                     past[failure_class(tier)] += 1
-        self._past, self._past_hours = past, hours
-        c = h.contents
-        if c.malformed or c.torn:
-            log.warning(
-                "journal %s: %d damaged line(s) skipped%s",
-                c.path,
-                c.malformed,
-                " and a torn last line" if c.torn else "",
-            )
+        self._past, self._past_hours = past, hours  # read_history logged any damaged lines
 
     def _begin(self) -> None:
         """The run starts: journal it (lazily, so that a Checkpointer made only to look

@@ -448,7 +448,7 @@ def read_history(store: StoreLike, *, live_runs: Iterable[str] = ()) -> FailureH
     """Read and analyse the journal of ``store`` (empty for a store without one)."""
     contents = read_journal(journal_path(store))
     if contents.malformed or contents.torn:
-        log.info(
+        log.warning(
             "journal %s: %d malformed line(s) skipped%s",
             contents.path,
             contents.malformed,
