@@ -15,8 +15,6 @@ namespace snapcore {
 
 namespace {
 
-// Below this many bytes per worker, waking another thread costs more than it saves.
-constexpr std::size_t kMinBytesPerWorker = std::size_t{1} << 20;
 // Pieces are cut at this granularity so that no two workers share a cache line or page.
 constexpr std::size_t kSplitAlign = 4096;
 
@@ -74,8 +72,7 @@ void copy_host(const std::vector<CopySpec>& copies, std::size_t threads, Stores 
   if (total == 0) {
     return;
   }
-  std::size_t workers = std::max<std::size_t>(1, total / kMinBytesPerWorker);
-  workers = std::min(workers, resolve_threads(threads));
+  const std::size_t workers = workers_for(total, threads);
   const std::size_t share = round_up((total + workers - 1) / workers, kSplitAlign);
 
   // Deal the bytes out in order: each worker's list is a contiguous run of the total.

@@ -17,9 +17,6 @@ namespace snapcore {
 
 namespace {
 
-// Below this many bytes per worker, waking another thread costs more than it saves.
-constexpr std::size_t kMinBytesPerWorker = std::size_t{1} << 20;
-
 // Elements per block. The W byte streams of the shuffled layout lie n bytes apart, and n
 // is often a multiple of the page size: written (or read) 16 bytes at a time, W streams
 // would fall into one cache set and evict each other. Each block is transposed through a
@@ -250,8 +247,7 @@ void transform(const char* name, void* dst, const void* src, std::size_t nbytes,
 
   auto* out = static_cast<std::uint8_t*>(dst);
   const auto* in = static_cast<const std::uint8_t*>(src);
-  std::size_t workers = std::max<std::size_t>(1, nbytes / kMinBytesPerWorker);
-  workers = std::min(workers, resolve_threads(threads));
+  const std::size_t workers = workers_for(nbytes, threads);
   const std::size_t share = round_up((n + workers - 1) / workers, kBlock);
   const std::size_t parts = (n + share - 1) / share;
   parallel_for(parts, parts, [&](std::size_t p) {

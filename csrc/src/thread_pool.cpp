@@ -8,6 +8,8 @@
 #include <memory>
 #include <new>
 
+#include "snapcore/system.hpp"
+
 namespace snapcore {
 
 namespace {
@@ -153,6 +155,12 @@ void parallel_for(std::size_t parts, std::size_t threads,
   if (batch->error) {
     std::rethrow_exception(batch->error);
   }
+}
+
+std::size_t workers_for(std::size_t nbytes, std::size_t threads) {
+  constexpr std::size_t kMinBytesPerWorker = std::size_t{1} << 20;
+  return std::min(std::max<std::size_t>(1, nbytes / kMinBytesPerWorker),
+                  resolve_threads(threads));
 }
 
 }  // namespace snapcore

@@ -46,4 +46,8 @@ class ThreadPool {
 void parallel_for(std::size_t parts, std::size_t threads,
                   const std::function<void(std::size_t)>& fn);
 
+// How many workers a job of `nbytes` is worth on up to `threads` threads (0 = all): one
+// per MiB at least, since below that waking another thread costs more than it saves.
+std::size_t workers_for(std::size_t nbytes, std::size_t threads);
+
 }  // namespace snapcore
