@@ -230,6 +230,21 @@ def s3_bucket(s3_server: str, s3_client: Any) -> Iterator[S3Bucket]:
         s3_client.delete_bucket(Bucket=name)
 
 
+@pytest.fixture
+def host_name() -> Iterator[str]:
+    """A fresh host-memory area name, released (and checked gone) after the test."""
+    from pathlib import Path
+
+    from snapcore.engine import close_all
+    from snapcore.tiers import HostTier
+
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    yield name
+    close_all()
+    HostTier(name).release()
+    assert not Path(f"/dev/shm/snapcore-{name}").exists()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_host_area_leaks() -> Iterator[None]:
     """Host-memory areas are process-outliving by design: a test that makes one must

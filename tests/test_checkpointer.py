@@ -10,7 +10,6 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import snapcore
 from snapcore import journal as jn
 from snapcore.engine import close_all
 from snapcore.errors import SnapshotFailed
-from snapcore.tiers import TIER_ORDER, HostTier
+from snapcore.tiers import TIER_ORDER
 
 
 class FakeClock:
@@ -39,14 +38,6 @@ def _clean_up():
     yield
     close_all()
     signal.signal(signal.SIGTERM, handler)
-
-
-@pytest.fixture
-def host_name():
-    name = f"test-ckpt-{uuid.uuid4().hex[:10]}"
-    yield name
-    close_all()
-    HostTier(name).release()
 
 
 def make_state(seed: int = 0) -> dict[str, object]:

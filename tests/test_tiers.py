@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import uuid
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,6 @@ import snapcore
 from snapcore.engine import close_all, engine_for
 from snapcore.store import LocalStore
 from snapcore.tiers import HostTier, Retention
-
-
-@pytest.fixture
-def host_name():
-    name = f"test-{uuid.uuid4().hex[:10]}"
-    yield name
-    close_all()
-    HostTier(name).release()
-    assert not Path(f"/dev/shm/snapcore-{name}").exists()
 
 
 @pytest.fixture(autouse=True)
