@@ -214,6 +214,10 @@ class Engine:
                     )
             except BaseException as e:
                 windows.put(_Aborted(e))  # the persist thread must not commit a partial image
+                # The caller gets this error now: the handle's failure ("staging was
+                # interrupted") is the same news and must not fail the next save again.
+                handle._mark_all_reported()
+                self._handles.remove(handle)
                 raise
             windows.put(None)
             if not handle._deferred:
@@ -587,8 +591,14 @@ class _Job:
             else:
                 upload = self._run_whole()
         except BaseException as e:
-            log.error(
-                "snapshot of step %d to %s failed: %s", h.step, self.engine.config.describe(), e
+            # A staging error was raised to the caller already: only the rest is news.
+            level = logging.DEBUG if isinstance(e, _StagingAborted) else logging.ERROR
+            log.log(
+                level,
+                "snapshot of step %d to %s failed: %s",
+                h.step,
+                self.engine.config.describe(),
+                e,
             )
             h._mark_staged()
             for half in self.halves:
@@ -618,7 +628,9 @@ class _Job:
     def _take_window(self) -> Window | None:
         w = self.windows.get()
         if isinstance(w, _Aborted):
-            raise SnapcoreError(f"staging of step {self.handle.step} was interrupted") from w.error
+            raise _StagingAborted(
+                f"staging of step {self.handle.step} was interrupted"
+            ) from w.error
         if w is None:
             return None
         for copy in w.deferred:
@@ -758,6 +770,10 @@ def _done() -> Future[None]:
     f: Future[None] = Future()
     f.set_result(None)
     return f
+
+
+class _StagingAborted(SnapcoreError):
+    """The persist side of a snapshot whose staging raised (to the caller of the save)."""
 
 
 @dataclass
