@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import signal
@@ -58,14 +59,18 @@ def run_steps(ckpt: snapcore.Checkpointer, clock: FakeClock, state, steps, dt: f
 
 
 def replay(intervals: dict[str, float], steps: range, t0: float = 0.0, dt: float = 1.0):
-    """The documented rule: a tier is due once its interval has elapsed since its last
-    snapshot began; tiers due within half the fastest interval join it."""
+    """The documented rule: the first step snapshots every tier; then a tier is due once
+    its interval has elapsed since its last snapshot began, and tiers due within half
+    the fastest interval join it."""
     last = dict.fromkeys(intervals, t0)
     out = []
     now = t0
-    for step in steps:
+    for i, step in enumerate(steps):
         now += dt
-        if any(now >= last[t] + iv for t, iv in intervals.items()):
+        if i == 0:
+            out.append((step, [t for t in TIER_ORDER if t in intervals]))
+            last = dict.fromkeys(intervals, now)
+        elif any(now >= last[t] + iv for t, iv in intervals.items()):
             slack = 0.5 * min(intervals.values())
             due = [
                 t for t in TIER_ORDER if t in intervals and now + slack >= last[t] + intervals[t]
@@ -74,6 +79,13 @@ def replay(intervals: dict[str, float], steps: range, t0: float = 0.0, dt: float
             for t in due:
                 last[t] = now
     return out
+
+
+def with_final(want: list[tuple[int, list[str]]], last: int, tiers: list[str]):
+    """What close() adds: the last step, to the tiers that were not sent it."""
+    sent = {t for s, ts in want if s == last for t in ts}
+    missing = [t for t in tiers if t not in sent]
+    return [*want, (last, missing)] if missing else want
 
 
 def journal_snapshots(store) -> list[tuple[int, list[str]]]:
@@ -123,9 +135,9 @@ def test_snapshots_come_at_the_planned_interval(tmp_path):
     assert set(interval) == {"local"} and 60 < interval["local"] < 600
     run_steps(ckpt, clock, state, range(2000))
     ckpt.close()
-    want = replay(interval, range(2000))
+    want = with_final(replay(interval, range(2000)), 1999, ["local"])
     assert len(want) >= 4
-    assert journal_snapshots(tmp_path) == [(s, ["local"]) for s, _ in want]
+    assert journal_snapshots(tmp_path) == want
     assert ckpt.stats().snapshots == len(want)
     assert snapcore.committed(tmp_path)["local"] == [s for s, _ in want]
 
@@ -166,7 +178,7 @@ def test_several_tiers_share_one_staged_copy(tmp_path, host_name):
     assert p.intervals_s["host"] < p.intervals_s["remote"] == p.intervals_s["local"]
     run_steps(ckpt, clock, state, range(2500))
     ckpt.close()
-    want = replay(p.intervals_s, range(2500))
+    want = with_final(replay(p.intervals_s, range(2500)), 2499, ["host", "local", "remote"])
     assert journal_snapshots(store) == want
     assert any(tiers == ["host"] for _, tiers in want)
     assert any(tiers == ["host", "local", "remote"] for _, tiers in want)
@@ -253,7 +265,9 @@ def test_a_dead_run_is_classed_by_this_runs_restore_and_a_rollback_counts(tmp_pa
     assert second.restore(state) == 4  # from host memory: the process crashed, not the machine
     assert second.plan().rate.by_class == {"process": 1, "machine": 0, "unknown": 0}
     run_steps(second, clock, state, range(4, 10))
-    assert second.restore(state) == 4  # a rollback in the middle of the run
+    # a rollback in the middle of the run, to the first step after the restore (which
+    # was snapshotted)
+    assert second.restore(state) == 5
     assert second.plan().rate.failures == 2
     second.close()
     h = jn.read_history(store)
@@ -318,6 +332,112 @@ def test_close_makes_the_last_snapshot_durable(tmp_path, host_name):
     assert ckpt.stats().durable_step == {"host": last, "local": last}
     ckpt.step(step, state)  # after close: nothing happens
     ckpt.close()
+
+
+def test_a_short_run_gets_a_first_and_a_final_snapshot(tmp_path):
+    # devices=1 (the default): the model's optimum is hours; before, 200 steps took none
+    clock = FakeClock()
+    ckpt = snapcore.Checkpointer(tmp_path, replan_s=math.inf, clock=clock)
+    state = make_state()
+    assert ckpt.restore(state) == 0
+    assert ckpt.plan().intervals_s["local"] <= 3600.0  # the default upper bound
+    for step in range(200):
+        clock.t += 1.0
+        state["w"] += 1.0
+        state["step"] = step
+        ckpt.step(step, state)
+    ckpt.close()
+    # the first step() snapshots (its costs measured); close() makes the last one durable
+    assert journal_snapshots(tmp_path) == [(0, ["local"]), (199, ["local"])]
+    fresh = make_state(5)
+    assert snapcore.restore(fresh, tmp_path).step == 199
+    assert torch.equal(fresh["w"], state["w"]) and fresh["step"] == 199
+
+
+def test_close_final_false_and_an_exception_take_no_final_snapshot(tmp_path):
+    clock = FakeClock()
+    state = make_state()
+    ckpt = snapcore.Checkpointer(tmp_path / "a", replan_s=math.inf, clock=clock)
+    run_steps(ckpt, clock, state, range(10))
+    ckpt.close(final=False)
+    assert snapcore.committed(tmp_path / "a")["local"] == [0]
+    with pytest.raises(RuntimeError), snapcore.Checkpointer(tmp_path / "b", clock=clock) as c:
+        run_steps(c, clock, state, range(10))
+        raise RuntimeError("NaN loss")  # the state may be half-way through an update
+    assert snapcore.committed(tmp_path / "b")["local"] == [0]
+    # close() without a step() call has nothing to make durable
+    snapcore.Checkpointer(tmp_path / "c", clock=clock).close()
+    assert not snapcore.committed(tmp_path / "c").get("local")
+
+
+def test_max_interval_s_bounds_every_tier_from_the_start(tmp_path, host_name):
+    clock = FakeClock()
+    store = snapcore.Store(host=host_name, local=tmp_path)
+    ckpt = snapcore.Checkpointer(store, max_interval_s=5.0, replan_s=math.inf, clock=clock)
+    p = ckpt.plan()
+    assert p.costs.measured == frozenset()  # nothing measured yet: the defaults (local 20 s)
+    assert set(p.intervals_s) == {"host", "local"}
+    assert all(iv <= 5.0 for iv in p.intervals_s.values())
+    state = make_state()
+    ckpt.restore(state)
+    run_steps(ckpt, clock, state, range(60))
+    ckpt.close()
+    for tier in ("host", "local"):
+        steps = [s for s, ts in journal_snapshots(store) if tier in ts]
+        assert steps[0] == 0 and steps[-1] == 59
+        assert max(b - a for a, b in itertools.pairwise(steps)) <= 5  # 1 s steps
+
+
+@pytest.fixture
+def cheap_host(monkeypatch):
+    """The costs assumed before measuring: a cheap host tier and a dear disk (what a
+    large model measures), so that the first plan, kept by replan_s=inf, is known."""
+    from snapcore import checkpointer as ck
+
+    monkeypatch.setattr(ck, "DEFAULT_STALL_S", 0.05)
+    monkeypatch.setattr(ck, "DEFAULT_PERSIST_S", {"host": 0.5, "local": 60.0, "remote": 300.0})
+    monkeypatch.setattr(ck, "DEFAULT_RESTORE_S", {"host": 0.5, "local": 60.0, "remote": 120.0})
+
+
+def test_each_tier_gets_the_interval_the_plan_gives_it(tmp_path, host_name, cheap_host):
+    clock = FakeClock()
+    store = snapcore.Store(host=host_name, local=tmp_path)
+    ckpt = snapcore.Checkpointer(store, devices=16384, replan_s=math.inf, clock=clock)
+    p = ckpt.plan()
+    assert p.intervals_s["local"] >= 2 * p.intervals_s["host"]  # host far more often
+    assert not p.forced
+    state = make_state()
+    ckpt.restore(state)
+    run_steps(ckpt, clock, state, range(1000))
+    ckpt.close()
+    want = with_final(replay(p.intervals_s, range(1000)), 999, ["host", "local"])
+    assert journal_snapshots(store) == want
+    per_tier = ckpt.stats().per_tier
+    assert per_tier["host"] >= 2 * per_tier["local"] > 0
+    assert snapcore.committed(store)["host"][-1] == 999
+
+
+def test_a_host_tier_asked_for_is_used_when_the_plan_leaves_it_out(
+    tmp_path, host_name, monkeypatch
+):
+    from snapcore import checkpointer as ck
+
+    # a host tier the model finds not worth writing (slow, and slow to restore from)
+    monkeypatch.setattr(ck, "DEFAULT_PERSIST_S", {"host": 50.0, "local": 20.0, "remote": 300.0})
+    monkeypatch.setattr(ck, "DEFAULT_RESTORE_S", {"host": 1e3, "local": 30.0, "remote": 120.0})
+    clock = FakeClock()
+    store = snapcore.Store(host=host_name, local=tmp_path)
+    ckpt = snapcore.Checkpointer(store, devices=16384, replan_s=math.inf, clock=clock)
+    p = ckpt.plan()
+    assert "host" not in p.planned_s and "host" in p.forced
+    assert p.intervals_s["host"] == p.intervals_s["local"]
+    state = make_state()
+    ckpt.restore(state)
+    run_steps(ckpt, clock, state, range(400))
+    ckpt.close()
+    snaps = journal_snapshots(store)
+    assert len(snaps) >= 3 and all(ts == ["host", "local"] for _, ts in snaps)
+    assert snapcore.committed(store)["host"][-1] == 399
 
 
 def test_a_checkpointer_only_asked_for_its_plan_leaves_no_trace(tmp_path):
