@@ -621,3 +621,59 @@ def test_sigterm_hung_step_hands_on_after_grace_without_a_snapshot(children):
     last = jn.read_journal(tmp_path / "journal.jsonl").events[-1]
     assert last.kind == "exit" and not last.data["clean"]
     assert "no step() within grace" in last.data["reason"]
+
+
+RESUME = textwrap.dedent(
+    """
+    import sys, time, torch, snapcore
+    torch.manual_seed(1)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = {"model": model, "optim": opt, "step": 0}
+    ckpt = snapcore.Checkpointer(sys.argv[1], handle_sigterm=False)  # devices=1: hours
+    start = ckpt.restore(state)
+    x = torch.randn(32, 16)
+    for step in range(start, start + 100_000):
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["step"] = step
+        ckpt.step(step, state)
+        durable = ckpt.stats().durable_step.get("local", -1)
+        print(f"at {step} {float(model.weight.detach().sum())!r} {durable}", flush=True)
+        time.sleep(0.002)
+    """
+)
+
+
+def test_sigkill_early_in_a_resumed_run_keeps_its_first_step(tmp_path):
+    # the previous run: five steps, closed cleanly (step 4 durable)
+    model = torch.nn.Linear(16, 4)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.01), "step": 0}
+    with snapcore.Checkpointer(tmp_path, handle_sigterm=False) as ckpt:
+        assert ckpt.restore(state) == 0
+        for step in range(5):
+            state["step"] = step
+            ckpt.step(step, state)
+    close_all()
+    with subprocess.Popen(
+        [sys.executable, "-c", RESUME, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdout is not None
+        seen: dict[int, str] = {}
+        for n, line in enumerate(child.stdout):
+            _, step, weight, durable = line.split()
+            seen[int(step)] = weight
+            # killed once the resumed run's first step is durable (or, before the bounded
+            # first snapshot, after 1500 steps without one)
+            if int(durable) >= 5 or n >= 1500:
+                break
+        child.kill()  # SIGKILL: no close(), no final snapshot
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    model = torch.nn.Linear(16, 4)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.01), "step": -1}
+    info = snapcore.restore(state, tmp_path)
+    assert info.step == state["step"] == 5  # not 4: the resumed run's work is kept
+    assert float(model.weight.detach().sum()) == float(seen[5])
