@@ -34,6 +34,7 @@ from . import api
 from .errors import SnapcoreError, SnapshotFailed, SnapshotNotFound
 from .handle import SaveHandle, SaveStats
 from .journal import (
+    MIN_RUN_S,
     UNKNOWN,
     FailureHistory,
     JournalWriter,
@@ -73,6 +74,7 @@ DEFAULT_CHECKPOINTER_MAX_INTERVAL_S = 3600.0
 EWMA_WEIGHT = 0.3  # weight of a new measurement: a few snapshots to follow a change
 MATERIAL_CHANGE = 0.2  # relative change of an input that is worth a new plan
 POLL_S = 0.5  # how often snapshots in flight are looked at (lazily, from step())
+HEARTBEAT_S = 300.0  # an "alive" journal event after MIN_RUN_S, then at least this often
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,7 @@ class Checkpointer:
         self._journal_on = _journal_default() if journal is None else journal
         self._journal_path = journal_path(self.store) if self._journal_on else None
         self._journal: JournalWriter | None = None
+        self._next_alive = math.inf  # when the next "alive" event is due (journal time)
         self.run_id: str | None = None
         self._history: FailureHistory | None = None
         self._past: dict[str, int] = {PROCESS: 0, MACHINE: 0, UNKNOWN: 0}
@@ -513,6 +516,9 @@ class Checkpointer:
         if failure is not None:
             self._next_check = -math.inf  # what was due is still due at the next call
             raise failure
+        if now >= self._next_alive:
+            self._journal_event("alive")  # the run's exposure, between snapshot events
+            self._next_alive = now + HEARTBEAT_S
         if now - self._planned_at >= self.replan_s:
             self._replan(now)
         due = self._due(now)
@@ -569,6 +575,8 @@ class Checkpointer:
         nxt = min((self._last_begin[t] + iv for t, iv in self._intervals.items()), default=math.inf)
         if self._first_due:
             nxt = now  # still to do (tiers were busy): look again soon
+        if self._journal is not None:
+            nxt = min(nxt, self._next_alive)
         if self._pending:
             nxt = min(nxt, now + POLL_S)
         if math.isfinite(self.replan_s):
@@ -833,11 +841,8 @@ class Checkpointer:
             if r.run == mine:
                 continue
             hours += r.exposure_s / 3600.0
-            if r.failure is not None:
-                past[r.failure] += 1
-            for _, tier, rollback in r.restores:
-                if rollback:
-                    past[failure_class(tier)] += 1
+            for cls in r.counted_failures():  # none for a short or interrupted run
+                past[cls] += 1
         self._past, self._past_hours = past, hours  # read_history logged any damaged lines
 
     def _begin(self) -> None:
@@ -858,7 +863,8 @@ class Checkpointer:
                 HostTier(self.store.host).claim(self.store.identity())
             self._journal = JournalWriter(self._journal_path)
             self.run_id = self._journal.run
-            self._journal.start(devices=self.devices)
+            self._journal.start(devices=self.devices, tiers=self._tiers)
+            self._next_alive = self._run_start + MIN_RUN_S  # the run has lasted the floor
         except OSError as e:
             log.warning("cannot keep the run journal %s: %s", self._journal_path, e)
             self._journal = None

@@ -251,7 +251,10 @@ def test_failures_in_the_journal_shorten_the_intervals(tmp_path):
     b.close()
 
 
-def test_a_dead_run_is_classed_by_this_runs_restore_and_a_rollback_counts(tmp_path, host_name):
+def test_a_dead_run_is_classed_by_this_runs_restore_and_a_rollback_counts(
+    tmp_path, host_name, monkeypatch
+):
+    monkeypatch.setattr(jn, "MIN_RUN_S", 0.0)  # these runs last milliseconds (see test_journal)
     clock = FakeClock()
     store = snapcore.Store(host=host_name, local=tmp_path)
     state = make_state()
@@ -349,6 +352,10 @@ def test_a_short_run_gets_a_first_and_a_final_snapshot(tmp_path):
     ckpt.close()
     # the first step() snapshots (its costs measured); close() makes the last one durable
     assert journal_snapshots(tmp_path) == [(0, ["local"]), (199, ["local"])]
+    # one heartbeat once the run lasted the 60 s a run must last to count as a failure
+    events = jn.read_journal(tmp_path / "journal.jsonl").events
+    assert [e.kind for e in events].count("alive") == 1
+    assert events[0].data["tiers"] == ["local"] and events[0].data["devices"] == 1
     fresh = make_state(5)
     assert snapcore.restore(fresh, tmp_path).step == 199
     assert torch.equal(fresh["w"], state["w"]) and fresh["step"] == 199
@@ -447,7 +454,8 @@ def test_a_checkpointer_only_asked_for_its_plan_leaves_no_trace(tmp_path):
     assert not (tmp_path / "store" / "journal.jsonl").exists()
 
 
-def test_context_manager_journals_an_exception_as_unclean(tmp_path):
+def test_context_manager_journals_an_exception_as_unclean(tmp_path, monkeypatch):
+    monkeypatch.setattr(jn, "MIN_RUN_S", 0.0)  # this run lasts milliseconds (see test_journal)
     state = make_state()
     with pytest.raises(RuntimeError), snapcore.Checkpointer(tmp_path) as ckpt:
         ckpt.restore(state)
@@ -455,6 +463,24 @@ def test_context_manager_journals_an_exception_as_unclean(tmp_path):
     c = jn.read_journal(tmp_path / "journal.jsonl")
     assert c.events[-1].data == {**c.events[-1].data, "clean": False, "reason": "RuntimeError"}
     assert jn.failure_history(tmp_path)[0] == 1
+
+
+def test_a_keyboard_interrupt_is_no_failure(tmp_path, monkeypatch):
+    monkeypatch.setattr(jn, "MIN_RUN_S", 0.0)  # the interrupt rule alone, not the floor
+    clock = FakeClock()
+    state = make_state()
+    with pytest.raises(KeyboardInterrupt), snapcore.Checkpointer(tmp_path, clock=clock) as ckpt:
+        ckpt.restore(state)
+        run_steps(ckpt, clock, state, range(3))
+        raise KeyboardInterrupt  # Ctrl-C in the middle of a step
+    last = jn.read_journal(tmp_path / "journal.jsonl").events[-1]
+    assert last.data["clean"] is False and last.data["reason"] == "KeyboardInterrupt"
+    assert snapcore.committed(tmp_path)["local"] == [0]  # no final snapshot mid-step
+    h = jn.read_history(tmp_path)
+    assert h.failures == 0 and "interrupted by the user" in (h.runs[-1].not_counted or "")
+    ckpt = snapcore.Checkpointer(tmp_path, clock=clock)
+    assert ckpt.plan().rate.failures == 0
+    ckpt.close()
 
 
 def test_sigterm_in_process_snapshots_then_hands_the_signal_on(tmp_path):
