@@ -332,10 +332,11 @@ def test_async_saves_in_a_row_reuse_the_arena(tmp_path):
 
 def test_concurrent_saves_from_threads_are_serialised(tmp_path):
     errors: list[BaseException] = []
+    store = snapcore.Store(local=tmp_path, retention={"local": 0})  # keep every step
 
     def worker(k: int) -> None:
         try:
-            snapcore.save({"v": torch.full((1000,), float(k))}, tmp_path, step=k)
+            snapcore.save({"v": torch.full((1000,), float(k))}, store, step=k)
         except BaseException as e:
             errors.append(e)
 
@@ -346,7 +347,7 @@ def test_concurrent_saves_from_threads_are_serialised(tmp_path):
         th.join()
     assert not errors
     for k in range(4):
-        assert snapcore.load(tmp_path, step=k)["v"][0] == k
+        assert snapcore.load(store, step=k)["v"][0] == k
 
 
 def test_interrupted_streaming_resave_keeps_the_committed_step(tmp_path, monkeypatch):

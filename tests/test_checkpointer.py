@@ -129,7 +129,8 @@ def test_snapshots_come_at_the_planned_interval(tmp_path):
     clock = FakeClock()
     state = make_state()
     # replan_s=inf: the first plan (default costs) stays, so the schedule is known
-    ckpt = snapcore.Checkpointer(tmp_path, devices=16384, replan_s=math.inf, clock=clock)
+    store = snapcore.Store(local=tmp_path, retention={"local": 0})  # keep every step
+    ckpt = snapcore.Checkpointer(store, devices=16384, replan_s=math.inf, clock=clock)
     assert ckpt.restore(state) == 0
     interval = ckpt.plan().intervals_s
     assert set(interval) == {"local"} and 60 < interval["local"] < 600
@@ -166,7 +167,10 @@ def test_several_tiers_share_one_staged_copy(tmp_path, host_name):
     clock = FakeClock()
     state = make_state()
     store = snapcore.Store(
-        host=host_name, local=tmp_path / "local", remote=(tmp_path / "remote").as_uri()
+        host=host_name,
+        local=tmp_path / "local",
+        remote=(tmp_path / "remote").as_uri(),
+        retention={"local": 0, "remote": 0},  # keep every step
     )
     ckpt = snapcore.Checkpointer(store, devices=16384, replan_s=math.inf, clock=clock)
     assert ckpt.restore(state) == 0
