@@ -982,6 +982,7 @@ class Checkpointer:
         """Stop for good: no more snapshots, the handler given back, the journal closed."""
         self._closed = True
         self._next_check = math.inf
+        self._last_state = None  # the state is the caller's again (no reference kept)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
