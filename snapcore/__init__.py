@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .api import async_save, committed, load, prepare, restore, save, wait_all
+from .api import async_save, close, committed, load, prepare, restore, save, wait_all
 from .checkpointer import Checkpointer
 from .errors import (
     CorruptSnapshot,
@@ -14,6 +14,7 @@ from .errors import (
     SnapshotNotFound,
     StateMismatch,
     StorageError,
+    StoreInUse,
     UnsupportedState,
 )
 from .handle import SaveHandle, SaveStats
@@ -38,8 +39,10 @@ __all__ = [
     "StateMismatch",
     "StorageError",
     "Store",
+    "StoreInUse",
     "UnsupportedState",
     "async_save",
+    "close",
     "committed",
     "load",
     "prepare",

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from .engine import engine_for
+from .engine import close_all, engine_for
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound
 from .handle import SaveHandle, SaveStats
 from .read import Reader, RestoreInfo
@@ -156,3 +156,12 @@ def wait_all(store: StoreLike) -> None:
     """Wait until every snapshot to ``store`` in flight is durable and the housekeeping
     after it (retention, garbage collection) is done; raises a failure nobody saw."""
     engine_for(store).wait()
+
+
+def close() -> None:
+    """Close every store this process saved to or read: wait until the snapshots in
+    flight are durable (or failed), free the staging memory, close the connections to
+    object storage and drop the writer locks. Raises the first failure nobody saw, once
+    all are closed. Runs by itself at interpreter exit (failures are then logged); a
+    later call makes new engines as needed."""
+    close_all(raise_first=True)

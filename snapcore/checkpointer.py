@@ -9,7 +9,8 @@ rollbacks, and asks the scheduler's model (snapcore/scheduler/model.py) for an i
 per tier. docs/scheduler.md ("The Checkpointer") describes the choices made here.
 
 ``step()`` is on the training loop's critical path every step, so when nothing is due it
-does a clock read, a counter increment and one comparison against a precomputed time
+does a clock read, two attribute stores (the step and state ``close()`` makes durable)
+and one comparison against a precomputed time
 (the next snapshot due, the next poll of snapshots in flight, the next re-plan, or minus
 infinity once a SIGTERM asked for a final snapshot). Everything else happens on the
 rare calls where that time has passed.
@@ -33,6 +34,7 @@ from . import api
 from .errors import SnapcoreError, SnapshotFailed, SnapshotNotFound
 from .handle import SaveHandle, SaveStats
 from .journal import (
+    MIN_RUN_S,
     UNKNOWN,
     FailureHistory,
     JournalWriter,
@@ -40,7 +42,7 @@ from .journal import (
     journal_path,
     read_history,
 )
-from .scheduler.model import DEFAULT_MAX_INTERVAL_S, CostModel, FailureClass, Tier, Waste, optimise
+from .scheduler.model import CostModel, FailureClass, Tier, Waste, optimise
 from .scheduler.rate import (
     DEFAULT_QUANTILE,
     LLAMA3_RATE_PER_DEVICE_HOUR,
@@ -64,9 +66,15 @@ DEFAULT_PERSIST_S = {"host": 2.0, "local": 20.0, "remote": 300.0}
 DEFAULT_RESTORE_S = {"host": 10.0, "local": 30.0, "remote": 120.0}
 DEFAULT_SLOWDOWN = 0.05
 
+# The upper bound on every tier's interval unless max_interval_s says otherwise: the
+# model's optimum for a small job with a reliable cluster's prior runs to hours, and a
+# workstation's failure rate is a guess; at 1 h a 1 s stall costs 0.03% of the run.
+DEFAULT_CHECKPOINTER_MAX_INTERVAL_S = 3600.0
+
 EWMA_WEIGHT = 0.3  # weight of a new measurement: a few snapshots to follow a change
 MATERIAL_CHANGE = 0.2  # relative change of an input that is worth a new plan
 POLL_S = 0.5  # how often snapshots in flight are looked at (lazily, from step())
+HEARTBEAT_S = 300.0  # an "alive" journal event after MIN_RUN_S, then at least this often
 
 
 @dataclass(frozen=True)
@@ -158,7 +166,7 @@ class Checkpointer:
         for step in range(start, total):
             train_step()
             ckpt.step(step, state)           # cheap unless a snapshot is due
-        ckpt.close()                         # the last snapshot durable, a clean exit
+        ckpt.close()                         # the last step()'s state durable, a clean exit
 
     ``store``: a directory, URL or ``Store`` (``remote=``/``host=`` add tiers to a
     directory). ``devices`` and ``rate_per_device_hour`` (default: Llama 3's, 419
@@ -169,9 +177,17 @@ class Checkpointer:
     snapshot on SIGTERM at the next ``step()``, then hand the signal on. ``overlap`` and
     ``budget_bytes`` are passed to ``async_save``. ``slowdown``: how much training slows
     while a snapshot persists (not measured). ``replan_s``: the least time between two
-    plans. ``max_interval_s``: an upper bound on every interval. ``journal``: keep the
-    run journal (default: yes, on rank 0 only under torch.distributed). ``clock``:
-    seconds, monotonic (tests inject a fake one).
+    plans. ``max_interval_s``: a hard upper bound on every tier's interval, from the
+    first step on (default 1 h). ``journal``: keep the run journal (default: yes, on
+    rank 0 only under torch.distributed). ``clock``: seconds, monotonic (tests inject a
+    fake one).
+
+    Guarantees (docs/scheduler.md, "The Checkpointer"): the first ``step()`` of a run,
+    and the first after a ``restore()``, snapshots to every tier of the store (which
+    also measures what a snapshot costs here); after that no tier goes longer than its
+    planned interval, at most ``max_interval_s``, without a snapshot (one still being
+    written is waited for); ``close()`` makes the state of the last ``step()`` durable
+    in every tier.
 
     A snapshot that fails in the background is logged and raised once, as
     ``SnapshotFailed``, by the next ``step()`` (or ``snapshot_now``/``close``) that sees
@@ -214,7 +230,9 @@ class Checkpointer:
         self.overlap = overlap
         self.budget_bytes = budget_bytes
         self.replan_s = replan_s
-        self.max_interval_s = max_interval_s or DEFAULT_MAX_INTERVAL_S
+        if max_interval_s is not None and not max_interval_s > 0:
+            raise ValueError(f"max_interval_s must be > 0, got {max_interval_s}")
+        self.max_interval_s = max_interval_s or DEFAULT_CHECKPOINTER_MAX_INTERVAL_S
         self._clock = clock
         self._tiers = self.store.tiers
         self._prior = RatePrior.from_devices(
@@ -234,6 +252,7 @@ class Checkpointer:
         self._journal_on = _journal_default() if journal is None else journal
         self._journal_path = journal_path(self.store) if self._journal_on else None
         self._journal: JournalWriter | None = None
+        self._next_alive = math.inf  # when the next "alive" event is due (journal time)
         self.run_id: str | None = None
         self._history: FailureHistory | None = None
         self._past: dict[str, int] = {PROCESS: 0, MACHINE: 0, UNKNOWN: 0}
@@ -254,6 +273,12 @@ class Checkpointer:
         self._plan_inputs: tuple[float, ...] = ()
         self._planned_at = -math.inf
         self._replans = 0
+
+        # the first snapshot, and what close() makes durable
+        self._first_due = True  # the first step() of the run (or after a restore) snapshots
+        self._last_step: int | None = None  # the last step() call's step and state
+        self._last_state: Any = None
+        self._sent: dict[str, int] = {}  # tier -> step of the newest snapshot sent there
 
         # counters
         self._trained = False  # a slow step() call was seen: a later restore() rolls back
@@ -315,6 +340,7 @@ class Checkpointer:
             " (a rollback: counted as a failure)" if rollback else "",
         )
         self._replan(now, force=True)
+        self._first_due = True  # the restored step is not this run's: bound what is at risk
         self._next_check = -math.inf  # the next step() takes the slow path: a fresh mark
         return info.step + 1
 
@@ -323,8 +349,11 @@ class Checkpointer:
         when a tier is due (``async_save``: training blocks only for the stall).
 
         Raises ``SnapshotFailed`` once for a snapshot that failed in the background.
+        The step and state of the last call are what ``close()`` makes durable.
         """
         now = self._clock()
+        self._last_step = step
+        self._last_state = state
         if now < self._next_check:
             return
         self._tick(step, state, now)
@@ -344,6 +373,7 @@ class Checkpointer:
         if failure is not None:
             raise failure
         h = self._save(step, state, self._tiers, now)
+        self._first_due = False
         try:
             stats = h.wait(timeout=self.grace_s)
         except SnapshotFailed:
@@ -372,18 +402,29 @@ class Checkpointer:
                 time.sleep(0.002)
         return self._poll()
 
-    def close(self, *, clean: bool = True, reason: str | None = None) -> None:
-        """Wait until every snapshot in flight is durable, journal the exit, and give the
-        SIGTERM handler back. Raises a background failure nobody was told of (once).
+    def close(self, *, final: bool = True, clean: bool = True, reason: str | None = None) -> None:
+        """Make the final state durable, wait until every snapshot in flight is durable,
+        journal the exit, and give the SIGTERM handler back. Raises a background failure
+        nobody was told of (once), or the final snapshot's failure.
+
+        The final state is the state object given to the last ``step()`` call, as it is
+        when ``close()`` runs, saved as that call's step: call ``close()`` right after
+        the last ``step()``. It is snapshotted to every tier that was not already sent
+        that step; nothing is taken when no ``step()`` was called. ``final=False`` takes
+        no final snapshot (what is in flight is still waited for).
 
         ``clean=False`` (with a ``reason``) journals the end as a failure: what the
-        context manager does when training raised."""
+        context manager does when training raised (with ``final=False``: the state may
+        be half-way through an update)."""
         if self._closed:
             return
         self._next_check = math.inf
         failure: SnapshotFailed | None = None
         try:
-            failure = self._wait_all(None)
+            if final:
+                failure = self._final_on_close()
+            later = self._wait_all(None)
+            failure = failure or later
         finally:
             self._journal_event("exit", clean=clean, **({"reason": reason} if reason else {}))
             with self._term_lock:
@@ -393,6 +434,28 @@ class Checkpointer:
                 os.kill(os.getpid(), signal.SIGTERM)
         if failure is not None:
             raise failure
+
+    def _final_on_close(self) -> SnapshotFailed | None:
+        """Send the last ``step()``'s state to the tiers that were not sent its step;
+        returns an earlier failure the engine raised meanwhile (told now)."""
+        step, state = self._last_step, self._last_state
+        if step is None:
+            return None
+        tiers = [t for t in self._tiers if self._sent.get(t) != step]
+        if not tiers:
+            return None
+        failure = self._poll()  # a snapshot of this step that failed is sent again
+        tiers = [t for t in self._tiers if self._sent.get(t) != step]
+        if not tiers:
+            return failure
+        try:
+            self._save(step, state, tiers, self._clock())
+        except SnapshotFailed as e:  # an earlier failure, now told: try again once
+            log.error("before the final snapshot: %s", e)
+            failure = failure or e
+            self._save(step, state, tiers, self._clock())
+        log.info("close: final snapshot of step %d to %s", step, ",".join(tiers))
+        return failure
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -406,8 +469,10 @@ class Checkpointer:
         if exc_type is None:
             self.close()
         else:  # training died of an exception: an unclean end, counted as a failure
+            # unless it is the user's own interrupt (journal.USER_EXITS); no final
+            # snapshot either way: the state may be half-way through an update
             try:
-                self.close(clean=False, reason=exc_type.__name__)
+                self.close(final=False, clean=False, reason=exc_type.__name__)
             except SnapcoreError as e:
                 log.error("while closing after %s: %s", exc_type.__name__, e)
 
@@ -451,11 +516,15 @@ class Checkpointer:
         if failure is not None:
             self._next_check = -math.inf  # what was due is still due at the next call
             raise failure
+        if now >= self._next_alive:
+            self._journal_event("alive")  # the run's exposure, between snapshot events
+            self._next_alive = now + HEARTBEAT_S
         if now - self._planned_at >= self.replan_s:
             self._replan(now)
         due = self._due(now)
         if due:
             self._save(step, state, due, now)
+            self._first_due = False
         self._schedule_next(now)
 
     def _measure_steps(self, step: int, now: float) -> None:
@@ -474,6 +543,8 @@ class Checkpointer:
         snapshot began, joined by those due within half the fastest interval (so that
         nested tiers stay on one staged copy instead of drifting apart)."""
         busy = self._busy_tiers()
+        if self._first_due:  # the run's first step (or the first after a restore): all tiers
+            return tuple(t for t in self._tiers if t not in busy)
         strict = [
             t
             for t, iv in self._intervals.items()
@@ -502,6 +573,10 @@ class Checkpointer:
 
     def _schedule_next(self, now: float) -> None:
         nxt = min((self._last_begin[t] + iv for t, iv in self._intervals.items()), default=math.inf)
+        if self._first_due:
+            nxt = now  # still to do (tiers were busy): look again soon
+        if self._journal is not None:
+            nxt = min(nxt, self._next_alive)
         if self._pending:
             nxt = min(nxt, now + POLL_S)
         if math.isfinite(self.replan_s):
@@ -536,6 +611,7 @@ class Checkpointer:
         for t in h.tiers:  # the engine adds local to a remote snapshot (uploads read it)
             self._last_begin[t] = now
             self._per_tier[t] += 1
+            self._sent[t] = step
         self._snapshots += 1
         self._pending.append(_InFlight(h))
         log.debug("step %d: snapshot to %s (stall %.3fs)", step, ",".join(h.tiers), h.stats.stall_s)
@@ -556,6 +632,8 @@ class Checkpointer:
                     persist = max(0.0, took - h.stats.stall_s)
                     self._persist_s[t] = self._ewma(self._persist_s.get(t), persist)
                     self._durable[t] = max(self._durable.get(t, -1), h.step)
+                elif self._sent.get(t) == h.step:
+                    del self._sent[t]  # failed there: close() sends it again
             if not h.done():
                 continue
             self._pending.remove(rec)
@@ -721,7 +799,15 @@ class Checkpointer:
         if "remote" in intervals and "local" in have and "local" not in intervals:
             intervals["local"] = intervals["remote"]
             forced["local"] = "uploads to remote are read from the local copy"
-        intervals = {t: intervals[t] for t in TIER_ORDER if t in intervals}
+        if "host" in have and "host" not in intervals:
+            # Asked for, so used: a host copy of a snapshot that is staged anyway costs no
+            # stall of its own (the arena is the host tier's memory).
+            intervals["host"] = min(intervals.values())
+            forced["host"] = "asked for: every snapshot also goes to host memory"
+        # The upper bound is hard, whatever the costs assumed or measured.
+        intervals = {
+            t: min(intervals[t], self.max_interval_s) for t in TIER_ORDER if t in intervals
+        }
         steps = None
         if costs.step_s:
             steps = {t: max(1, round(iv / costs.step_s)) for t, iv in intervals.items()}
@@ -755,11 +841,8 @@ class Checkpointer:
             if r.run == mine:
                 continue
             hours += r.exposure_s / 3600.0
-            if r.failure is not None:
-                past[r.failure] += 1
-            for _, tier, rollback in r.restores:
-                if rollback:
-                    past[failure_class(tier)] += 1
+            for cls in r.counted_failures():  # none for a short or interrupted run
+                past[cls] += 1
         self._past, self._past_hours = past, hours  # read_history logged any damaged lines
 
     def _begin(self) -> None:
@@ -780,7 +863,8 @@ class Checkpointer:
                 HostTier(self.store.host).claim(self.store.identity())
             self._journal = JournalWriter(self._journal_path)
             self.run_id = self._journal.run
-            self._journal.start(devices=self.devices)
+            self._journal.start(devices=self.devices, tiers=self._tiers)
+            self._next_alive = self._run_start + MIN_RUN_S  # the run has lasted the floor
         except OSError as e:
             log.warning("cannot keep the run journal %s: %s", self._journal_path, e)
             self._journal = None
@@ -898,6 +982,7 @@ class Checkpointer:
         """Stop for good: no more snapshots, the handler given back, the journal closed."""
         self._closed = True
         self._next_check = math.inf
+        self._last_state = None  # the state is the caller's again (no reference kept)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -10,11 +10,15 @@ written, and the last committed one is never overwritten.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import fcntl
+import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -28,7 +32,7 @@ import xxhash
 
 from . import _native, settings
 from . import manifest as mf
-from .errors import SnapcoreError, SnapshotFailed
+from .errors import SnapcoreError, SnapshotFailed, StorageError, StoreInUse
 from .handle import SaveHandle, SaveStats, protect
 from .layout import BlobPlan, Layout, align_up, plan
 from .persist import (
@@ -55,7 +59,13 @@ MIN_WINDOW = 8 << 20  # the smallest streaming window: the "small constant buffe
 # before writing it (see _native.copy_host): 16-17 GB/s here against 22-25 GB/s.
 NONTEMPORAL_MIN = 64 << 20
 
-__all__ = ["Engine", "SaveHandle", "SaveStats", "engine_for"]
+# The writer lock: held (flock) by the process that saves to a store, from its first save
+# until its engine is closed, in the store's local directory (else its host-memory area).
+# Its name holds nothing rank-specific: when sharded snapshots come, the ranks of one job
+# will share one lock (taken by one rank on their behalf) rather than each take their own.
+WRITER_LOCK = "writer.lock"
+
+__all__ = ["Engine", "SaveHandle", "SaveStats", "close_all", "close_store", "engine_for"]
 
 
 class HostArena:
@@ -130,6 +140,7 @@ class Engine:
         self._remote_collected = False
         self._slot_steps: list[set[int]] = [set(), set()]  # host steps held by each slot
         self._slot_last: int | None = None  # the slot staged into last
+        self._writer_lock: str | None = None  # the lock file this engine holds (a share)
 
     @property
     def local_root(self) -> Path:
@@ -163,6 +174,8 @@ class Engine:
         want = self._wanted(tiers)
         with self._lock:
             self._raise_unreported()
+            if self.local is not None:  # before anything is touched: a second writer fails
+                self._hold_writer_lock(self.local.root)
             flat = flatten(state)
             layout = plan(flat.tensors)
             streaming = budget is not None and budget < layout.total * self.slots
@@ -175,6 +188,8 @@ class Engine:
                 )
             if self.host is not None and not self._claimed:
                 self.host.claim(self.config.identity())
+                if self.local is None:  # the area is the store: locked once it is its own
+                    self._hold_writer_lock(self.host.root)
                 self._release_stale_host()
                 self._slot_steps = self.host.steps_by_slot()
                 self._claimed = True
@@ -214,6 +229,10 @@ class Engine:
                     )
             except BaseException as e:
                 windows.put(_Aborted(e))  # the persist thread must not commit a partial image
+                # The caller gets this error now: the handle's failure ("staging was
+                # interrupted") is the same news and must not fail the next save again.
+                handle._mark_all_reported()
+                self._handles.remove(handle)
                 raise
             windows.put(None)
             if not handle._deferred:
@@ -248,8 +267,12 @@ class Engine:
             return self._prepare_slot(0, size) or _done()
 
     def close(self) -> None:
-        with contextlib.suppress(SnapcoreError):
+        """Wait for what is in flight, stop the threads, free the arenas, close the remote
+        tier's connections and drop the writer lock. A failure nobody saw is logged."""
+        try:
             self.wait()
+        except SnapcoreError as e:
+            log.error("closing the engine of %s: %s", self.config.describe(), e)
         for pool in (self._persist, self._hasher, self._upload, self._encoder, self._preparer):
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -261,6 +284,13 @@ class Engine:
                 self.arenas[i] = None
         if self.remote is not None:
             self.remote.close()
+        if self._writer_lock is not None:
+            _release_writer_lock(self._writer_lock)
+            self._writer_lock = None
+
+    def _hold_writer_lock(self, directory: Path) -> None:
+        if self._writer_lock is None:
+            self._writer_lock = _take_writer_lock(directory, self.config.describe())
 
     # -- used by the persist and upload stages --------------------------------------------
     def encoder(self) -> ThreadPoolExecutor:
@@ -587,8 +617,14 @@ class _Job:
             else:
                 upload = self._run_whole()
         except BaseException as e:
-            log.error(
-                "snapshot of step %d to %s failed: %s", h.step, self.engine.config.describe(), e
+            # A staging error was raised to the caller already: only the rest is news.
+            level = logging.DEBUG if isinstance(e, _StagingAborted) else logging.ERROR
+            log.log(
+                level,
+                "snapshot of step %d to %s failed: %s",
+                h.step,
+                self.engine.config.describe(),
+                e,
             )
             h._mark_staged()
             for half in self.halves:
@@ -618,7 +654,9 @@ class _Job:
     def _take_window(self) -> Window | None:
         w = self.windows.get()
         if isinstance(w, _Aborted):
-            raise SnapcoreError(f"staging of step {self.handle.step} was interrupted") from w.error
+            raise _StagingAborted(
+                f"staging of step {self.handle.step} was interrupted"
+            ) from w.error
         if w is None:
             return None
         for copy in w.deferred:
@@ -760,6 +798,10 @@ def _done() -> Future[None]:
     return f
 
 
+class _StagingAborted(SnapcoreError):
+    """The persist side of a snapshot whose staging raised (to the caller of the save)."""
+
+
 @dataclass
 class _Aborted:
     """Put in the window queue when staging failed: nothing may be committed."""
@@ -804,10 +846,113 @@ def engine_for(store: Store | str | os.PathLike[str]) -> Engine:
         return e
 
 
-def close_all() -> None:
-    """Wait for and close every engine of this process (frees their arenas)."""
+def close_store(store: Store | str | os.PathLike[str]) -> None:
+    """Wait for and close the engine of ``store``'s tiers, if there is one; raises the
+    first failure nobody saw (after closing). The next save makes a new engine."""
+    with _engines_lock:
+        e = _engines.pop(as_store(store).key(), None)
+    if e is not None:
+        _close_engines([e], raise_first=True)
+
+
+def close_all(*, raise_first: bool = False) -> None:
+    """Wait for and close every engine of this process: the snapshots in flight become
+    durable (or fail), arenas are freed, remote connections closed, writer locks dropped.
+    A failure nobody saw is logged, or with ``raise_first`` raised once all are closed."""
     with _engines_lock:
         engines = list(_engines.values())
         _engines.clear()
+    _close_engines(engines, raise_first=raise_first)
+
+
+def _close_engines(engines: list[Engine], *, raise_first: bool) -> None:
+    first: SnapcoreError | None = None
     for e in engines:
+        try:
+            e.wait()
+        except SnapcoreError as exc:
+            if first is None and raise_first:
+                first = exc
+            else:
+                log.error("closing the engine of %s: %s", e.config.describe(), exc)
         e.close()
+    if first is not None:
+        raise first
+
+
+def _close_at_exit() -> None:
+    """Interpreter exit: close what the program did not, so that no remote session is
+    left for the garbage collector (aiohttp's "Unclosed client session")."""
+    try:
+        close_all()
+    except Exception as e:  # never a traceback at exit: said once, in the log
+        log.error("closing snapcore at exit: %s", e)
+
+
+atexit.register(_close_at_exit)
+
+
+# -- the writer lock -----------------------------------------------------------------------
+
+_writer_locks: dict[str, list[int]] = {}  # lock path -> [fd, engines of this process]
+_writer_locks_lock = threading.Lock()
+
+
+def _take_writer_lock(directory: Path, describe: str) -> str:
+    """Hold ``directory``/writer.lock for this process (engines of one process share it);
+    raise StoreInUse when another live process holds it. Returns the lock's path."""
+    path = str(directory / WRITER_LOCK)
+    with _writer_locks_lock:
+        held = _writer_locks.get(path)
+        if held is not None:
+            held[1] += 1
+            return path
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise StorageError(
+                e.errno, f"cannot open the writer lock of {describe}: {e.strerror}", path
+            ) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            pid, host = holder.get("pid"), holder.get("host")
+            who = f"pid {pid} on {host}" if pid is not None else "a process that did not say"
+            raise StoreInUse(
+                f"{describe} is being saved to by another live process ({who}; it holds "
+                f"{path}): two writers would delete each other's snapshots. Save to another "
+                "store, or end that process first",
+                path=path,
+                pid=pid if isinstance(pid, int) else None,
+                host=host if isinstance(host, str) else None,
+            ) from None
+        except OSError as e:  # a file system without flock: a second writer goes unseen
+            log.warning("no writer lock on %s (%s): a second writer is not detected", path, e)
+        me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me.encode(), 0)
+        _writer_locks[path] = [fd, 1]
+        return path
+
+
+def _release_writer_lock(path: str) -> None:
+    with _writer_locks_lock:
+        held = _writer_locks.get(path)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del _writer_locks[path]
+            os.close(held[0])  # drops the flock; the file stays (unlinking it would race)
+
+
+def _lock_holder(fd: int) -> dict[str, Any]:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}

@@ -6,6 +6,8 @@ caller never needs to know which half of snapcore failed.
 
 from __future__ import annotations
 
+import errno
+
 
 class SnapcoreError(Exception):
     """Base class of every error snapcore raises on purpose."""
@@ -77,6 +79,24 @@ class StorageError(SnapcoreError, OSError):
     """An I/O error while writing or reading a store; keeps errno and the file name."""
 
 
+class StoreInUse(StorageError):
+    """Another live process saves to the same store: its writer lock is held.
+
+    ``pid`` and ``host`` name that process when its lock file says (else ``None``).
+    """
+
+    def __init__(
+        self, message: str, *, path: str, pid: int | None = None, host: str | None = None
+    ) -> None:
+        super().__init__(errno.EBUSY, message, path)
+        self.message = message
+        self.pid = pid
+        self.host = host
+
+    def __str__(self) -> str:
+        return self.message
+
+
 __all__ = [
     "CorruptSnapshot",
     "CudaError",
@@ -87,5 +107,6 @@ __all__ = [
     "SnapshotNotFound",
     "StateMismatch",
     "StorageError",
+    "StoreInUse",
     "UnsupportedState",
 ]

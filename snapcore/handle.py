@@ -106,6 +106,11 @@ class SaveHandle:
             self._mark_reported(failed[1])
         return failed
 
+    def _mark_all_reported(self) -> None:
+        """The caller was told already (the save itself raised): no failure of this
+        snapshot is news, whenever it comes."""
+        self._reported.update(self.tiers)
+
     def _mark_reported(self, exc: BaseException) -> None:
         # One error often fails several tiers at once: it is reported once.
         for name, fut in self._futures.items():

@@ -12,10 +12,17 @@ an object is not possible, and rewriting one per event is neither atomic nor che
 
 Format (one JSON object per line, UTF-8, ``\\n``-terminated; ``v`` is the format version)::
 
-    {"v":1,"event":"start","time":T,"run":ID,"pid":P,"host":H,"devices":N}
+    {"v":1,"event":"start","time":T,"run":ID,"pid":P,"host":H,"devices":N}  (+ "tiers")
     {"v":1,"event":"restore","time":T,"run":ID,"step":S,"tier":"host"}   (+ "rollback":true)
     {"v":1,"event":"snapshot","time":T,"run":ID,"step":S,"tiers":["host","local"]}
+    {"v":1,"event":"alive","time":T,"run":ID}                              (a heartbeat)
     {"v":1,"event":"exit","time":T,"run":ID,"clean":true}                (+ "reason")
+
+What counts as a failure: an unclean end (no clean ``exit``) or a rollback, except in a
+run shorter than ``MIN_RUN_S`` of exposure (a test, or a job that died on start: not the
+machine's doing, and a handful of them would otherwise make the rate absurd), and except
+an end by the user's own interrupt (an ``exit`` whose reason is ``KeyboardInterrupt`` or
+``SystemExit``, as the Checkpointer's context manager journals it).
 
 Writing: each event is one ``os.write`` of a whole line on an ``O_APPEND`` descriptor,
 then ``fdatasync``, so a killed process leaves at most one torn line, at the end; a writer
@@ -58,10 +65,16 @@ log = logging.getLogger(__name__)
 
 JOURNAL_NAME = "journal.jsonl"
 FORMAT_VERSION = 1
-KINDS = ("start", "restore", "snapshot", "exit")
+KINDS = ("start", "restore", "snapshot", "alive", "exit")
+TIER_ORDER = ("host", "local", "remote")  # as snapcore.tiers has it (no torch import here)
 UNKNOWN = "unknown"  # the class of a failure whose next run restored nothing (or not yet)
 MAX_LINE_BYTES = 16 << 10  # an event is ~150 bytes; a longer line is not ours
 MAX_READ_BYTES = 64 << 20  # a reader looks at most at the newest 64 MiB (~400k events)
+# A run with less exposure than this (its start to its last event) is not counted as a
+# failure however it ended: test runs and jobs that die on start are not the machine's.
+MIN_RUN_S = 60.0
+# Exits that are the user's (or the program's) own decision, not a failure.
+USER_EXITS = frozenset({"KeyboardInterrupt", "SystemExit"})
 
 
 # -- where ----------------------------------------------------------------------------------
@@ -154,8 +167,13 @@ class JournalWriter:
             raise OSError(errno.ENOSPC, f"short append ({n} of {len(line)} bytes)", str(self.path))
         os.fdatasync(self._fd)
 
-    def start(self, *, devices: int, at: float | None = None) -> None:
-        self.append("start", at=at, pid=os.getpid(), host=socket.gethostname(), devices=devices)
+    def start(
+        self, *, devices: int, tiers: Iterable[str] | None = None, at: float | None = None
+    ) -> None:
+        extra = {"tiers": list(tiers)} if tiers is not None else {}
+        self.append(
+            "start", at=at, pid=os.getpid(), host=socket.gethostname(), devices=devices, **extra
+        )
 
     def restore(
         self, step: int, tier: str, *, rollback: bool = False, at: float | None = None
@@ -324,6 +342,12 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _tier_names(v: object) -> tuple[str, ...] | None:
+    if not isinstance(v, list) or not v or any(t not in TIER_ORDER for t in v):
+        return None
+    return tuple(t for t in TIER_ORDER if t in v)
+
+
 # -- failure history ------------------------------------------------------------------------
 
 
@@ -344,6 +368,8 @@ class RunRecord:
     reason: str | None = None
     live: bool = False  # still running (the journal's live writer, or the caller's run)
     failure: str | None = None  # the class of its unclean end: process, machine, unknown
+    not_counted: str | None = None  # why an unclean end or rollbacks are no failure
+    tiers: tuple[str, ...] | None = None  # the store's tiers, as its start event says
 
     @property
     def exposure_s(self) -> float:
@@ -352,6 +378,21 @@ class RunRecord:
     @property
     def clean(self) -> bool:
         return self.exit == "clean"
+
+    @property
+    def short(self) -> bool:
+        """Under MIN_RUN_S of exposure: none of its failures count."""
+        return self.exposure_s < MIN_RUN_S
+
+    def counted_failures(self) -> list[str]:
+        """The classes of this run's failures that count: its rollbacks and its unclean
+        end, none when the run is short."""
+        if self.short and not self.live:
+            return []
+        out = [failure_class(tier) for _, tier, rollback in self.restores if rollback]
+        if self.failure is not None:
+            out.append(self.failure)
+        return out
 
 
 @dataclass
@@ -398,6 +439,7 @@ def analyse(contents: JournalContents, *, live_runs: Iterable[str] = ()) -> Fail
                 host=d.get("host") if isinstance(d.get("host"), str) else None,
                 devices=d.get("devices") if _is_int(d.get("devices")) else None,
                 last=ev.time,
+                tiers=_tier_names(d.get("tiers")),
             )
             if ev.run in runs:  # a reused id: the newer start wins
                 log.debug("journal: run %s started twice", ev.run)
@@ -425,15 +467,22 @@ def analyse(contents: JournalContents, *, live_runs: Iterable[str] = ()) -> Fail
 
     by_class = {PROCESS: 0, MACHINE: 0, UNKNOWN: 0}
     for i, r in enumerate(order):
-        for _, tier, rollback in r.restores:
-            if rollback:
-                by_class[failure_class(tier)] += 1
-        if r.clean or (r.live and r.exit is None):
-            continue
-        nxt = order[i + 1] if i + 1 < len(order) else None
-        first = next((t for _, t, rb in nxt.restores if not rb), None) if nxt else None
-        r.failure = failure_class(first) if first is not None else UNKNOWN
-        by_class[r.failure] += 1
+        if not (r.clean or (r.live and r.exit is None)):
+            if r.exit == "unclean" and r.reason in USER_EXITS:
+                r.not_counted = f"interrupted by the user ({r.reason})"
+            elif r.short and not r.live:
+                r.not_counted = (
+                    f"ran {r.exposure_s:.3g} s, under the {MIN_RUN_S:.0f} s a run must last "
+                    "to count"
+                )
+            else:
+                nxt = order[i + 1] if i + 1 < len(order) else None
+                first = next((t for _, t, rb in nxt.restores if not rb), None) if nxt else None
+                r.failure = failure_class(first) if first is not None else UNKNOWN
+        elif r.short and not r.live and any(rb for *_, rb in r.restores):
+            r.not_counted = f"ran {r.exposure_s:.3g} s: its rollbacks do not count"
+        for cls in r.counted_failures():
+            by_class[cls] += 1
     exposure = sum(r.exposure_s for r in order)
     return FailureHistory(
         runs=order,
@@ -466,6 +515,19 @@ def failure_history(store: StoreLike) -> tuple[int, float]:
     return h.failures, h.exposure_hours
 
 
+def run_facts(store: StoreLike) -> tuple[int | None, tuple[str, ...] | None]:
+    """The devices and the store tiers the newest run that journaled them started with
+    (``None`` for what no run said): `snapcore plan --journal` plans for those."""
+    devices: int | None = None
+    tiers: tuple[str, ...] | None = None
+    for r in reversed(read_history(store).runs):
+        devices = r.devices if devices is None else devices
+        tiers = r.tiers if tiers is None else tiers
+        if devices is not None and tiers is not None:
+            break
+    return devices, tiers
+
+
 # -- presentation (the `snapcore journal` verb prints these) ---------------------------------
 
 
@@ -492,6 +554,8 @@ def history_json(h: FailureHistory, estimate: RateEstimate | None) -> dict[str, 
                 "restores": [{"step": s, "tier": t, "rollback": rb} for s, t, rb in r.restores],
                 "end": "live" if r.live and r.exit is None else (r.exit or "unclean"),
                 "failure": r.failure,
+                "not_counted": r.not_counted,
+                "tiers": list(r.tiers) if r.tiers is not None else None,
                 "exposure_s": r.exposure_s,
             }
             for r in h.runs
@@ -521,6 +585,8 @@ def _event_detail(e: Event) -> str:
         )
     if e.kind == "snapshot":
         return f"step {d['step']} durable in {', '.join(d['tiers']) or '-'}"
+    if e.kind == "alive":
+        return "running"
     reason = d.get("reason")
     return ("clean" if d["clean"] else "UNCLEAN") + (
         f" ({reason})" if isinstance(reason, str) else ""
@@ -551,6 +617,9 @@ def history_text(h: FailureHistory, estimate: RateEstimate | None) -> list[str]:
         f"{h.by_class[PROCESS]} process crash(es), {h.by_class[MACHINE]} lost machine(s), "
         f"{h.by_class[UNKNOWN]} of unknown class; exposure {h.exposure_hours:.3g} h"
     )
+    for r in h.runs:
+        if r.not_counted is not None:
+            lines.append(f"  run {r.run[:8]} not counted as a failure: {r.not_counted}")
     if estimate is None:
         lines.append("failure rate: no prior and no exposure (give --devices)")
     else:
@@ -564,7 +633,9 @@ def history_text(h: FailureHistory, estimate: RateEstimate | None) -> list[str]:
 
 __all__ = [
     "JOURNAL_NAME",
+    "MIN_RUN_S",
     "UNKNOWN",
+    "USER_EXITS",
     "Event",
     "FailureHistory",
     "JournalContents",
@@ -579,4 +650,5 @@ __all__ = [
     "journal_path",
     "read_history",
     "read_journal",
+    "run_facts",
 ]

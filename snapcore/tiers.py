@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,8 @@ from . import _native
 from . import manifest as mf
 from .errors import InvalidManifest, SnapshotNotFound
 from .store import MANIFEST, LocalStore, step_dir_name
+
+log = logging.getLogger(__name__)
 
 TIER_ORDER = ("host", "local", "remote")  # fastest first: where restore reads from
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -62,6 +65,16 @@ class Retention:
         if self.every:
             keep |= {s for s in ordered if s % self.every == 0}
         return [s for s in ordered if s not in keep]
+
+
+# What each tier keeps unless Store(retention=...) says otherwise (docs/configuration.md):
+# the newest is always kept, and one or two before it in case it proves damaged; keeping
+# everything (what 0 says) fills a disk, and a full disk fails every later snapshot.
+DEFAULT_RETENTION: dict[str, Retention] = {
+    "host": Retention(last=2),  # what its two slots hold anyway
+    "local": Retention(last=3),
+    "remote": Retention(last=3),
+}
 
 
 class LocalTier:
@@ -296,7 +309,13 @@ class Store:
 
     ``codec``: one codec for every tier, or a mapping per tier (``"none"``, ``"zstd"``,
     ``"shuffle-zstd"``); host memory is never compressed. ``retention``: per tier, an int
-    (keep the last N) or ``"N+EVERY"`` (the last N plus every EVERY-th step).
+    (keep the last N; 0 keeps everything) or ``"N+EVERY"`` (the last N plus every EVERY-th
+    step); a tier not named keeps ``DEFAULT_RETENTION`` (host 2, local 3, remote 3).
+
+    A Store is a context manager: leaving ``with Store(...) as store:`` closes the
+    engine of its tiers (waits for the snapshots in flight, frees the staging memory,
+    closes remote connections, drops the writer lock), like ``snapcore.close()`` does for
+    every store.
     """
 
     local: str | os.PathLike[str] | None = None
@@ -333,7 +352,21 @@ class Store:
         return self.codec.get(tier, "none")
 
     def retention_for(self, tier: str) -> Retention:
-        return self._retention.get(tier, Retention())
+        return self._retention.get(tier, DEFAULT_RETENTION[tier])
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        from .engine import close_store
+
+        if exc_type is None:
+            close_store(self)  # raises a background failure nobody saw
+            return
+        try:  # the body's exception is the news: a failure on top of it is logged
+            close_store(self)
+        except Exception as e:
+            log.error("closing %s after %s: %s", self.describe(), exc_type.__name__, e)
 
     def key(self) -> tuple[Any, ...]:
         return (str(self.local) if self.local else None, self.remote, self.host)

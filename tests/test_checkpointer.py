@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import signal
@@ -58,14 +59,18 @@ def run_steps(ckpt: snapcore.Checkpointer, clock: FakeClock, state, steps, dt: f
 
 
 def replay(intervals: dict[str, float], steps: range, t0: float = 0.0, dt: float = 1.0):
-    """The documented rule: a tier is due once its interval has elapsed since its last
-    snapshot began; tiers due within half the fastest interval join it."""
+    """The documented rule: the first step snapshots every tier; then a tier is due once
+    its interval has elapsed since its last snapshot began, and tiers due within half
+    the fastest interval join it."""
     last = dict.fromkeys(intervals, t0)
     out = []
     now = t0
-    for step in steps:
+    for i, step in enumerate(steps):
         now += dt
-        if any(now >= last[t] + iv for t, iv in intervals.items()):
+        if i == 0:
+            out.append((step, [t for t in TIER_ORDER if t in intervals]))
+            last = dict.fromkeys(intervals, now)
+        elif any(now >= last[t] + iv for t, iv in intervals.items()):
             slack = 0.5 * min(intervals.values())
             due = [
                 t for t in TIER_ORDER if t in intervals and now + slack >= last[t] + intervals[t]
@@ -74,6 +79,13 @@ def replay(intervals: dict[str, float], steps: range, t0: float = 0.0, dt: float
             for t in due:
                 last[t] = now
     return out
+
+
+def with_final(want: list[tuple[int, list[str]]], last: int, tiers: list[str]):
+    """What close() adds: the last step, to the tiers that were not sent it."""
+    sent = {t for s, ts in want if s == last for t in ts}
+    missing = [t for t in tiers if t not in sent]
+    return [*want, (last, missing)] if missing else want
 
 
 def journal_snapshots(store) -> list[tuple[int, list[str]]]:
@@ -117,15 +129,16 @@ def test_snapshots_come_at_the_planned_interval(tmp_path):
     clock = FakeClock()
     state = make_state()
     # replan_s=inf: the first plan (default costs) stays, so the schedule is known
-    ckpt = snapcore.Checkpointer(tmp_path, devices=16384, replan_s=math.inf, clock=clock)
+    store = snapcore.Store(local=tmp_path, retention={"local": 0})  # keep every step
+    ckpt = snapcore.Checkpointer(store, devices=16384, replan_s=math.inf, clock=clock)
     assert ckpt.restore(state) == 0
     interval = ckpt.plan().intervals_s
     assert set(interval) == {"local"} and 60 < interval["local"] < 600
     run_steps(ckpt, clock, state, range(2000))
     ckpt.close()
-    want = replay(interval, range(2000))
+    want = with_final(replay(interval, range(2000)), 1999, ["local"])
     assert len(want) >= 4
-    assert journal_snapshots(tmp_path) == [(s, ["local"]) for s, _ in want]
+    assert journal_snapshots(tmp_path) == want
     assert ckpt.stats().snapshots == len(want)
     assert snapcore.committed(tmp_path)["local"] == [s for s, _ in want]
 
@@ -154,7 +167,10 @@ def test_several_tiers_share_one_staged_copy(tmp_path, host_name):
     clock = FakeClock()
     state = make_state()
     store = snapcore.Store(
-        host=host_name, local=tmp_path / "local", remote=(tmp_path / "remote").as_uri()
+        host=host_name,
+        local=tmp_path / "local",
+        remote=(tmp_path / "remote").as_uri(),
+        retention={"local": 0, "remote": 0},  # keep every step
     )
     ckpt = snapcore.Checkpointer(store, devices=16384, replan_s=math.inf, clock=clock)
     assert ckpt.restore(state) == 0
@@ -166,7 +182,7 @@ def test_several_tiers_share_one_staged_copy(tmp_path, host_name):
     assert p.intervals_s["host"] < p.intervals_s["remote"] == p.intervals_s["local"]
     run_steps(ckpt, clock, state, range(2500))
     ckpt.close()
-    want = replay(p.intervals_s, range(2500))
+    want = with_final(replay(p.intervals_s, range(2500)), 2499, ["host", "local", "remote"])
     assert journal_snapshots(store) == want
     assert any(tiers == ["host"] for _, tiers in want)
     assert any(tiers == ["host", "local", "remote"] for _, tiers in want)
@@ -239,7 +255,10 @@ def test_failures_in_the_journal_shorten_the_intervals(tmp_path):
     b.close()
 
 
-def test_a_dead_run_is_classed_by_this_runs_restore_and_a_rollback_counts(tmp_path, host_name):
+def test_a_dead_run_is_classed_by_this_runs_restore_and_a_rollback_counts(
+    tmp_path, host_name, monkeypatch
+):
+    monkeypatch.setattr(jn, "MIN_RUN_S", 0.0)  # these runs last milliseconds (see test_journal)
     clock = FakeClock()
     store = snapcore.Store(host=host_name, local=tmp_path)
     state = make_state()
@@ -253,7 +272,9 @@ def test_a_dead_run_is_classed_by_this_runs_restore_and_a_rollback_counts(tmp_pa
     assert second.restore(state) == 4  # from host memory: the process crashed, not the machine
     assert second.plan().rate.by_class == {"process": 1, "machine": 0, "unknown": 0}
     run_steps(second, clock, state, range(4, 10))
-    assert second.restore(state) == 4  # a rollback in the middle of the run
+    # a rollback in the middle of the run, to the first step after the restore (which
+    # was snapshotted)
+    assert second.restore(state) == 5
     assert second.plan().rate.failures == 2
     second.close()
     h = jn.read_history(store)
@@ -320,6 +341,116 @@ def test_close_makes_the_last_snapshot_durable(tmp_path, host_name):
     ckpt.close()
 
 
+def test_a_short_run_gets_a_first_and_a_final_snapshot(tmp_path):
+    # devices=1 (the default): the model's optimum is hours; before, 200 steps took none
+    clock = FakeClock()
+    ckpt = snapcore.Checkpointer(tmp_path, replan_s=math.inf, clock=clock)
+    state = make_state()
+    assert ckpt.restore(state) == 0
+    assert ckpt.plan().intervals_s["local"] <= 3600.0  # the default upper bound
+    for step in range(200):
+        clock.t += 1.0
+        state["w"] += 1.0
+        state["step"] = step
+        ckpt.step(step, state)
+    ckpt.close()
+    # the first step() snapshots (its costs measured); close() makes the last one durable
+    assert journal_snapshots(tmp_path) == [(0, ["local"]), (199, ["local"])]
+    # one heartbeat once the run lasted the 60 s a run must last to count as a failure
+    events = jn.read_journal(tmp_path / "journal.jsonl").events
+    assert [e.kind for e in events].count("alive") == 1
+    assert events[0].data["tiers"] == ["local"] and events[0].data["devices"] == 1
+    fresh = make_state(5)
+    assert snapcore.restore(fresh, tmp_path).step == 199
+    assert torch.equal(fresh["w"], state["w"]) and fresh["step"] == 199
+
+
+def test_close_final_false_and_an_exception_take_no_final_snapshot(tmp_path):
+    clock = FakeClock()
+    state = make_state()
+    ckpt = snapcore.Checkpointer(tmp_path / "a", replan_s=math.inf, clock=clock)
+    run_steps(ckpt, clock, state, range(10))
+    ckpt.close(final=False)
+    assert snapcore.committed(tmp_path / "a")["local"] == [0]
+    with pytest.raises(RuntimeError), snapcore.Checkpointer(tmp_path / "b", clock=clock) as c:
+        run_steps(c, clock, state, range(10))
+        raise RuntimeError("NaN loss")  # the state may be half-way through an update
+    assert snapcore.committed(tmp_path / "b")["local"] == [0]
+    # close() without a step() call has nothing to make durable
+    snapcore.Checkpointer(tmp_path / "c", clock=clock).close()
+    assert not snapcore.committed(tmp_path / "c").get("local")
+
+
+def test_max_interval_s_bounds_every_tier_from_the_start(tmp_path, host_name):
+    clock = FakeClock()
+    store = snapcore.Store(host=host_name, local=tmp_path)
+    ckpt = snapcore.Checkpointer(store, max_interval_s=5.0, replan_s=math.inf, clock=clock)
+    p = ckpt.plan()
+    assert p.costs.measured == frozenset()  # nothing measured yet: the defaults (local 20 s)
+    assert set(p.intervals_s) == {"host", "local"}
+    assert all(iv <= 5.0 for iv in p.intervals_s.values())
+    state = make_state()
+    ckpt.restore(state)
+    run_steps(ckpt, clock, state, range(60))
+    ckpt.close()
+    for tier in ("host", "local"):
+        steps = [s for s, ts in journal_snapshots(store) if tier in ts]
+        assert steps[0] == 0 and steps[-1] == 59
+        assert max(b - a for a, b in itertools.pairwise(steps)) <= 5  # 1 s steps
+
+
+@pytest.fixture
+def cheap_host(monkeypatch):
+    """The costs assumed before measuring: a cheap host tier and a dear disk (what a
+    large model measures), so that the first plan, kept by replan_s=inf, is known."""
+    from snapcore import checkpointer as ck
+
+    monkeypatch.setattr(ck, "DEFAULT_STALL_S", 0.05)
+    monkeypatch.setattr(ck, "DEFAULT_PERSIST_S", {"host": 0.5, "local": 60.0, "remote": 300.0})
+    monkeypatch.setattr(ck, "DEFAULT_RESTORE_S", {"host": 0.5, "local": 60.0, "remote": 120.0})
+
+
+def test_each_tier_gets_the_interval_the_plan_gives_it(tmp_path, host_name, cheap_host):
+    clock = FakeClock()
+    store = snapcore.Store(host=host_name, local=tmp_path)
+    ckpt = snapcore.Checkpointer(store, devices=16384, replan_s=math.inf, clock=clock)
+    p = ckpt.plan()
+    assert p.intervals_s["local"] >= 2 * p.intervals_s["host"]  # host far more often
+    assert not p.forced
+    state = make_state()
+    ckpt.restore(state)
+    run_steps(ckpt, clock, state, range(1000))
+    ckpt.close()
+    want = with_final(replay(p.intervals_s, range(1000)), 999, ["host", "local"])
+    assert journal_snapshots(store) == want
+    per_tier = ckpt.stats().per_tier
+    assert per_tier["host"] >= 2 * per_tier["local"] > 0
+    assert snapcore.committed(store)["host"][-1] == 999
+
+
+def test_a_host_tier_asked_for_is_used_when_the_plan_leaves_it_out(
+    tmp_path, host_name, monkeypatch
+):
+    from snapcore import checkpointer as ck
+
+    # a host tier the model finds not worth writing (slow, and slow to restore from)
+    monkeypatch.setattr(ck, "DEFAULT_PERSIST_S", {"host": 50.0, "local": 20.0, "remote": 300.0})
+    monkeypatch.setattr(ck, "DEFAULT_RESTORE_S", {"host": 1e3, "local": 30.0, "remote": 120.0})
+    clock = FakeClock()
+    store = snapcore.Store(host=host_name, local=tmp_path)
+    ckpt = snapcore.Checkpointer(store, devices=16384, replan_s=math.inf, clock=clock)
+    p = ckpt.plan()
+    assert "host" not in p.planned_s and "host" in p.forced
+    assert p.intervals_s["host"] == p.intervals_s["local"]
+    state = make_state()
+    ckpt.restore(state)
+    run_steps(ckpt, clock, state, range(400))
+    ckpt.close()
+    snaps = journal_snapshots(store)
+    assert len(snaps) >= 3 and all(ts == ["host", "local"] for _, ts in snaps)
+    assert snapcore.committed(store)["host"][-1] == 399
+
+
 def test_a_checkpointer_only_asked_for_its_plan_leaves_no_trace(tmp_path):
     ckpt = snapcore.Checkpointer(tmp_path / "store", devices=64)
     assert ckpt.plan().intervals_s
@@ -327,7 +458,8 @@ def test_a_checkpointer_only_asked_for_its_plan_leaves_no_trace(tmp_path):
     assert not (tmp_path / "store" / "journal.jsonl").exists()
 
 
-def test_context_manager_journals_an_exception_as_unclean(tmp_path):
+def test_context_manager_journals_an_exception_as_unclean(tmp_path, monkeypatch):
+    monkeypatch.setattr(jn, "MIN_RUN_S", 0.0)  # this run lasts milliseconds (see test_journal)
     state = make_state()
     with pytest.raises(RuntimeError), snapcore.Checkpointer(tmp_path) as ckpt:
         ckpt.restore(state)
@@ -335,6 +467,24 @@ def test_context_manager_journals_an_exception_as_unclean(tmp_path):
     c = jn.read_journal(tmp_path / "journal.jsonl")
     assert c.events[-1].data == {**c.events[-1].data, "clean": False, "reason": "RuntimeError"}
     assert jn.failure_history(tmp_path)[0] == 1
+
+
+def test_a_keyboard_interrupt_is_no_failure(tmp_path, monkeypatch):
+    monkeypatch.setattr(jn, "MIN_RUN_S", 0.0)  # the interrupt rule alone, not the floor
+    clock = FakeClock()
+    state = make_state()
+    with pytest.raises(KeyboardInterrupt), snapcore.Checkpointer(tmp_path, clock=clock) as ckpt:
+        ckpt.restore(state)
+        run_steps(ckpt, clock, state, range(3))
+        raise KeyboardInterrupt  # Ctrl-C in the middle of a step
+    last = jn.read_journal(tmp_path / "journal.jsonl").events[-1]
+    assert last.data["clean"] is False and last.data["reason"] == "KeyboardInterrupt"
+    assert snapcore.committed(tmp_path)["local"] == [0]  # no final snapshot mid-step
+    h = jn.read_history(tmp_path)
+    assert h.failures == 0 and "interrupted by the user" in (h.runs[-1].not_counted or "")
+    ckpt = snapcore.Checkpointer(tmp_path, clock=clock)
+    assert ckpt.plan().rate.failures == 0
+    ckpt.close()
 
 
 def test_sigterm_in_process_snapshots_then_hands_the_signal_on(tmp_path):
@@ -501,3 +651,59 @@ def test_sigterm_hung_step_hands_on_after_grace_without_a_snapshot(children):
     last = jn.read_journal(tmp_path / "journal.jsonl").events[-1]
     assert last.kind == "exit" and not last.data["clean"]
     assert "no step() within grace" in last.data["reason"]
+
+
+RESUME = textwrap.dedent(
+    """
+    import sys, time, torch, snapcore
+    torch.manual_seed(1)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = {"model": model, "optim": opt, "step": 0}
+    ckpt = snapcore.Checkpointer(sys.argv[1], handle_sigterm=False)  # devices=1: hours
+    start = ckpt.restore(state)
+    x = torch.randn(32, 16)
+    for step in range(start, start + 100_000):
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["step"] = step
+        ckpt.step(step, state)
+        durable = ckpt.stats().durable_step.get("local", -1)
+        print(f"at {step} {float(model.weight.detach().sum())!r} {durable}", flush=True)
+        time.sleep(0.002)
+    """
+)
+
+
+def test_sigkill_early_in_a_resumed_run_keeps_its_first_step(tmp_path):
+    # the previous run: five steps, closed cleanly (step 4 durable)
+    model = torch.nn.Linear(16, 4)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.01), "step": 0}
+    with snapcore.Checkpointer(tmp_path, handle_sigterm=False) as ckpt:
+        assert ckpt.restore(state) == 0
+        for step in range(5):
+            state["step"] = step
+            ckpt.step(step, state)
+    close_all()
+    with subprocess.Popen(
+        [sys.executable, "-c", RESUME, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdout is not None
+        seen: dict[int, str] = {}
+        for n, line in enumerate(child.stdout):
+            _, step, weight, durable = line.split()
+            seen[int(step)] = weight
+            # killed once the resumed run's first step is durable (or, before the bounded
+            # first snapshot, after 1500 steps without one)
+            if int(durable) >= 5 or n >= 1500:
+                break
+        child.kill()  # SIGKILL: no close(), no final snapshot
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    model = torch.nn.Linear(16, 4)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.01), "step": -1}
+    info = snapcore.restore(state, tmp_path)
+    assert info.step == state["step"] == 5  # not 4: the resumed run's work is kept
+    assert float(model.weight.detach().sum()) == float(seen[5])

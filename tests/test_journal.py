@@ -17,7 +17,7 @@ import snapcore
 from snapcore import journal as jn
 from snapcore.cli import main as cli_main
 from snapcore.scheduler.plan import plan_main
-from snapcore.scheduler.rate import estimate_from_history
+from snapcore.scheduler.rate import RatePrior, estimate_from_history
 from snapcore.tiers import HostTier
 
 HOUR = 3600.0
@@ -100,7 +100,11 @@ def test_unclean_ends_are_classed_by_the_next_restore(tmp_path):
 def test_the_last_run_is_a_failure_unless_live(tmp_path):
     path = tmp_path / "journal.jsonl"
     [_, last] = write_runs(
-        path, [[start(0), ("exit", {"at": HOUR, "clean": True})], [start(2 * HOUR)]]
+        path,
+        [
+            [start(0), ("exit", {"at": HOUR, "clean": True})],
+            [start(2 * HOUR), ("alive", {"at": 2 * HOUR + 600})],  # past the 60 s floor
+        ],
     )
     assert jn.read_history(tmp_path).failures == 1  # nobody holds the journal: it died
     assert jn.read_history(tmp_path).by_class[jn.UNKNOWN] == 1
@@ -110,7 +114,7 @@ def test_the_last_run_is_a_failure_unless_live(tmp_path):
     try:
         h = jn.read_history(tmp_path)
         assert h.contents.live and h.runs[-1].live and h.failures == 0
-        assert jn.failure_history(tmp_path) == (0, pytest.approx(1.0))
+        assert jn.failure_history(tmp_path) == (0, pytest.approx(1.0 + 600 / HOUR))
     finally:
         w.close()
     assert not jn.read_journal(path).live
@@ -125,6 +129,35 @@ def test_a_rollback_is_a_failure_inside_a_run(tmp_path):
     )  # fmt: skip
     h = jn.read_history(tmp_path)
     assert h.failures == 1 and h.by_class[jn.PROCESS] == 1
+
+
+def test_short_runs_and_user_interrupts_are_not_failures(tmp_path):
+    write_runs(
+        tmp_path / "journal.jsonl",
+        [
+            # test runs of a few seconds: killed, crashed, rolled back
+            [start(0), ("snapshot", {"at": 5.0, "step": 0, "tiers": ["local"]})],
+            [start(100), ("snapshot", {"at": 103.0, "step": 0, "tiers": ["local"]}),
+             ("exit", {"at": 104.0, "clean": False, "reason": "RuntimeError"})],
+            [start(200), ("restore", {"at": 201.0, "step": 0, "tier": "local", "rollback": True}),
+             ("exit", {"at": 202.0, "clean": True})],
+            # two hours, then Ctrl-C: the user's own decision
+            [start(HOUR), ("alive", {"at": 2 * HOUR}),
+             ("exit", {"at": 3 * HOUR, "clean": False, "reason": "KeyboardInterrupt"})],
+            # a real failure: an hour, then nothing more
+            [start(4 * HOUR), ("alive", {"at": 5 * HOUR})],
+        ],
+    )  # fmt: skip
+    h = jn.read_history(tmp_path)
+    assert h.failures == 1 and h.by_class == {jn.PROCESS: 0, jn.MACHINE: 0, jn.UNKNOWN: 1}
+    assert [r.failure for r in h.runs] == [None, None, None, None, jn.UNKNOWN]
+    why = [r.not_counted or "" for r in h.runs]
+    assert all("under the 60 s" in w for w in why[:2]) and "rollbacks" in why[2]
+    assert "interrupted by the user (KeyboardInterrupt)" in why[3] and not why[4]
+    assert h.exposure_hours == pytest.approx((5 + 4 + 2) / HOUR + 2 + 1)
+    text = "\n".join(jn.history_text(h, None))
+    assert text.count("not counted as a failure") == 4
+    assert jn.history_json(h, None)["runs"][3]["not_counted"].startswith("interrupted")
 
 
 def test_damaged_lines_are_skipped_and_counted(tmp_path):
@@ -225,10 +258,11 @@ LIGHT_IMPORT = textwrap.dedent(
 
 CHILD = LIGHT_IMPORT + textwrap.dedent(
     """
+    import time
     from snapcore.journal import JournalWriter
     assert "torch" not in sys.modules
     w = JournalWriter(sys.argv[1])
-    w.start(devices=1)
+    w.start(devices=1, at=time.time() - 120)  # a run past the floor of runs that count
     sys.stdout.write("ready\\n")
     sys.stdout.flush()
     i = 0
@@ -281,7 +315,8 @@ def test_live_writer_in_another_process(tmp_path):
     path = tmp_path / "journal.jsonl"
     code = LIGHT_IMPORT + (
         "import time; from snapcore.journal import JournalWriter\n"
-        "w = JournalWriter(sys.argv[1]); w.start(devices=2); print('ready', flush=True)\n"
+        "w = JournalWriter(sys.argv[1]); w.start(devices=2, at=time.time() - 120)\n"
+        "w.append('alive'); print('ready', flush=True)\n"
         "time.sleep(60)\n"
     )
     with subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE) as child:
@@ -298,21 +333,56 @@ def test_live_writer_in_another_process(tmp_path):
 def test_plan_journal_option_reads_the_history(tmp_path, capsys):
     write_runs(
         tmp_path / "journal.jsonl",
-        [[start(0)], [start(10 * HOUR), ("restore", {"at": 10 * HOUR, "step": 1, "tier": "remote"}),
-                      ("exit", {"at": 20 * HOUR, "clean": True})]],
+        [[start(0), ("alive", {"at": 5 * HOUR})],
+         [start(10 * HOUR), ("restore", {"at": 10 * HOUR, "step": 1, "tier": "remote"}),
+          ("exit", {"at": 20 * HOUR, "clean": True})]],
     )  # fmt: skip
     assert plan_main(["--journal", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    # one failure in 10 h of exposure (a dead run with no event after its start has none)
-    want = estimate_from_history(1, 10.0).conservative_mtbf_hours
+    # one failure in 15 h of exposure, with the prior of the 8 devices the runs journaled
+    # (the same as the Checkpointer's)
+    prior = RatePrior.from_devices(8)
+    want = estimate_from_history(1, 15.0, prior).conservative_mtbf_hours
     assert out["mtbf_s"] == pytest.approx(3600 * want)
+
+
+def test_plan_journal_of_a_few_short_test_runs(tmp_path, capsys):
+    # what a new user's first tries leave: runs of seconds, killed, crashed, interrupted
+    def begin(at: float) -> tuple[str, dict[str, object]]:
+        return "start", {"at": at, "pid": 1, "host": "h", "devices": 1, "tiers": ["local"]}
+
+    write_runs(
+        tmp_path / "journal.jsonl",
+        [
+            [begin(0), ("snapshot", {"at": 2.0, "step": 0, "tiers": ["local"]})],
+            [begin(60), ("exit", {"at": 63.0, "clean": False, "reason": "KeyboardInterrupt"})],
+            [begin(120), ("exit", {"at": 121.0, "clean": False, "reason": "RuntimeError"})],
+            [begin(180), ("snapshot", {"at": 186.0, "step": 0, "tiers": ["local"]})],
+        ],
+    )
+    assert plan_main(["--journal", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # no failure counts, and the runs' own prior (1 device) stands: not an MTBF of seconds
+    assert out["mtbf_s"] == pytest.approx(
+        3600
+        * estimate_from_history(0, 12 / HOUR, RatePrior.from_devices(1)).conservative_mtbf_hours
+    )
+    assert out["mtbf_s"] > 1000 * HOUR and out["predicted_waste"] < 0.02
+    # the store has a local tier only: nothing else is recommended
+    assert out["store_tiers"] == ["local"] and set(out["intervals_s"]) == {"local"}
+    assert plan_main(["--journal", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "tiers local" in text and "remote " not in text and "host " not in text
+    assert plan_main(["--journal", str(tmp_path), "--persist", "remote=5m"]) == 2
+    assert "does not have" in capsys.readouterr().err
 
 
 def test_cli_journal_verb(tmp_path, capsys):
     write_runs(
         tmp_path / "journal.jsonl",
-        [[start(0)], [start(HOUR), ("restore", {"at": HOUR, "step": 3, "tier": "host"}),
-                      ("exit", {"at": 2 * HOUR, "clean": True})]],
+        [[start(0), ("alive", {"at": 0.5 * HOUR})],
+         [start(HOUR), ("restore", {"at": HOUR, "step": 3, "tier": "host"}),
+          ("exit", {"at": 2 * HOUR, "clean": True})]],
     )  # fmt: skip
     assert cli_main(["journal", str(tmp_path), "--devices", "16384"]) == 0
     text = capsys.readouterr().out
@@ -322,7 +392,7 @@ def test_cli_journal_verb(tmp_path, capsys):
     assert cli_main(["journal", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["failures"] == 1 and out["failures_by_class"]["process"] == 1
-    assert [e["event"] for e in out["events"]] == ["start", "start", "restore", "exit"]
+    assert [e["event"] for e in out["events"]] == ["start", "alive", "start", "restore", "exit"]
     assert out["rate"]["conservative_per_hour"] > out["rate"]["mean_per_hour"] > 0
     assert cli_main(["journal", str(tmp_path / "empty")]) == 0
     assert "no events" in capsys.readouterr().out

@@ -124,9 +124,16 @@ def test_journal_hook_uses_history(
         calls.append(store)
         return 99, 100.0  # 99 failures in 100 hours, no prior: Gamma(99.5, 100)
 
+    def run_facts(store: str) -> tuple[None, None]:
+        return None, None  # the runs said neither their devices nor their tiers
+
     fake.failure_history = failure_history  # type: ignore[attr-defined]
+    fake.run_facts = run_facts  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "snapcore.journal", fake)
     out = run_json(capsys, "--journal", "/tmp/store")
     assert calls == ["/tmp/store"]
+    # a directory: a local tier only, which lost machines are charged to
+    assert out["store_tiers"] == ["local"] and out["uncovered"] == ["machine"]
+    assert set(out["intervals_s"]) == {"local"}
     # the conservative (90%) rate is above the mean of 0.995 per hour
     assert 3600 / out["mtbf_s"] == pytest.approx(1.125, abs=0.02)

@@ -184,3 +184,14 @@ def test_plan_steps() -> None:
     plan = optimise(model, classes(3 * HOUR))
     steps = plan.steps(5.0)
     assert all(steps[k] * 5.0 == v for k, v in plan.intervals_s.items())
+
+
+@pytest.mark.parametrize("step_s", [0.0, 3.0])
+@pytest.mark.parametrize("tmax", [10.0, 100.0, 1000.0])
+def test_max_interval_is_a_hard_bound(step_s: float, tmax: float) -> None:
+    # persist times above the bound (local 20 s, remote 300 s) used to win over it
+    model = CostModel(tiers(), stall_s=1.0, slowdown=0.05, step_s=step_s, max_interval_s=tmax)
+    for mtbf in (10 * MIN, 24 * HOUR, 1e6 * HOUR):
+        plan = optimise(model, classes(mtbf))
+        assert plan.intervals_s
+        assert all(iv <= tmax * (1 + 1e-9) for iv in plan.intervals_s.values()), plan

@@ -281,7 +281,9 @@ def _optimise_subset(
     lam = sum(c.rate_per_s for c in classes)
     floor = max(model.step_s, model.stall_s, 1e-3)
     tmax = model.max_interval_s
-    lows = {n: max(floor, model.tier(n).persist_s) for n in used}
+    # A tier is not written more often than it persists, nor more rarely than tmax: the
+    # upper bound wins (a snapshot then waits for the one before it).
+    lows = {n: min(tmax, max(floor, model.tier(n).persist_s)) for n in used}
     # Start from Young's interval with the stall as cost: a good guess for every tier.
     guess = young_interval(max(model.stall_s, 1e-3), 1.0 / lam) if lam > 0 else tmax
     logs = {n: math.log(min(tmax, max(lows[n], guess))) for n in used}
@@ -324,17 +326,24 @@ def _round_nested(
     move the optimum, so both neighbours of each ratio are tried and the fastest tier's
     interval is optimised again for each choice.
     """
+    tmax = model.max_interval_s
     choices: list[list[int]] = [[1]]
     for prev, n in itertools.pairwise(used):
         r = intervals[n] / intervals[prev]
         opts = sorted({max(1, math.floor(r)), max(1, math.ceil(r))})
         choices = [[*c, o] for c in choices for o in opts]
     best: tuple[dict[str, float], Waste] | None = None
-    for mults in choices:
+    # When every rounding puts the slowest tier above tmax, all tiers share one interval
+    # (always within tmax: lows are at most tmax).
+    fallback = [1] * len(used)
+    for mults in [*choices, fallback]:
+        if mults is fallback and best is not None:
+            break
         factors = list(itertools.accumulate(mults, lambda a, b: a * b))
         lo = max(math.log(lows[n] / f) for n, f in zip(used, factors, strict=True))
-        hi = min(math.log(model.max_interval_s / f) for f in factors)
-        hi = max(hi, lo)
+        hi = min(math.log(tmax / f) for f in factors)
+        if hi < lo - 1e-12:
+            continue  # the slowest tier would exceed tmax: the upper bound is hard
 
         def at(base: float, factors: list[int] = factors) -> dict[str, float]:
             return {n: base * f for n, f in zip(used, factors, strict=True)}
@@ -345,6 +354,10 @@ def _round_nested(
         base = math.exp(_golden_min(f, lo, hi) if hi - lo > 1e-9 else lo)
         if model.step_s > 0:
             base = max(model.step_s, round(base / model.step_s) * model.step_s)
+            if base * factors[-1] > tmax and base > model.step_s:  # whole steps, within tmax
+                base = max(
+                    model.step_s, math.floor(tmax / factors[-1] / model.step_s) * model.step_s
+                )
         cand = at(base)
         waste = expected_waste(model, classes, cand)
         if best is None or waste.total < best[1].total:

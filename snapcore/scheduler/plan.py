@@ -15,6 +15,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from snapcore.scheduler.model import (
     CostModel,
@@ -38,6 +39,7 @@ from snapcore.scheduler.rate import (
 
 TIER_ORDER = ("host", "local", "remote")
 DEFAULT_PERSIST = {"host": 2.0, "local": 20.0, "remote": 300.0}
+DEFAULT_PERSIST_ARG = "local=20s,remote=5m"
 DEFAULT_RESTART = {"host": 190.0, "local": 210.0, "remote": 300.0}
 LLAMA3_CRASH_FRACTION = LLAMA3_CLASS_COUNTS[PROCESS] / sum(LLAMA3_CLASS_COUNTS.values())
 
@@ -118,7 +120,12 @@ def _parser() -> argparse.ArgumentParser:
         default=LLAMA3_RATE_PER_DEVICE_HOUR,
         help="failures per device-hour (default: Llama 3, 419 in 54 days on 16,384 GPUs)",
     )
-    rate.add_argument("--journal", metavar="STORE", help="learn the rate from a store's journal")
+    rate.add_argument(
+        "--journal",
+        metavar="STORE",
+        help="learn the rate from a store's journal (its runs' devices are the prior unless "
+        "--mtbf or --devices is given) and plan for the tiers that store has",
+    )
     rate.add_argument(
         "--crash-fraction",
         type=float,
@@ -131,8 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     cost.add_argument("--step-time", help="time of one training step (intervals in steps)")
     cost.add_argument(
         "--persist",
-        default="local=20s,remote=5m",
-        help="time to durable per tier after the stall (host is always used, 2s unless given)",
+        default=None,
+        help=f"time to durable per tier after the stall (default {DEFAULT_PERSIST_ARG}; host "
+        "is always used, 2s unless given; with --journal, the store's tiers only)",
     )
     cost.add_argument(
         "--restart",
@@ -163,7 +171,32 @@ def _mtbf_from_journal(store: str, prior: RatePrior | None) -> float:
     return 3600.0 * est.conservative_mtbf_hours
 
 
-def _build(args: argparse.Namespace) -> tuple[CostModel, list[FailureClass], float, float]:
+def _journal_facts(store: str) -> tuple[int | None, tuple[str, ...]]:
+    """The devices and tiers the store's newest runs journaled; a store whose runs did
+    not say has the tiers its path names (a directory: local disk)."""
+    import os
+
+    from snapcore.journal import run_facts
+    from snapcore.tiers import as_store
+
+    devices, tiers = run_facts(store)
+    if tiers is None:
+        where = os.path.dirname(store) if store.endswith(".jsonl") else store
+        tiers = as_store(where).tiers
+    return devices, tiers
+
+
+@dataclass
+class _Setup:
+    model: CostModel
+    classes: list[FailureClass]
+    mtbf: float
+    stall: float
+    store_tiers: tuple[str, ...] | None = None  # --journal: the tiers the store has
+    uncovered: tuple[str, ...] = ()  # classes no tier of the store survives
+
+
+def _build(args: argparse.Namespace) -> _Setup:
     if args.mtbf is not None and args.devices is not None:
         raise _UsageError("give --mtbf or --devices, not both")
     if not args.rate_per_device_hour > 0:
@@ -181,7 +214,13 @@ def _build(args: argparse.Namespace) -> tuple[CostModel, list[FailureClass], flo
         mtbf = 3600.0 / prior.rate_per_hour
     elif args.journal is None:
         raise _UsageError("give the failure rate: --mtbf, --devices or --journal")
+    store_tiers: tuple[str, ...] | None = None
     if args.journal is not None:
+        devices, store_tiers = _journal_facts(args.journal)
+        if prior is None and devices is not None and devices >= 1:
+            # the prior the Checkpointer of those runs planned with: a few short runs
+            # alone would otherwise make the rate (and the waste) absurd
+            prior = RatePrior.from_devices(devices, args.rate_per_device_hour)
         mtbf = _mtbf_from_journal(args.journal, prior)
     if not 0 <= args.crash_fraction <= 1:
         raise _UsageError("--crash-fraction must be between 0 and 1")
@@ -190,7 +229,16 @@ def _build(args: argparse.Namespace) -> tuple[CostModel, list[FailureClass], flo
     if not 0 <= args.slowdown < 1:
         raise _UsageError("--slowdown must be a fraction in [0, 1)")
 
-    persist = {"host": DEFAULT_PERSIST["host"], **_tier_list(args.persist, "--persist")}
+    given = _tier_list(args.persist or DEFAULT_PERSIST_ARG, "--persist")
+    persist = {"host": DEFAULT_PERSIST["host"], **given}
+    if store_tiers is not None:
+        bad = sorted(set(given) - set(store_tiers)) if args.persist else []
+        if bad:
+            raise _UsageError(
+                f"--persist names {', '.join(bad)}, which {args.journal} does not have "
+                f"(its tiers: {', '.join(store_tiers)})"
+            )
+        persist = {t: persist.get(t, DEFAULT_PERSIST[t]) for t in store_tiers}
     if "=" in args.restart:
         restart = dict(DEFAULT_RESTART)
         restart.update(_tier_list(args.restart, "--restart"))
@@ -201,16 +249,22 @@ def _build(args: argparse.Namespace) -> tuple[CostModel, list[FailureClass], flo
     stall = parse_duration(args.cost)
     model = CostModel(tiers, stall_s=stall, slowdown=args.slowdown, step_s=step)
     lam = 1.0 / mtbf
-    classes = [
-        FailureClass(PROCESS, lam * args.crash_fraction, SURVIVES[PROCESS]),
-        FailureClass(MACHINE, lam * (1 - args.crash_fraction), SURVIVES[MACHINE]),
-    ]
-    if "remote" not in persist and args.crash_fraction < 1:
+    shares = {PROCESS: args.crash_fraction, MACHINE: 1 - args.crash_fraction}
+    uncovered: list[str] = []
+    classes = []
+    for cls, share in shares.items():
+        survives = SURVIVES[cls]
+        if store_tiers is not None and not survives & set(store_tiers):
+            # as the Checkpointer does: charged to the store's most durable tier
+            uncovered.append(cls)
+            survives = frozenset({tiers[-1].name})
+        classes.append(FailureClass(cls, lam * share, survives))
+    if store_tiers is None and "remote" not in persist and args.crash_fraction < 1:
         raise _UsageError(
             "a lost machine takes host memory and local disk with it: add a remote tier "
             "to --persist (e.g. remote=5m), or --crash-fraction 1"
         )
-    return model, classes, mtbf, stall
+    return _Setup(model, classes, mtbf, stall, store_tiers, tuple(uncovered))
 
 
 def plan_main(argv: Sequence[str]) -> int:
@@ -225,7 +279,8 @@ def plan_main(argv: Sequence[str]) -> int:
     except SystemExit as e:  # argparse has already printed usage and the error
         return int(e.code or 0)
     try:
-        model, classes, mtbf, stall = _build(args)
+        setup = _build(args)
+        model, classes, mtbf, stall = setup.model, setup.classes, setup.mtbf, setup.stall
         plan = optimise(model, classes, target=args.target)
     except ValueError as e:
         print(f"snapcore plan: error: {e}", file=sys.stderr)
@@ -240,10 +295,28 @@ def plan_main(argv: Sequence[str]) -> int:
     young_w = expected_waste(model, classes, {slowest: max(young, floor)}).total
     daly_w = expected_waste(model, classes, {slowest: max(daly, floor)}).total
     if args.json:
-        print(json.dumps(_as_json(plan, model, mtbf, slowest, young, daly, young_w, daly_w)))
+        out = _as_json(plan, model, mtbf, slowest, young, daly, young_w, daly_w)
+        if setup.store_tiers is not None:
+            out["store_tiers"] = list(setup.store_tiers)
+            out["uncovered"] = list(setup.uncovered)
+        print(json.dumps(out))
     else:
-        print(_as_text(plan, model, mtbf, stall, slowest, young, daly, young_w, daly_w))
+        text = _as_text(plan, model, mtbf, stall, slowest, young, daly, young_w, daly_w)
+        if setup.store_tiers is not None:
+            text = _store_lines(args.journal, setup) + text
+        print(text)
     return 0
+
+
+def _store_lines(store: str, setup: _Setup) -> str:
+    lines = [f"store {store}: tiers {', '.join(setup.store_tiers or ())}"]
+    for cls in setup.uncovered:
+        what = "process crashes" if cls == PROCESS else "lost machines"
+        lines.append(
+            f"  no tier of it survives {what}: planned as if {setup.model.tiers[-1].name} "
+            "did (the best copy there is)"
+        )
+    return "\n".join(lines) + "\n\n"
 
 
 def _as_json(
