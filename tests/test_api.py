@@ -456,7 +456,6 @@ def test_prepare_faults_the_arena_before_the_first_save(tmp_path):
     fut.result(timeout=60)
     arena = engine_mod.engine_for(tmp_path).arenas[0]
     assert arena is not None and arena.size >= 4 << 20
-    stats = snapcore.save(state, tmp_path, step=1)
+    snapcore.save(state, tmp_path, step=1)
     assert engine_mod.engine_for(tmp_path).arenas[0] is arena  # used, not made again
-    assert stats.stall_s < 5
     assert snapcore.prepare(state, tmp_path).result(timeout=1) is None  # nothing to do
