@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from .api import async_save, close, committed, load, prepare, restore, save, wait_all
+from .api import (
+    HostArea,
+    async_save,
+    close,
+    committed,
+    free_host,
+    host_areas,
+    load,
+    prepare,
+    restore,
+    save,
+    wait_all,
+)
 from .checkpointer import Checkpointer
 from .errors import (
     CorruptSnapshot,
@@ -27,6 +39,7 @@ __all__ = [
     "Checkpointer",
     "CorruptSnapshot",
     "CudaError",
+    "HostArea",
     "InvalidManifest",
     "NativeError",
     "RestoreInfo",
@@ -44,6 +57,8 @@ __all__ = [
     "async_save",
     "close",
     "committed",
+    "free_host",
+    "host_areas",
     "load",
     "prepare",
     "restore",

@@ -7,13 +7,15 @@ import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .engine import close_all, engine_for
-from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound
+from .engine import close_all, engine_for, engine_uses_host, writer_lock_holder
+from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StoreInUse
 from .handle import SaveHandle, SaveStats
 from .read import Reader, RestoreInfo
-from .tiers import Store
+from .tiers import HostTier, Store, host_area_names
 
 log = logging.getLogger(__name__)
 
@@ -165,3 +167,76 @@ def close() -> None:
     all are closed. Runs by itself at interpreter exit (failures are then logged); a
     later call makes new engines as needed."""
     close_all(raise_first=True)
+
+
+@dataclass(frozen=True)
+class HostArea:
+    """A host-memory area (``/dev/shm/snapcore-NAME``) and what it holds."""
+
+    name: str
+    path: str
+    bytes: int  # memory it takes
+    steps: list[int]  # committed host snapshots
+    store: dict[str, Any] | None  # the store it belongs to (local dir, remote URL)
+    writer: dict[str, Any] | None  # the live process saving to it (pid, host), if any
+
+
+def host_areas(root: str | os.PathLike[str] = "/dev/shm") -> list[HostArea]:
+    """Every snapcore host-memory area under ``root``: its size, steps, owner and writer.
+
+    Host areas outlive the training process on purpose (a restart restores from them);
+    ``free_host`` gives their memory back.
+    """
+    out = []
+    for name in host_area_names(root):
+        tier = HostTier(name, root=root)
+        try:
+            steps = tier.committed_steps()
+        except OSError:
+            steps = []
+        out.append(
+            HostArea(
+                name=name,
+                path=str(tier.root),
+                bytes=tier.nbytes(),
+                steps=steps,
+                store=tier.identity(),
+                writer=_area_writer(tier),
+            )
+        )
+    return out
+
+
+def free_host(name: str, *, root: str | os.PathLike[str] = "/dev/shm") -> int:
+    """Delete the host-memory area ``name`` and return the bytes it took.
+
+    Refused with ``StoreInUse`` while a live process (this one included: close it with
+    ``snapcore.close()``) saves to the store the area belongs to, and with
+    ``SnapshotNotFound`` when there is no such area. Its snapshots are gone afterwards;
+    copies in the store's other tiers are not touched.
+    """
+    tier = HostTier(name, root=root)
+    if tier.root.is_symlink() or not tier.root.is_dir():
+        raise SnapshotNotFound(f"no host-memory area {name!r} ({tier.root})")
+    writer = _area_writer(tier)
+    if writer is not None or engine_uses_host(name):
+        who = f"pid {writer.get('pid')} on {writer.get('host')}" if writer else "this process"
+        raise StoreInUse(
+            f"host-memory area {name!r} is in use by {who}: end that process, or call "
+            "snapcore.close() in it, before freeing the area",
+            path=str(tier.root),
+            pid=writer.get("pid") if writer else os.getpid(),
+            host=writer.get("host") if writer else None,
+        )
+    size = tier.nbytes()
+    tier.release()
+    return size
+
+
+def _area_writer(tier: HostTier) -> dict[str, Any] | None:
+    """The live writer of the store an area belongs to: its writer lock is in the store's
+    local directory, or in the area itself for a store without one."""
+    ident = tier.identity() or {}
+    local = ident.get("local")
+    directory = Path(local) if isinstance(local, str) else tier.root
+    return writer_lock_holder(directory) or writer_lock_holder(tier.root)

@@ -152,11 +152,7 @@ class Engine:
 
     def host_readable(self) -> bool:
         """Whether the host area holds this store's snapshots (not another run's)."""
-        if self.host is None:
-            return False
-        ident = self.host.identity()
-        mine = self.config.identity()
-        return ident is None or ident == mine or mine == {"local": None, "remote": None}
+        return self.host is not None and self.host.holds(self.config.identity())
 
     # -- public ---------------------------------------------------------------------------
     def async_save(
@@ -846,6 +842,12 @@ def engine_for(store: Store | str | os.PathLike[str]) -> Engine:
         return e
 
 
+def engine_uses_host(name: str) -> bool:
+    """Whether an open engine of this process has the host-memory area ``name``."""
+    with _engines_lock:
+        return any(e.config.host == name for e in _engines.values())
+
+
 def close_store(store: Store | str | os.PathLike[str]) -> None:
     """Wait for and close the engine of ``store``'s tiers, if there is one; raises the
     first failure nobody saw (after closing). The next save makes a new engine."""
@@ -948,6 +950,27 @@ def _release_writer_lock(path: str) -> None:
         if held[1] == 0:
             del _writer_locks[path]
             os.close(held[0])  # drops the flock; the file stays (unlinking it would race)
+
+
+def writer_lock_holder(directory: Path) -> dict[str, Any] | None:
+    """Who holds ``directory``'s writer lock (pid, host, since, as far as it says), or
+    None when no live process does. Engines of this process count as holders."""
+    path = str(directory / WRITER_LOCK)
+    with _writer_locks_lock:
+        held = _writer_locks.get(path)
+        if held is not None:
+            return _lock_holder(held[0])
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _lock_holder(fd)
+    finally:
+        os.close(fd)
+    return None
 
 
 def _lock_holder(fd: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ one run; ``save``/``restore`` accept it wherever they accept a path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -166,6 +167,21 @@ class HostTier(LocalTier):
             return json.loads((self.root / "store.json").read_text())
         except (FileNotFoundError, ValueError):
             return None
+
+    def holds(self, identity: dict[str, Any]) -> bool:
+        """Whether the area holds the snapshots of the store with ``identity`` (an area
+        claimed by another store does not; a host-only store reads whatever is there)."""
+        ident = self.identity()
+        return ident is None or ident == identity or identity == {"local": None, "remote": None}
+
+    def nbytes(self) -> int:
+        """The memory the area takes (allocated blocks of its files)."""
+        total = 0
+        for dirpath, _, files in os.walk(self.root):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+        return total
 
     def claim(self, identity: dict[str, Any]) -> None:
         """Make the area belong to ``identity``; an area of another store is released."""
@@ -381,6 +397,41 @@ class Store:
             if v
         ]
         return "Store(" + ", ".join(parts) + ")"
+
+
+Tier = LocalTier | RemoteStoreTier
+
+
+def open_tiers(store: Store) -> dict[str, Tier]:
+    """The tiers of ``store`` opened for reading: no engine, arena, thread or lock. A host
+    area that belongs to another store is left out (its snapshots are not this store's).
+    The caller closes a remote tier (``close()``)."""
+    out: dict[str, Tier] = {}
+    if store.host is not None:
+        host = HostTier(store.host)
+        if host.holds(store.identity()):
+            out["host"] = host
+    if store.local is not None:
+        out["local"] = LocalTier(store.local)
+    if store.remote is not None:
+        out["remote"] = RemoteStoreTier(store.remote, store.storage_options)
+    return out
+
+
+def host_area_names(root: str | os.PathLike[str] = "/dev/shm") -> list[str]:
+    """The names of the host-memory areas under ``root`` (``snapcore-NAME`` directories)."""
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    names = []
+    for entry in entries:
+        name = entry.removeprefix("snapcore-")
+        path = Path(root) / entry
+        ours = entry.startswith("snapcore-") and HOST_NAME.match(name)
+        if ours and path.is_dir() and not path.is_symlink():
+            names.append(name)
+    return sorted(names)
 
 
 def as_store(store: Store | str | os.PathLike[str]) -> Store:

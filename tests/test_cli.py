@@ -1,11 +1,13 @@
-"""The snapcore command: ls, inspect, verify, gc."""
+"""The snapcore command: every verb, its output and exit codes (docs/cli.md)."""
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import snapcore
@@ -38,7 +40,7 @@ def test_ls_inspect_verify(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 20
     r = run("verify", str(tmp_path))
-    assert r.returncode == 0 and "step 20: intact" in r.stdout
+    assert r.returncode == 0 and "step 20: intact in local" in r.stdout
 
 
 def test_verify_names_the_damaged_chunk(tmp_path):
@@ -56,7 +58,10 @@ def test_verify_names_the_damaged_chunk(tmp_path):
 def test_errors_are_one_line_and_nonzero(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 1
     assert "no committed snapshot" in capsys.readouterr().err
-    assert main(["ls", str(tmp_path / "nope")]) == 0
+    # a missing store is an error (it exited 0 with "no snapshots" before: issue 8, item 7)
+    assert main(["ls", str(tmp_path / "nope")]) == 1
+    assert "no store at" in capsys.readouterr().err
+    assert main(["ls", str(tmp_path)]) == 0  # an existing, empty one is not
     assert "no snapshots" in capsys.readouterr().out
 
 
@@ -106,3 +111,169 @@ def test_ls_shows_tiers_and_gc_applies_retention(tmp_path, capsys):
     finally:
         close_all()
         HostTier(host).release()
+
+
+# -- issue 8, item 7: output a person reads, store arguments, errors -------------------------
+
+
+def test_inspect_prints_floats_as_numbers_and_collapses_long_sequences(tmp_path, capsys):
+    rng = random.Random(3)
+    state = {"lr": 0.001, "eps": float("inf"), "name": "run-1", "rng": rng.getstate()}
+    snapcore.save(state, tmp_path, step=1)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "lr = 0.001" in out and "eps = inf" in out and "name = 'run-1'" in out
+    assert "0x1" not in out  # no hex float
+    assert "(tuple of 625 int:" in out
+    assert len(out.splitlines()) < 20  # was 625+ lines for the RNG's tuple
+
+
+def test_inspect_only_glob(tmp_path, capsys):
+    snapcore.save({"model": torch.nn.Linear(2, 2), "lr": 0.5}, tmp_path, step=1)
+    assert main(["inspect", str(tmp_path), "--only", "model.*"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert sorted(line.split(":")[0] for line in lines) == ["model.bias", "model.weight"]
+
+
+def test_names_with_terminal_escapes_are_escaped(tmp_path, capsys):
+    snapcore.save({"\x1b[2J\x1b[31mred": 1, "v": "\x1b]0;title\x07"}, tmp_path, step=1)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "\\x1b[2J\\x1b[31mred" in out
+
+
+def test_version():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"snapcore {snapcore.__version__}"
+
+
+@pytest.mark.parametrize("verb", ["ls", "inspect", "verify", "gc", "journal"])
+def test_a_store_that_is_a_file_or_missing_is_one_line(tmp_path, verb):
+    f = tmp_path / "file"
+    f.write_text("x")
+    for store in (f, tmp_path / "missing"):
+        r = run(verb, str(store))
+        assert r.returncode == 1, (verb, store, r)
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_bad_storage_options_is_one_line(tmp_path):
+    r = run("ls", str(tmp_path), "--storage-options", "{nope")
+    assert r.returncode == 1 and "--storage-options is not JSON" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_piping_into_head_prints_no_traceback(tmp_path):
+    snapcore.save({f"key-{i}": i for i in range(20000)}, tmp_path, step=1)  # > a pipe's buffer
+    for verb in ("inspect", "ls"):
+        with subprocess.Popen(
+            [sys.executable, "-m", "snapcore", verb, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        ) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.readline()
+            proc.stdout.close()  # what `head -1` does after its line
+            err = proc.stderr.read().decode()
+            assert proc.wait(timeout=60) in (0, 1)
+        assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_ls_of_a_manifest_with_an_absurd_time(tmp_path, capsys):
+    snapcore.save({"x": torch.ones(2)}, tmp_path, step=1)
+    path = next(tmp_path.glob("step-*/manifest.json"))
+    doc = json.loads(path.read_bytes())
+    doc["created_unix"] = 1e300
+    path.write_text(json.dumps(doc))
+    assert main(["ls", str(tmp_path)]) == 0  # the time shows as "?", or the manifest as damaged
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].startswith("1 ")
+
+
+def test_gc_without_retention_deletes_no_committed_step(tmp_path, capsys):
+    store = snapcore.Store(local=tmp_path, retention={"local": 0})
+    for step in range(1, 6):
+        snapcore.save({"x": torch.full((10,), float(step))}, store, step=step)
+    assert main(["gc", str(tmp_path)]) == 0
+    assert snapcore.committed(tmp_path)["local"] == [1, 2, 3, 4, 5]
+
+
+def test_inspect_and_verify_read_object_storage(s3_server, s3_bucket, capsys):
+    options = s3_bucket.options_for(s3_server)
+    store = snapcore.Store(remote=f"{s3_bucket.url}/run", storage_options=options)
+    snapcore.save({"w": torch.arange(10.0), "lr": 0.25}, store, step=7)
+    snapcore.close()
+    args = [f"{s3_bucket.url}/run", "--storage-options", json.dumps(options)]
+    assert main(["ls", *args]) == 0
+    assert "remote" in capsys.readouterr().out
+    assert main(["inspect", *args]) == 0
+    out = capsys.readouterr().out
+    assert "step 7 (remote)" in out and "w: float32 [10]" in out and "lr = 0.25" in out
+    assert main(["verify", *args]) == 0
+    assert "step 7: intact in remote" in capsys.readouterr().out
+    assert (
+        main(["ls", f"{s3_bucket.url}/nothing-here", "--storage-options", json.dumps(options)]) == 1
+    )
+    assert "nothing under that prefix" in capsys.readouterr().err
+
+
+def test_verify_every_tier_holding_the_step(tmp_path, host_name, capsys):
+    store = snapcore.Store(local=tmp_path, host=host_name)
+    snapcore.save({"x": torch.ones(100)}, store, step=2)
+    assert main(["verify", str(tmp_path), "--host", host_name]) == 0
+    out = capsys.readouterr().out
+    assert "step 2: intact in host" in out and "step 2: intact in local" in out
+    assert main(["verify", str(tmp_path), "--host", host_name, "--tier", "host"]) == 0
+    assert "local" not in capsys.readouterr().out
+
+
+# -- issue 8, item 5: host-memory areas ----------------------------------------------------
+
+
+def test_host_areas_listed_and_freed(tmp_path, host_name, capsys):
+    from pathlib import Path
+
+    store = snapcore.Store(local=tmp_path, host=host_name)
+    snapcore.save({"x": torch.ones(1 << 16)}, store, step=3)
+    area = {a.name: a for a in snapcore.host_areas()}[host_name]
+    assert area.steps == [3] and area.bytes >= 1 << 18
+    assert area.store == {"local": str(tmp_path), "remote": None}
+    # in use by this process's engine: refused, and nothing is freed
+    assert main(["rm", "--host", host_name]) == 1
+    assert "in use" in capsys.readouterr().err
+    with pytest.raises(snapcore.StoreInUse):
+        snapcore.free_host(host_name)
+    assert Path(area.path).is_dir()
+    snapcore.close()
+    assert main(["hosts"]) == 0
+    assert host_name in capsys.readouterr().out
+    assert main(["rm", "--host", host_name]) == 0
+    assert f"freed host-memory area {host_name}" in capsys.readouterr().out
+    assert not Path(area.path).exists()
+    assert snapcore.committed(tmp_path)["local"] == [3]  # the other tiers are untouched
+    with pytest.raises(snapcore.SnapshotNotFound):
+        snapcore.free_host(host_name)
+    assert main(["rm", "--host", host_name]) == 1
+
+
+def test_free_host_refuses_an_area_another_process_writes(tmp_path, host_name):
+    code = (
+        "import sys, torch, snapcore\n"
+        f"snapcore.save({{'x': torch.ones(8)}}, snapcore.Store(local={str(tmp_path)!r}, "
+        f"host={host_name!r}), step=1)\n"
+        "print('saved', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdout is not None and child.stdin is not None
+        try:
+            assert child.stdout.readline().strip() == "saved"
+            with pytest.raises(snapcore.StoreInUse, match=f"pid {child.pid}"):
+                snapcore.free_host(host_name)
+        finally:
+            child.stdin.close()  # the child exits
+            child.wait(timeout=60)
+    assert snapcore.free_host(host_name) > 0

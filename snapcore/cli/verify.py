@@ -1,0 +1,49 @@
+"""``snapcore verify``: read every chunk of a snapshot and check its hash."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import CorruptSnapshot
+from ..read import verify_snapshot
+from .output import Progress, clean
+from .stores import add_store_args, open_store
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "verify", help="check every chunk's hash in each tier holding a step (exit 1 if damaged)"
+    )
+    add_store_args(p)
+    p.add_argument("--step", type=int, help="default: the newest committed step")
+    p.add_argument("--tier", choices=("host", "local", "remote"), help="only this tier's copy")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    bad = 0
+    with open_store(args) as st:
+        step, holders = st.resolve(args.step)
+        if args.tier is not None:
+            if args.tier not in holders:
+                print(f"step {step} is not committed in the {args.tier} tier", file=sys.stderr)
+                return 1
+            holders = [args.tier]
+        for name in holders:
+            bar = Progress(f"verify step {step} ({name})", enabled=not args.quiet)
+            try:
+                damaged = verify_snapshot(st.tiers[name], step, progress=bar.update)
+            except CorruptSnapshot as e:  # a damaged manifest, a missing or truncated file
+                damaged = [e]
+            finally:
+                bar.close()
+            for e in damaged:
+                print(clean(f"DAMAGED ({name}): {e}"), file=sys.stderr)
+            if damaged:
+                bad += 1
+                print(f"step {step}: {len(damaged)} damaged chunk(s) in {name}", file=sys.stderr)
+            else:
+                print(f"step {step}: intact in {name}")
+    return 1 if bad else 0
