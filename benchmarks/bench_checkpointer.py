@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 import snapcore
-from snapcore.engine import close_all
 from snapcore.tiers import HostTier
+from snapcore.write.engine import close_all
 
 TARGET_NS = 20_000
 

@@ -331,14 +331,10 @@ def phase_machine(args: argparse.Namespace, work: Path) -> Result:
 # -- phase: snapcore --------------------------------------------------------------------------
 def _close_engine(store: Any) -> None:
     """Close the store's engine (frees its arena) and forget it."""
-    import snapcore.engine
+    from snapcore.write.engine import close_store
 
-    engine = snapcore.engine.engine_for(store)
     with contextlib.suppress(Exception):
-        engine.close()
-    with snapcore.engine._engines_lock:
-        for key in [k for k, e in snapcore.engine._engines.items() if e is engine]:
-            del snapcore.engine._engines[key]
+        close_store(store)
 
 
 def snapcore_store(work: Path) -> Any:

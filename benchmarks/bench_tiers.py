@@ -32,8 +32,8 @@ import torch
 
 import snapcore
 from snapcore import _native
-from snapcore.engine import close_all
 from snapcore.tiers import HostTier
+from snapcore.write.engine import close_all
 
 OPTIONS = {"key": "testing", "secret": "testing"}
 

@@ -30,7 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from snapcore.scheduler.model import (
+from snapcore.scheduling.model import (
     CostModel,
     FailureClass,
     Tier,
@@ -38,7 +38,7 @@ from snapcore.scheduler.model import (
     optimise,
     young_interval,
 )
-from snapcore.scheduler.rate import (
+from snapcore.scheduling.rate import (
     LLAMA3_RATE_PER_DEVICE_HOUR,
     MACHINE,
     PROCESS,

@@ -15,7 +15,6 @@ from .api import (
     save,
     wait_all,
 )
-from .checkpointer import Checkpointer
 from .errors import (
     CorruptSnapshot,
     CudaError,
@@ -29,8 +28,9 @@ from .errors import (
     StoreInUse,
     UnsupportedState,
 )
-from .handle import SaveHandle, SaveStats
 from .read import RestoreInfo
+from .scheduling.checkpointer import Checkpointer
+from .staging.handle import SaveHandle, SaveStats
 from .tiers import Retention, Store
 
 __version__ = "0.1.0"

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .engine import close_all, engine_for, engine_uses_host, writer_lock_holder
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StoreInUse
-from .handle import SaveHandle, SaveStats
 from .read import Reader, RestoreInfo
+from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
+from .write.engine import close_all, engine_for, engine_uses_host, writer_lock_holder
 
 log = logging.getLogger(__name__)
 

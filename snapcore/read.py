@@ -23,7 +23,7 @@ import xxhash
 from . import _native, settings
 from . import manifest as mf
 from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, StateMismatch
-from .layout import contiguous_strides
+from .planning.layout import contiguous_strides
 from .tree import build, restore_into, tensor_paths
 
 TEMP_BATCH_BYTES = 1 << 30  # bounded host memory for blobs that need a temporary buffer

@@ -374,7 +374,7 @@ class Store:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        from .engine import close_store
+        from .write.engine import close_store
 
         if exc_type is None:
             close_store(self)  # raises a background failure nobody saw

@@ -235,8 +235,8 @@ def host_name() -> Iterator[str]:
     """A fresh host-memory area name, released (and checked gone) after the test."""
     from pathlib import Path
 
-    from snapcore.engine import close_all
     from snapcore.tiers import HostTier
+    from snapcore.write.engine import close_all
 
     name = f"test-{uuid.uuid4().hex[:10]}"
     yield name
@@ -253,7 +253,7 @@ def _no_host_area_leaks() -> Iterator[None]:
 
     before = set(glob.glob("/dev/shm/snapcore-test-*"))
     yield
-    from snapcore.engine import close_all
+    from snapcore.write.engine import close_all
 
     close_all()
     leaked = set(glob.glob("/dev/shm/snapcore-test-*")) - before

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import snapcore
-from snapcore import engine as engine_mod
 from snapcore.store import LocalStore
+from snapcore.write import engine as engine_mod
 
 CPU_DTYPES = [
     torch.float64,

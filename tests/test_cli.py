@@ -85,8 +85,8 @@ def test_gc_removes_leftovers(tmp_path, capsys):
 def test_ls_shows_tiers_and_gc_applies_retention(tmp_path, capsys):
     import uuid
 
-    from snapcore.engine import close_all
     from snapcore.tiers import HostTier
+    from snapcore.write.engine import close_all
 
     host = f"test-{uuid.uuid4().hex[:8]}"
     try:

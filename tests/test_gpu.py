@@ -7,7 +7,7 @@ import torch
 
 import snapcore
 from snapcore import _native
-from snapcore import engine as engine_mod
+from snapcore.write import engine as engine_mod
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 import snapcore
-from snapcore import journal as jn
 from snapcore.cli import main as cli_main
-from snapcore.scheduler.plan import plan_main
-from snapcore.scheduler.rate import RatePrior, estimate_from_history
+from snapcore.scheduling import journal as jn
+from snapcore.scheduling.plan import plan_main
+from snapcore.scheduling.rate import RatePrior, estimate_from_history
 from snapcore.tiers import HostTier
 
 HOUR = 3600.0
@@ -245,7 +245,7 @@ def test_writer_refuses_nonsense(tmp_path):
         w.append("exit", clean=True)
 
 
-# The child imports snapcore.journal without snapcore/__init__.py, which imports torch
+# The child imports snapcore.scheduling.journal without snapcore/__init__.py, which imports torch
 # (3 s a child); the journal needs none of it.
 LIGHT_IMPORT = textwrap.dedent(
     """
@@ -259,7 +259,7 @@ LIGHT_IMPORT = textwrap.dedent(
 CHILD = LIGHT_IMPORT + textwrap.dedent(
     """
     import time
-    from snapcore.journal import JournalWriter
+    from snapcore.scheduling.journal import JournalWriter
     assert "torch" not in sys.modules
     w = JournalWriter(sys.argv[1])
     w.start(devices=1, at=time.time() - 120)  # a run past the floor of runs that count
@@ -314,7 +314,7 @@ def test_journal_survives_sigkill_mid_append(tmp_path):
 def test_live_writer_in_another_process(tmp_path):
     path = tmp_path / "journal.jsonl"
     code = LIGHT_IMPORT + (
-        "import time; from snapcore.journal import JournalWriter\n"
+        "import time; from snapcore.scheduling.journal import JournalWriter\n"
         "w = JournalWriter(sys.argv[1]); w.start(devices=2, at=time.time() - 120)\n"
         "w.append('alive'); print('ready', flush=True)\n"
         "time.sleep(60)\n"

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import snapcore
-from snapcore import engine as engine_mod
-from snapcore.engine import close_all
 from snapcore.tiers import DEFAULT_RETENTION, HostTier, Retention
+from snapcore.write import engine as engine_mod
+from snapcore.write.engine import close_all
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from snapcore.scheduler.plan import format_duration, parse_duration, plan_main
+from snapcore.scheduling.plan import format_duration, parse_duration, plan_main
 
 
 @pytest.mark.parametrize(
@@ -117,7 +117,7 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 def test_journal_hook_uses_history(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake = types.ModuleType("snapcore.journal")
+    fake = types.ModuleType("snapcore.scheduling.journal")
     calls: list[str] = []
 
     def failure_history(store: str) -> tuple[int, float]:
@@ -129,7 +129,7 @@ def test_journal_hook_uses_history(
 
     fake.failure_history = failure_history  # type: ignore[attr-defined]
     fake.run_facts = run_facts  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "snapcore.journal", fake)
+    monkeypatch.setitem(sys.modules, "snapcore.scheduling.journal", fake)
     out = run_json(capsys, "--journal", "/tmp/store")
     assert calls == ["/tmp/store"]
     # a directory: a local tier only, which lost machines are charged to

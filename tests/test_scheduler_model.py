@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from snapcore.scheduler.model import (
+from snapcore.scheduling.model import (
     CostModel,
     FailureClass,
     Tier,

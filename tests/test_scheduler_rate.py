@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from snapcore.scheduler.rate import (
+from snapcore.scheduling.rate import (
     LLAMA3_CLASS_COUNTS,
     LLAMA3_RATE_PER_DEVICE_HOUR,
     FailureRateLearner,

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import snapcore
-from snapcore.engine import close_all, engine_for
 from snapcore.store import LocalStore
 from snapcore.tiers import HostTier, Retention
+from snapcore.write.engine import close_all, engine_for
 
 
 @pytest.fixture(autouse=True)

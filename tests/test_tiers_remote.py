@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import snapcore
-from snapcore import engine as engine_mod
-from snapcore.engine import close_all, engine_for
 from snapcore.store import LocalStore
+from snapcore.write import engine as engine_mod
+from snapcore.write.engine import close_all, engine_for
 from tests.conftest import _botocore_client, s3_storage_options
 
 

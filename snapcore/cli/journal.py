@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..journal import history_json, history_text, journal_path, read_history, run_facts
-from ..scheduler.rate import LLAMA3_RATE_PER_DEVICE_HOUR, RatePrior
+from ..scheduling.journal import history_json, history_text, journal_path, read_history, run_facts
+from ..scheduling.rate import LLAMA3_RATE_PER_DEVICE_HOUR, RatePrior
 from ..tiers import Store
 from .output import clean
 from .stores import add_store_args, store_from

@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: list[str]) -> int:
     if argv[:1] == ["plan"]:
-        from ..scheduler.plan import plan_main
+        from ..scheduling.plan import plan_main
 
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)

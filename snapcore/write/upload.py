@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import manifest as mf
-from .persist import Location
-from .store import step_dir_name
+from .. import manifest as mf
+from ..store import step_dir_name
+from .local import Location
 
 if TYPE_CHECKING:
+    from ..staging.handle import SaveHandle
+    from ..tiers import LocalTier, RemoteStoreTier
     from .engine import Engine, HostArena
-    from .handle import SaveHandle
-    from .tiers import LocalTier, RemoteStoreTier
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Upload:
             self.handle._resolve("remote")
 
     def _run(self) -> None:
-        from . import codec
+        from .. import codec
 
         engine, m = self.engine, self.m
         remote: RemoteStoreTier = engine.remote  # type: ignore[assignment]

@@ -52,12 +52,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .scheduler.rate import MACHINE, PROCESS, RateEstimate, RatePrior, estimate_from_history
+from .rate import MACHINE, PROCESS, RateEstimate, RatePrior, estimate_from_history
 
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    from .tiers import Store
+    from ..tiers import Store
 
     StoreLike: TypeAlias = Store | str | os.PathLike[str]
 
@@ -87,7 +87,7 @@ def journal_path(store: StoreLike) -> Path | None:
     """
     # Imported here: the tiers pull in torch, and the journal itself needs none of it
     # (a crash test's child process appends without paying for that import).
-    from .tiers import HostTier, Store, as_store
+    from ..tiers import HostTier, Store, as_store
 
     if not isinstance(store, Store):
         text = os.fspath(store)

@@ -1,12 +1,14 @@
-"""snapcore's checkpoint scheduler: the cost model, failure-rate learning, `snapcore plan`.
+"""Scheduling: the cost model, failure-rate learning, the run journal, `snapcore plan`, and
+the Checkpointer on top.
 
-Pure Python with no dependency on torch or the native extension, so that planning and
-simulation run anywhere, including before the extension is built.
+The model, the rate and the plan are pure Python with no dependency on torch or the
+native extension, so that planning and simulation run anywhere; only the Checkpointer
+(and the journal's store lookups) import the rest of snapcore.
 """
 
 from __future__ import annotations
 
-from snapcore.scheduler.model import (
+from snapcore.scheduling.model import (
     CostModel,
     FailureClass,
     Plan,
@@ -17,7 +19,7 @@ from snapcore.scheduler.model import (
     optimise,
     young_interval,
 )
-from snapcore.scheduler.rate import (
+from snapcore.scheduling.rate import (
     FailureRateLearner,
     RateEstimate,
     RatePrior,

@@ -30,9 +30,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import api
-from .errors import SnapcoreError, SnapshotFailed, SnapshotNotFound
-from .handle import SaveHandle, SaveStats
+from .. import api
+from ..errors import SnapcoreError, SnapshotFailed, SnapshotNotFound
+from ..staging.handle import SaveHandle, SaveStats
+from ..tiers import TIER_ORDER, HostTier, Store, as_store
 from .journal import (
     MIN_RUN_S,
     UNKNOWN,
@@ -42,8 +43,8 @@ from .journal import (
     journal_path,
     read_history,
 )
-from .scheduler.model import CostModel, FailureClass, Tier, Waste, optimise
-from .scheduler.rate import (
+from .model import CostModel, FailureClass, Tier, Waste, optimise
+from .rate import (
     DEFAULT_QUANTILE,
     LLAMA3_RATE_PER_DEVICE_HOUR,
     MACHINE,
@@ -53,7 +54,6 @@ from .scheduler.rate import (
     RatePrior,
     estimate_from_history,
 )
-from .tiers import TIER_ORDER, HostTier, Store, as_store
 
 log = logging.getLogger("snapcore.checkpointer")
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from snapcore.scheduler.model import (
+from snapcore.scheduling.model import (
     CostModel,
     FailureClass,
     Plan,
@@ -27,7 +27,7 @@ from snapcore.scheduler.model import (
     optimise,
     young_interval,
 )
-from snapcore.scheduler.rate import (
+from snapcore.scheduling.rate import (
     LLAMA3_CLASS_COUNTS,
     LLAMA3_RATE_PER_DEVICE_HOUR,
     MACHINE,
@@ -164,7 +164,7 @@ class _UsageError(ValueError):
 
 def _mtbf_from_journal(store: str, prior: RatePrior | None) -> float:
     """Conservative MTBF in seconds from a store's run journal."""
-    from snapcore.journal import failure_history
+    from snapcore.scheduling.journal import failure_history
 
     failures, exposure_hours = failure_history(store)
     est = estimate_from_history(int(failures), float(exposure_hours), prior)
@@ -176,7 +176,7 @@ def _journal_facts(store: str) -> tuple[int | None, tuple[str, ...]]:
     not say has the tiers its path names (a directory: local disk)."""
     import os
 
-    from snapcore.journal import run_facts
+    from snapcore.scheduling.journal import run_facts
     from snapcore.tiers import as_store
 
     devices, tiers = run_facts(store)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .manifest import Piece, TensorEntry, dtype_name
+from ..manifest import Piece, TensorEntry, dtype_name
 
 ALIGN = 64  # blob alignment in the arena/file: cache lines, and >= every dtype's itemsize
 CHUNK_BYTES = 64 << 20  # chunks: the unit of hashing, damage reporting and parallel reads

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .errors import SnapshotFailed
+from ..errors import SnapshotFailed
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,15 @@ from typing import Any
 import torch
 import xxhash
 
-from . import _native, settings
-from . import manifest as mf
-from .errors import SnapcoreError, SnapshotFailed, StorageError, StoreInUse
-from .handle import SaveHandle, SaveStats, protect
-from .layout import BlobPlan, Layout, align_up, plan
-from .persist import (
+from .. import _native, settings
+from .. import manifest as mf
+from ..errors import SnapcoreError, SnapshotFailed, StorageError, StoreInUse
+from ..planning.layout import BlobPlan, Layout, align_up, plan
+from ..staging.handle import SaveHandle, SaveStats, protect
+from ..store import Pending
+from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, as_store
+from ..tree import flatten
+from .local import (
     PAGE,
     LocalWriter,
     Location,
@@ -46,9 +49,6 @@ from .persist import (
     hash_chunks,
     writer_info,
 )
-from .store import Pending
-from .tiers import TIER_ORDER, HostTier, LocalTier, Store, as_store
-from .tree import flatten
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Engine:
         self.local = LocalTier(store.local) if store.local else None
         self.remote: Any = None
         if store.remote:
-            from .tiers import RemoteStoreTier
+            from ..tiers import RemoteStoreTier
 
             self.remote = RemoteStoreTier(store.remote, store.storage_options)
         self.remote_url = store.remote

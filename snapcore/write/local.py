@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from . import _native, settings
-from . import manifest as mf
-from .layout import Layout
-from .store import Pending
+from .. import _native, settings
+from .. import manifest as mf
+from ..planning.layout import Layout
+from ..store import Pending
 
 if TYPE_CHECKING:
+    from ..staging.handle import SaveHandle
     from .engine import Engine, HostArena
-    from .handle import SaveHandle
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class LocalWriter:
     ) -> Any:
         """Encode chunk ``k``, and start encoding the next few that will be written (not
         those the tier already holds) on the encoder pool."""
-        from . import codec
+        from .. import codec
 
         s, engine = self.s, self.engine
         pool = engine.encoder()

@@ -1,0 +1,1 @@
+"""Staging: the host arena, copies from the state into it, and the handle of a snapshot."""
