@@ -645,7 +645,7 @@ def test_sigterm_child_exits_after_a_final_snapshot_of_its_step(children):
 def test_sigterm_hung_step_hands_on_after_grace_without_a_snapshot(children):
     tmp_path, child, lines, waited = children["hang"]
     assert child.returncode == -signal.SIGTERM
-    assert 0.4 < waited < 20
+    assert waited > 0.4  # not before the grace period (0.5 s): a bound no machine speed moves
     assert lines[-1].startswith("at 20 ")
     assert 20 not in snapcore.committed(tmp_path).get("local", [])  # nothing taken mid-step
     last = jn.read_journal(tmp_path / "journal.jsonl").events[-1]

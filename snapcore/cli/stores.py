@@ -96,7 +96,7 @@ def open_store(args: argparse.Namespace, **extra: Any) -> Iterator[OpenStore]:
     store = store_from(args, **extra)
     tiers = open_tiers(store)
     try:
-        _check_exists(store, tiers)
+        check_exists(store, tiers)
         yield OpenStore(store, tiers)
     finally:
         for t in tiers.values():
@@ -105,7 +105,8 @@ def open_store(args: argparse.Namespace, **extra: Any) -> Iterator[OpenStore]:
                 close()
 
 
-def _check_exists(store: Store, tiers: dict[str, Tier]) -> None:
+def check_exists(store: Store, tiers: dict[str, Tier]) -> None:
+    """Raise ``SnapshotNotFound`` for a store that does not exist (see ``open_store``)."""
     if store.local is not None:
         path = os.fspath(store.local)
         if not os.path.exists(path):
