@@ -15,7 +15,8 @@ from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StoreInUse
 from .read import Reader, RestoreInfo
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
-from .write.engine import close_all, engine_for, engine_uses_host, writer_lock_holder
+from .write import writer_lock
+from .write.engine import close_all, engine_for, engine_uses_host
 
 log = logging.getLogger(__name__)
 
@@ -239,4 +240,4 @@ def _area_writer(tier: HostTier) -> dict[str, Any] | None:
     ident = tier.identity() or {}
     local = ident.get("local")
     directory = Path(local) if isinstance(local, str) else tier.root
-    return writer_lock_holder(directory) or writer_lock_holder(tier.root)
+    return writer_lock.holder(directory) or writer_lock.holder(tier.root)

@@ -262,6 +262,14 @@ class RemoteStoreTier:
     def end(self, step: int, token: str) -> None:
         self.rt.delete([f"{step_dir_name(step)}/{token}.pending"])
 
+    def upload_file(self, path: str, name: str) -> tuple[int, str]:
+        """Upload the local file ``path`` as object ``name``; returns (size, checksum)."""
+        return self.rt.upload_file(path, name)
+
+    def open_writer(self, name: str) -> Any:
+        """A streaming writer of object ``name`` (multipart upload)."""
+        return self.rt.open_writer(name)
+
     def commit(self, m: mf.Manifest) -> None:
         self.rt.put_bytes(f"{step_dir_name(m.step)}/{MANIFEST}", m.dumps())
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import snapcore
+from snapcore import _native
+from snapcore.staging.copy import Stager
 from snapcore.store import LocalStore
 from snapcore.write import engine as engine_mod
 
@@ -230,13 +232,13 @@ def test_resaving_a_committed_step_replaces_it_atomically(tmp_path):
 
 
 def _slow_copy(monkeypatch, delay: float):
-    real = engine_mod._native.copy_host
+    real = _native.copy_host
 
     def slow(copies, threads=0, **kw):
         time.sleep(delay)
         real(copies, threads, **kw)
 
-    monkeypatch.setattr(engine_mod._native, "copy_host", slow)
+    monkeypatch.setattr(_native, "copy_host", slow)
 
 
 def test_overlap_mode_optimizer_step_waits_for_the_copies(tmp_path, monkeypatch):
@@ -296,13 +298,13 @@ def test_background_failure_surfaces_on_wait_and_next_save(tmp_path, monkeypatch
     class Boom(OSError):
         pass
 
-    real = engine_mod._native.FileWriter
+    real = _native.FileWriter
 
     def failing(*a, **k):
         raise Boom(28, "No space left on device", "fake")
 
     snapcore.save({"x": torch.ones(3)}, tmp_path, step=1)
-    monkeypatch.setattr(engine_mod._native, "FileWriter", failing)
+    monkeypatch.setattr(_native, "FileWriter", failing)
     h = snapcore.async_save({"x": torch.zeros(3)}, tmp_path, step=2)
     with pytest.raises(snapcore.SnapshotFailed, match="step 2") as e:
         h.wait()
@@ -311,7 +313,7 @@ def test_background_failure_surfaces_on_wait_and_next_save(tmp_path, monkeypatch
     h = snapcore.async_save({"x": torch.zeros(3)}, tmp_path, step=3)
     with pytest.raises(snapcore.SnapshotFailed, match="step 3"):
         snapcore.async_save({"x": torch.zeros(3)}, tmp_path, step=4)
-    monkeypatch.setattr(engine_mod._native, "FileWriter", real)
+    monkeypatch.setattr(_native, "FileWriter", real)
     snapcore.save({"x": torch.full((3,), 5.0)}, tmp_path, step=5)
     # the committed snapshots are untouched; the failed ones left nothing behind
     store = LocalStore(tmp_path)
@@ -353,7 +355,7 @@ def test_concurrent_saves_from_threads_are_serialised(tmp_path):
 def test_interrupted_streaming_resave_keeps_the_committed_step(tmp_path, monkeypatch):
     big = {f"t{i}": random_bits((1 << 20,), torch.float32, i) for i in range(3)}  # 12 MiB
     snapcore.save(big, tmp_path, step=5)
-    real = engine_mod.Engine._copy
+    real = Stager.copy
     calls = 0
 
     def copy(self, blobs, w, **kw):
@@ -363,12 +365,12 @@ def test_interrupted_streaming_resave_keeps_the_committed_step(tmp_path, monkeyp
             raise KeyboardInterrupt  # Ctrl-C while the second window is staged
         return real(self, blobs, w, **kw)
 
-    monkeypatch.setattr(engine_mod.Engine, "_copy", copy)
+    monkeypatch.setattr(Stager, "copy", copy)
     with pytest.raises(KeyboardInterrupt):
         snapcore.async_save(
             {k: v + 1 for k, v in big.items()}, tmp_path, step=5, budget_bytes=8 << 20
         )
-    monkeypatch.setattr(engine_mod.Engine, "_copy", real)
+    monkeypatch.setattr(Stager, "copy", real)
     # the interrupt reached the caller: it does not fail the next save as well
     snapcore.save({"x": torch.ones(1)}, tmp_path, step=6)
     assert LocalStore(tmp_path).committed_steps() == [5, 6]
@@ -390,7 +392,7 @@ def test_a_save_that_raised_does_not_poison_the_next(tmp_path, monkeypatch):
     def failing(*a, **k):
         raise OSError(28, "No space left on device (simulated)")
 
-    monkeypatch.setattr(engine_mod._native, "FileWriter", failing)
+    monkeypatch.setattr(_native, "FileWriter", failing)
     h = snapcore.async_save({"w": torch.zeros(3)}, tmp_path, step=4)
     deadline = time.monotonic() + 60
     while not h.done() and time.monotonic() < deadline:  # done() tells nobody of it
@@ -426,7 +428,7 @@ def test_a_failure_is_reported_once_not_once_per_tier(tmp_path, monkeypatch):
     def failing(*a, **k):
         raise OSError(28, "No space left on device (simulated)")
 
-    monkeypatch.setattr(engine_mod._native, "FileWriter", failing)
+    monkeypatch.setattr(_native, "FileWriter", failing)
     h = snapcore.async_save({"x": torch.ones(8)}, store, step=1)
     with pytest.raises(snapcore.SnapshotFailed) as e:
         h.wait()  # one error failed both tiers

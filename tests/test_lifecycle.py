@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import snapcore
+from snapcore import _native
 from snapcore.tiers import DEFAULT_RETENTION, HostTier, Retention
 from snapcore.write import engine as engine_mod
 from snapcore.write.engine import close_all
@@ -89,7 +90,7 @@ def test_close_waits_frees_and_raises_a_failure_nobody_saw(tmp_path, monkeypatch
     def failing(*a, **k):
         raise OSError(28, "No space left on device (simulated)")
 
-    monkeypatch.setattr(engine_mod._native, "FileWriter", failing)
+    monkeypatch.setattr(_native, "FileWriter", failing)
     snapcore.async_save(small(2.0), tmp_path / "b", step=2)
     with pytest.raises(snapcore.SnapshotFailed, match="simulated"):
         snapcore.close()  # nobody waited for it: raised here, once
@@ -111,7 +112,7 @@ def test_store_as_a_context_manager_closes_its_engine(tmp_path, monkeypatch):
     def failing(*a, **k):
         raise OSError(28, "No space left on device (simulated)")
 
-    monkeypatch.setattr(engine_mod._native, "FileWriter", failing)
+    monkeypatch.setattr(_native, "FileWriter", failing)
     with (
         pytest.raises(snapcore.SnapshotFailed, match="simulated"),
         snapcore.Store(local=tmp_path / "b") as store,

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import snapcore
+from snapcore import _native
 from snapcore.store import LocalStore
-from snapcore.write import engine as engine_mod
 from snapcore.write.engine import close_all, engine_for
 from tests.conftest import _botocore_client, s3_storage_options
 
@@ -194,7 +194,7 @@ def test_full_local_disk_is_a_clear_error_and_loses_nothing(tmp_path, monkeypatc
     disk = tmp_path / "disk"
     with small_disk(disk) as mounted:
         if not mounted:  # inject ENOSPC at the write call instead
-            real = engine_mod._native.FileWriter
+            real = _native.FileWriter
 
             class Full:
                 def __init__(self, *a, **k):
@@ -209,7 +209,7 @@ def test_full_local_disk_is_a_clear_error_and_loses_nothing(tmp_path, monkeypatc
                 def __getattr__(self, name):
                     return getattr(self._w, name)
 
-            monkeypatch.setattr(engine_mod._native, "FileWriter", Full)
+            monkeypatch.setattr(_native, "FileWriter", Full)
         snapcore.save({"x": torch.ones(1 << 16)}, disk, step=1)  # 256 KiB: fits
         h = snapcore.async_save({"x": torch.randn(1 << 19)}, disk, step=2)  # 2 MiB: does not
         with pytest.raises(snapcore.SnapshotFailed) as e:

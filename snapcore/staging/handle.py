@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -41,14 +42,16 @@ class SaveStats:
 class SaveHandle:
     """The handle of one asynchronous snapshot: one future per tier it goes to."""
 
-    def __init__(self, step: int, stats: SaveStats, tiers: tuple[str, ...]) -> None:
+    def __init__(
+        self, step: int, stats: SaveStats, tiers: tuple[str, ...], *, t0: float | None = None
+    ) -> None:
         self.step = step
         self.stats = stats
         self.tiers = tiers
         self._futures: dict[str, Future[None]] = {t: Future() for t in tiers}
         self._staged = threading.Event()
         self._cuda_staged: list[tuple[torch.device, Any]] = []
-        self._t0 = time.perf_counter()
+        self._t0 = time.perf_counter() if t0 is None else t0  # when async_save was called
         self._reported: set[str] = set()
         self._deferred = False  # some copies run on the persist thread (overlap mode)
 
@@ -106,7 +109,7 @@ class SaveHandle:
             self._mark_reported(failed[1])
         return failed
 
-    def _mark_all_reported(self) -> None:
+    def mark_all_reported(self) -> None:
         """The caller was told already (the save itself raised): no failure of this
         snapshot is news, whenever it comes."""
         self._reported.update(self.tiers)
@@ -131,12 +134,33 @@ class SaveHandle:
             )
         return {tier: self._futures[tier]}
 
-    def _mark_staged(self) -> None:
+    # -- the engine's side: the stages report through these ---------------------------------
+    @property
+    def deferred(self) -> bool:
+        """Whether some copies run after ``async_save`` returned (overlap mode)."""
+        return self._deferred
+
+    def defer_staging(self, cuda_events: list[tuple[torch.device, Any]]) -> None:
+        """Some copies run after ``async_save`` returns (overlap mode): the snapshot is
+        staged once the persist thread has run them and ``cuda_events`` have completed."""
+        self._deferred = True
+        self._cuda_staged.extend(cuda_events)
+
+    def mark_staged(self) -> None:
+        """Every copy has finished: the state may change (idempotent)."""
         if not self._staged.is_set():
             self.stats.staged_s = time.perf_counter() - self._t0
             self._staged.set()
 
-    def _resolve(self, tier: str, exc: BaseException | None = None) -> None:
+    def settle(self) -> None:
+        """Wait until every tier has an outcome (durable or failed); raises nothing."""
+        for fut in self._futures.values():
+            with contextlib.suppress(BaseException):
+                fut.exception()
+
+    def resolve(self, tier: str, exc: BaseException | None = None) -> None:
+        """The snapshot is durable in ``tier``, or failed there with ``exc`` (the first
+        outcome of a tier counts)."""
         fut = self._futures[tier]
         if fut.done():
             return

@@ -1,9 +1,10 @@
-"""Persisting a staged snapshot: hash its chunks, commit it in host memory, write it to
-local disk (sharing unchanged chunks with earlier snapshots), and hand it to the uploader.
+"""Writing a staged snapshot to the node's tiers: its manifest into host memory (the
+arena is the data), and its chunks to local disk, sharing unchanged chunks with earlier
+snapshots.
 
-Runs on the engine's persist thread. The hash thread hashes chunks in arena order while
-this thread writes them, so writing starts as soon as the first chunk is hashed; both
-spend their time in native code with the GIL released.
+Runs on the engine's persist thread (write/job.py). The hash thread hashes chunks in
+arena order while this thread writes them, so writing starts as soon as the first chunk
+is hashed; both spend their time in native code with the GIL released.
 """
 
 from __future__ import annotations
@@ -12,120 +13,33 @@ import contextlib
 import ctypes
 import logging
 import os
-import socket
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import torch
-import xxhash
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 from .. import _native, settings
 from .. import manifest as mf
-from ..planning.layout import Layout
+from ..io_types import ChunkKey, Location
+from ..staging.handle import SaveHandle
 from ..store import Pending
-
-if TYPE_CHECKING:
-    from ..staging.handle import SaveHandle
-    from .engine import Engine, HostArena
+from ..tiers import HostTier
+from .chunks import Staged
+from .manifest_builder import staged_manifest
 
 log = logging.getLogger(__name__)
 
 PAGE = _native.page_size()
 RUN_BYTES = 256 << 20  # the largest single write of consecutive chunks
 
-# A chunk's content address within a tier, and where that tier stores it.
-ChunkKey = tuple[str, int, str]  # (xxh3, raw_length, codec)
 
-
-@dataclass(frozen=True)
-class Location:
-    name: str  # file, relative to the tier root
-    offset: int
-    length: int
-    file_size: int
-
-
-@dataclass
-class Staged:
-    """A snapshot staged in an arena: what the persist and upload stages need."""
-
-    step: int
-    layout: Layout
-    tree: dict[str, Any]
-    arena: HostArena
-    slot: int
-    chunks: list[tuple[int, int, int, int]]  # (blob, chunk index, arena offset, length)
-    digests: list[str] = field(default_factory=list)
-
-    def blob_chunks(self) -> list[list[int]]:
-        """Indices into ``chunks`` per blob."""
-        out: list[list[int]] = [[] for _ in self.layout.blobs]
-        for k, (b_i, _, _, _) in enumerate(self.chunks):
-            out[b_i].append(k)
-        return out
-
-
-def chunk_list(layout: Layout, chunk_bytes: int) -> list[tuple[int, int, int, int]]:
-    out = []
-    for b_i, blob_chunks in enumerate(layout.chunks(chunk_bytes)):
-        for j, (off, n) in enumerate(blob_chunks):
-            out.append((b_i, j, off, n))
-    return out
-
-
-def build_manifest(
-    s: Staged, locations: list[Location], codecs: list[str], stored: list[int]
-) -> mf.Manifest:
-    """A manifest for one tier: chunk ``k`` is stored at ``locations[k]``."""
-    files: list[mf.FileRef] = []
-    index: dict[str, int] = {}
-    for loc in locations:
-        if loc.name not in index:
-            index[loc.name] = len(files)
-            files.append(mf.FileRef(loc.name, loc.file_size))
-    per_blob = s.blob_chunks()
-    blobs = []
-    for b_i, b in enumerate(s.layout.blobs):
-        chunks = []
-        for k in per_blob[b_i]:
-            loc = locations[k]
-            raw = s.chunks[k][3]
-            chunks.append(
-                mf.Chunk(index[loc.name], loc.offset, stored[k], s.digests[k], codecs[k], raw)
-            )
-        blobs.append(mf.Blob(b.nbytes, chunks, b.element_size))
-    return mf.Manifest(
-        step=s.step,
-        created_unix=time.time(),
-        writer=writer_info(),
-        world_size=1,
-        rank_files=[list(range(len(files)))],
-        files=files,
-        blobs=blobs,
-        tensors=s.layout.entries,
-        tree=s.tree,
-    )
-
-
-def hash_chunks(s: Staged, ready: list[threading.Event], then: Callable[[], None] | None) -> None:
-    """Hash every chunk in order, signalling each; run ``then`` once all are known."""
-    s.digests = [""] * len(s.chunks)
-    for k, (_, _, off, n) in enumerate(s.chunks):
-        s.digests[k] = xxhash.xxh3_128_hexdigest(s.arena.view(off, n))
-        ready[k].set()
-    if then is not None:
-        then()
-
-
-def commit_host(engine: Engine, s: Staged, handle: SaveHandle) -> None:
-    host = engine.host
-    assert host is not None
+def commit_host(host: HostTier, s: Staged, handle: SaveHandle) -> None:
+    """Commit a snapshot staged in ``host``'s slot: its data is the arena, so only the
+    manifest is written."""
     size = os.stat(host.slot_path(s.slot)).st_size
     locs = [Location(host.slot_name(s.slot), off, n, size) for _, _, off, n in s.chunks]
-    m = build_manifest(s, locs, ["none"] * len(locs), [n for *_, n in s.chunks])
+    m = staged_manifest(s, locs, ["none"] * len(locs), [n for *_, n in s.chunks])
     pending = host.store.begin(s.step)
     try:
         pending.commit(m)
@@ -145,24 +59,30 @@ class LocalWriter:
 
     def __init__(
         self,
-        engine: Engine,
         s: Staged,
         pending: Pending,
         handle: SaveHandle,
+        *,
+        root: Path,
+        codec: str,
+        index: dict[ChunkKey, Location],
+        encoder: Callable[[], ThreadPoolExecutor],
+        encode_ahead: int,
         helpers: list[Any] | None = None,
     ) -> None:
-        self.engine = engine
         self.helpers = helpers if helpers is not None else []  # futures the job waits for
         self.s = s
         self.pending = pending
         self.handle = handle
-        self.codec = engine.config.codec_for("local")
+        self.codec = codec
+        self.index = index  # where the tier already stores each chunk content
+        self.encoder = encoder
+        self.encode_ahead = encode_ahead
         self.name = pending.data_name(0)
-        self.path = engine.local_root / self.name
+        self.path = root / self.name
 
     def write(self, ready: list[threading.Event], hashing: Any) -> mf.Manifest:
-        s, engine = self.s, self.engine
-        index = engine.chunk_index("local")
+        s, index = self.s, self.index
         n = len(s.chunks)
         locs: list[Location | None] = [None] * n
         stored = [0] * n
@@ -236,7 +156,7 @@ class LocalWriter:
         if len(final) != n:
             raise AssertionError(f"step {s.step}: {n - len(final)} chunk(s) without a location")
         # A shared chunk was looked up with this tier's codec, so every chunk has it.
-        return build_manifest(s, final, [self.codec] * n, stored)
+        return staged_manifest(s, final, [self.codec] * n, stored)
 
     def _encoded(
         self,
@@ -250,9 +170,9 @@ class LocalWriter:
         those the tier already holds) on the encoder pool."""
         from .. import codec
 
-        s, engine = self.s, self.engine
-        pool = engine.encoder()
-        for j in range(k, min(k + engine.encode_ahead, len(s.chunks))):
+        s = self.s
+        pool = self.encoder()
+        for j in range(k, min(k + self.encode_ahead, len(s.chunks))):
             if j in cache or not ready[j].is_set():
                 continue
             key = (s.digests[j], s.chunks[j][3], self.codec)
@@ -271,25 +191,6 @@ class LocalWriter:
         return cache.pop(k).result()
 
 
-def writer_info() -> dict[str, Any]:
-    """Who wrote a manifest (informational)."""
-    return {
-        "snapcore": _version(),
-        "torch": torch.__version__,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-    }
-
-
 def address_of(data: bytes) -> int:
     """The address of a bytes object's buffer (valid while ``data`` lives)."""
     return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("snapcore")
-    except PackageNotFoundError:
-        return "unknown"

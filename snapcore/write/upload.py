@@ -16,13 +16,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import manifest as mf
+from ..io_types import Location
 from ..store import step_dir_name
-from .local import Location
+from .manifest_builder import BlobRecord, ChunkRecord, build_manifest
 
 if TYPE_CHECKING:
+    from ..staging.arena import HostArena
     from ..staging.handle import SaveHandle
     from ..tiers import LocalTier, RemoteStoreTier
-    from .engine import Engine, HostArena
+    from .engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +52,9 @@ class Upload:
             self._run()
         except BaseException as e:
             log.error("upload of step %d to %s failed: %s", self.m.step, self.engine.remote_url, e)
-            self.handle._resolve("remote", e)
+            self.handle.resolve("remote", e)
         else:
-            self.handle._resolve("remote")
+            self.handle.resolve("remote")
 
     def _run(self) -> None:
         from .. import codec
@@ -60,7 +62,7 @@ class Upload:
         engine, m = self.engine, self.m
         remote: RemoteStoreTier = engine.remote  # type: ignore[assignment]
         target = engine.config.codec_for("remote")
-        index = engine.chunk_index("remote")
+        index = engine.index.get("remote")
         token = secrets.token_hex(6)
         name = f"{step_dir_name(m.step)}/data-{token}-r0.bin"
         remote.begin(m.step, token)
@@ -78,7 +80,7 @@ class Upload:
         whole = self._whole_file(index, target)
         if whole is not None:  # the object is this snapshot's local file, as it is
             try:
-                size, _ = remote.rt.upload_file(str(self.source.root / whole), name)
+                size, _ = remote.upload_file(str(self.source.root / whole), name)
             except BaseException:
                 remote.end(m.step, token)
                 raise
@@ -124,7 +126,7 @@ class Upload:
                             codec.encode(raw, codec=target, element_size=blob.element_size)
                         )
                     if writer is None:
-                        writer = remote.rt.open_writer(name)
+                        writer = remote.open_writer(name)
                     writer.write(view)
                     new[key] = (pos, len(view))
                     placed[(b_i, j)] = key
@@ -159,11 +161,9 @@ class Upload:
         remote.commit(rm)
         self.handle.stats.written["remote"] = size
         self.handle.stats.reused["remote"] = reused
-        try:  # committed: what follows cannot undo it, so its errors are warnings
-            remote.end(self.m.step, token)
-            self.engine.after_commit("remote", rm)
-        except Exception as e:
-            self.handle.warn(f"remote tier: housekeeping after step {self.m.step} failed: {e}")
+        self.engine.after_commit(
+            "remote", rm, self.handle, before=lambda: remote.end(self.m.step, token)
+        )
 
     def _whole_file(self, index: dict[tuple[str, int, str], Location], target: str) -> str | None:
         """The name of this snapshot's local data file if the remote needs exactly the
@@ -196,33 +196,27 @@ class Upload:
     def _manifest(
         self, locs: dict[tuple[int, int], Location], stored: dict[tuple[int, int], int], codec: str
     ) -> mf.Manifest:
+        """The remote's manifest: the local one's tensors and tree, its chunks where the
+        remote stores them (its time and writer are the local snapshot's)."""
         m = self.m
-        files: list[mf.FileRef] = []
-        index: dict[str, int] = {}
-        blobs = []
-        for b_i, blob in enumerate(m.blobs):
-            chunks = []
-            for j, c in enumerate(blob.chunks):
-                loc = locs[(b_i, j)]
-                if loc.name not in index:
-                    index[loc.name] = len(files)
-                    files.append(mf.FileRef(loc.name, loc.file_size))
-                chunks.append(
-                    mf.Chunk(
-                        index[loc.name], loc.offset, stored[(b_i, j)], c.xxh3, codec, c.raw_length
-                    )
-                )
-            blobs.append(mf.Blob(blob.nbytes, chunks, blob.element_size))
-        return mf.Manifest(
+        blobs = [
+            BlobRecord(
+                blob.nbytes,
+                blob.element_size,
+                [
+                    ChunkRecord(locs[(b_i, j)], stored[(b_i, j)], c.xxh3, codec, c.raw_length)
+                    for j, c in enumerate(blob.chunks)
+                ],
+            )
+            for b_i, blob in enumerate(m.blobs)
+        ]
+        return build_manifest(
             step=m.step,
-            created_unix=m.created_unix,
-            writer=m.writer,
-            world_size=m.world_size,
-            rank_files=[list(range(len(files)))],
-            files=files,
             blobs=blobs,
             tensors=m.tensors,
             tree=m.tree,
+            created_unix=m.created_unix,
+            writer=m.writer,
         )
 
 

@@ -1,0 +1,166 @@
+"""Copies from the state into the arena: CPU tensors with the native parallel copy (or a
+torch gather for strided ones), CUDA tensors with the native copier on a side stream."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from .. import _native, settings
+from ..errors import SnapcoreError
+from ..io_types import Aborted, Window
+from ..planning.layout import BlobPlan, Layout
+from .arena import HostArena
+from .handle import SaveHandle, protect
+
+# Staging copies at least this large use streaming stores: the arena is far larger than the
+# caches and is read next by the hasher and the disk, not by this core. memcpy would use
+# ordinary stores for tensors under a few hundred MB each, reading every destination line
+# before writing it (see _native.copy_host): 16-17 GB/s here against 22-25 GB/s.
+NONTEMPORAL_MIN = 64 << 20
+
+
+class Stager:
+    """Stages a snapshot's blobs into an arena, window by window (one engine's copiers)."""
+
+    def __init__(self) -> None:
+        self._copiers: dict[int, Any] = {}
+
+    def close(self) -> None:
+        for c in self._copiers.values():
+            c.close()
+        self._copiers.clear()
+
+    def copier(self, device: torch.device) -> Any:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._copiers:
+            self._copiers[idx] = _native.CudaCopier(idx)
+        return self._copiers[idx]
+
+    def stage_whole(
+        self,
+        arena: HostArena,
+        layout: Layout,
+        windows: queue.Queue[Window | Aborted | None],
+        optimizers: list[torch.optim.Optimizer] | None,
+        handle: SaveHandle,
+    ) -> None:
+        w = Window(arena, 0, layout.total, 0, 0)
+        protected = _optimizer_storages(optimizers) if optimizers else set()
+        now = [b for b in layout.blobs if _storage_ptr(b) not in protected]
+        later = [b for b in layout.blobs if _storage_ptr(b) in protected]
+        self.copy(now, w, defer=False, wait_gpu="stream" if optimizers else "cpu")
+        if later:
+            handle.defer_staging(self.copy(later, w, defer=True, wait_gpu="none"))
+            for opt in optimizers or []:
+                protect(opt, handle)
+        windows.put(w)
+
+    def stage_streaming(
+        self,
+        arena: HostArena,
+        layout: Layout,
+        windows: queue.Queue[Window | Aborted | None],
+        halves: list[threading.Event],
+        handle: SaveHandle,
+    ) -> None:
+        half = arena.size // 2
+        for i, start in enumerate(range(0, layout.total, half)):
+            h = i % 2
+            while not halves[h].wait(0.05):
+                if handle.done("local"):
+                    handle.wait()  # the writer failed: raise its error here
+            halves[h].clear()
+            w = Window(arena, start, min(start + half, layout.total), h * half, h)
+            self.copy(layout.blobs, w, defer=False, wait_gpu="cpu")
+            windows.put(w)
+
+    def copy(self, blobs: list[BlobPlan], w: Window, *, defer: bool, wait_gpu: str) -> list[Any]:
+        """Copy the parts of ``blobs`` inside window ``w`` into the arena.
+
+        CPU copies run now, or on the persist thread when ``defer``; CUDA copies are
+        enqueued on the side stream and then waited for as ``wait_gpu`` says: "cpu"
+        (block), "stream" (make the current stream wait), "none" (the caller decides).
+        """
+        host: list[tuple[int, int, int]] = []
+        gathers: list[tuple[BlobPlan, int, int]] = []
+        d2h: dict[torch.device, list[tuple[int, int, int]]] = {}
+        arena = w.arena
+        base = arena.address + w.arena_offset - w.start
+        for b in blobs:
+            s, e = max(b.offset, w.start), min(b.offset + b.nbytes, w.end)
+            if s >= e:
+                continue
+            if b.device.type == "cpu":
+                if b.raw:
+                    host.append((base + s, b.src_ptr + s - b.offset, e - s))
+                else:
+                    gathers.append((b, s, e))
+            elif b.device.type == "cuda":
+                src_ptr = b.src_ptr
+                if not b.raw:  # gather on the GPU first; the temporary lives until written
+                    tmp = b.source.contiguous()
+                    w.keep.append(tmp)
+                    src_ptr = tmp.data_ptr()
+                else:
+                    w.keep.append(b.source)  # alive until the copy has run
+                d2h.setdefault(b.device, []).append((base + s, src_ptr + s - b.offset, e - s))
+            else:
+                raise SnapcoreError(f"tensors on {b.device} are not supported")
+
+        threads = settings.threads()
+        nontemporal = sum(n for _, _, n in host) >= NONTEMPORAL_MIN
+
+        def cpu_copies() -> None:
+            _native.copy_host(host, threads, nontemporal=nontemporal)
+            if gathers:
+                with torch.no_grad():  # a source may require grad: the copy is not autograd's
+                    _gather(gathers)
+
+        def _gather(gathers: list[tuple[BlobPlan, int, int]]) -> None:
+            for b, s, e in gathers:
+                lo = w.arena_offset + s - w.start
+                if s == b.offset and e == b.offset + b.nbytes:
+                    arena.u8[lo : lo + b.nbytes].view(b.source.dtype).view(b.source.shape).copy_(
+                        b.source
+                    )
+                else:  # streaming cut through a strided tensor: gather it, then slice
+                    flat = b.source.contiguous().view(-1).view(torch.uint8)
+                    arena.u8[lo : lo + e - s].copy_(flat[s - b.offset : e - b.offset])
+
+        if defer:
+            w.deferred.append(cpu_copies)
+        else:
+            cpu_copies()
+        events = []
+        for device, copies in d2h.items():
+            stream = torch.cuda.current_stream(device).cuda_stream
+            ev = self.copier(device).d2h(copies, stream)
+            if wait_gpu == "cpu":
+                ev.synchronize()
+            elif wait_gpu == "stream":
+                ev.make_stream_wait(stream)
+            w.events.append(ev)
+            events.append((device, ev))
+        return events
+
+
+def _storage_ptr(b: BlobPlan) -> int:
+    return b.source.untyped_storage().data_ptr()
+
+
+def _optimizer_storages(optimizers: list[torch.optim.Optimizer]) -> set[int]:
+    """Storages the optimizers write in step(): their parameters and state tensors."""
+    ptrs: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                ptrs.add(p.untyped_storage().data_ptr())
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    ptrs.add(v.untyped_storage().data_ptr())
+    return ptrs

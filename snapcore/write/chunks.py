@@ -1,0 +1,129 @@
+"""Chunks: a staged snapshot cut into chunks, their hashes, and the one index of where
+each tier already stores a chunk's content (so unchanged chunks are referenced, not
+written again)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from .. import manifest as mf
+from ..errors import SnapcoreError
+from ..io_types import ChunkKey, Location, Window
+from ..planning.layout import Layout
+from ..staging.arena import HostArena
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Staged:
+    """A snapshot staged in an arena: what the persist and upload stages need."""
+
+    step: int
+    layout: Layout
+    tree: dict[str, Any]
+    arena: HostArena
+    slot: int
+    chunks: list[tuple[int, int, int, int]]  # (blob, chunk index, arena offset, length)
+    digests: list[str] = field(default_factory=list)
+
+    def blob_chunks(self) -> list[list[int]]:
+        """Indices into ``chunks`` per blob."""
+        out: list[list[int]] = [[] for _ in self.layout.blobs]
+        for k, (b_i, _, _, _) in enumerate(self.chunks):
+            out[b_i].append(k)
+        return out
+
+
+def chunk_list(layout: Layout, chunk_bytes: int) -> list[tuple[int, int, int, int]]:
+    out = []
+    for b_i, blob_chunks in enumerate(layout.chunks(chunk_bytes)):
+        for j, (off, n) in enumerate(blob_chunks):
+            out.append((b_i, j, off, n))
+    return out
+
+
+def hash_chunks(s: Staged, ready: list[threading.Event], then: Callable[[], None] | None) -> None:
+    """Hash every chunk in order, signalling each; run ``then`` once all are known."""
+    s.digests = [""] * len(s.chunks)
+    for k, (_, _, off, n) in enumerate(s.chunks):
+        s.digests[k] = xxhash.xxh3_128_hexdigest(s.arena.view(off, n))
+        ready[k].set()
+    if then is not None:
+        then()
+
+
+def hash_window(
+    w: Window,
+    chunks: list[list[tuple[int, int]]],
+    digests: list[list[str]],
+    partial: dict[tuple[int, int], Any],
+) -> None:
+    for i, blob_chunks in enumerate(chunks):
+        for j, (off, n) in enumerate(blob_chunks):
+            s, e = max(off, w.start), min(off + n, w.end)
+            if s >= e:
+                continue
+            view = w.arena.view(w.arena_offset + s - w.start, e - s)
+            if s == off and e == off + n:
+                digests[i][j] = xxhash.xxh3_128_hexdigest(view)
+                continue
+            hasher = partial.setdefault((i, j), xxhash.xxh3_128())
+            hasher.update(view)
+            if e == off + n:
+                digests[i][j] = partial.pop((i, j)).hexdigest()
+
+
+class ChunkIndex:
+    """Where each tier already stores each chunk content, from its committed manifests.
+
+    Rebuilt for a tier whenever its committed steps are not what this index last saw: a
+    `snapcore gc` or another process may have removed snapshots (and their files).
+    ``tier_of(name)`` gives the tier object (``committed_steps``, ``read_manifest``).
+    """
+
+    def __init__(self, tier_of: Callable[[str], Any]) -> None:
+        self._tier_of = tier_of
+        self._index: dict[str, dict[ChunkKey, Location] | None] = {}
+        self._steps: dict[str, frozenset[int]] = {}
+
+    def get(self, tier: str) -> dict[ChunkKey, Location]:
+        t = self._tier_of(tier)
+        steps = frozenset(t.committed_steps())
+        index = self._index.get(tier)
+        if index is None or steps != self._steps.get(tier):
+            index = {}
+            self._steps[tier] = steps
+            for step in sorted(steps):
+                try:
+                    self._add(index, t.read_manifest(step))
+                except SnapcoreError as e:
+                    log.warning("%s tier, step %d: not shared: %s", tier, step, e)
+            self._index[tier] = index
+        return index
+
+    def add(self, tier: str, m: mf.Manifest) -> None:
+        """A commit of ``m`` in ``tier``: its chunks can be shared from now on."""
+        index = self._index.get(tier)
+        if index is not None:
+            self._add(index, m)
+            self._steps[tier] = self._steps.get(tier, frozenset()) | {m.step}
+
+    def invalidate(self, tier: str) -> None:
+        """Files of ``tier`` may have gone (retention, a re-save): rebuild on next use."""
+        self._index[tier] = None
+
+    @staticmethod
+    def _add(index: dict[ChunkKey, Location], m: mf.Manifest) -> None:
+        for b in m.blobs:
+            for c in b.chunks:
+                f = m.files[c.file]
+                index.setdefault(
+                    (c.xxh3, c.raw_length, c.codec), Location(f.name, c.offset, c.length, f.size)
+                )

@@ -1,0 +1,234 @@
+"""The persist stage: one snapshot's work on the engine's persist thread.
+
+It takes the staged window(s) from the queue the staging side fills, hashes the chunks
+(on the hash thread, in arena order, while this thread writes them), commits in host
+memory, writes and commits on local disk, and hands the snapshot to the upload thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from .. import _native, settings
+from ..errors import SnapcoreError
+from ..io_types import Aborted, Location, StagingAborted, Window, WindowItem
+from ..planning.layout import Layout
+from ..staging.handle import SaveHandle
+from ..store import Pending
+from .chunks import Staged, chunk_list, hash_chunks, hash_window
+from .local import LocalWriter, commit_host
+from .manifest_builder import BlobRecord, ChunkRecord, build_manifest, staged_manifest
+from .upload import Upload
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class PersistJob:
+    """One snapshot's persist work, run on the engine's persist thread: take the staged
+    window(s), hash, commit in host memory, write and commit on local disk, hand over to
+    the uploader. The handle gets each tier's outcome."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        handle: SaveHandle,
+        layout: Layout,
+        tree: dict[str, Any],
+        windows: queue.Queue[WindowItem],
+        halves: list[threading.Event],
+        slot: int,
+        slot_free: Future[None],
+    ) -> None:
+        self.engine = engine
+        self.handle = handle
+        self.pending: Pending | None = None
+        self.layout = layout
+        self.tree = tree
+        self.windows = windows
+        self.halves = halves
+        self.slot = slot
+        self.slot_free = slot_free
+        self.helpers: list[Future[Any]] = []  # hash and encode work that reads the arena
+
+    def run(self) -> None:
+        h = self.handle
+        upload: Future[None] | None = None
+        try:
+            local = self.engine.local
+            if "local" in h.tiers and local is not None:
+                # Off the training thread: the leftovers of a crashed writer, then our lock.
+                local.store.collect_leftovers()
+                self.pending = local.store.begin(h.step)
+            if h.stats.streaming:
+                self._run_streaming()
+            else:
+                upload = self._run_whole()
+        except BaseException as e:
+            # A staging error was raised to the caller already: only the rest is news.
+            level = logging.DEBUG if isinstance(e, StagingAborted) else logging.ERROR
+            log.log(
+                level,
+                "snapshot of step %d to %s failed: %s",
+                h.step,
+                self.engine.config.describe(),
+                e,
+            )
+            h.mark_staged()
+            for half in self.halves:
+                half.set()
+            if self.pending is not None and not self.pending.committed:
+                with contextlib.suppress(Exception):
+                    self.pending.abort()
+            self._settle()  # the host commit, if it happens, resolves its own tier
+            for tier in h.tiers:
+                h.resolve(tier, e)
+        finally:
+            self._settle()
+            self._release_slot(upload)
+
+    def _settle(self) -> None:
+        """Wait for every helper thread still reading the arena (the slot is then free)."""
+        for fut in self.helpers:
+            with contextlib.suppress(BaseException):
+                fut.result()
+
+    def _release_slot(self, upload: Future[None] | None) -> None:
+        if upload is None:
+            self.slot_free.set_result(None)
+        else:  # the uploader reads the arena: the slot stays busy until it is done
+            upload.add_done_callback(lambda _: self.slot_free.set_result(None))
+
+    def _take_window(self) -> Window | None:
+        w = self.windows.get()
+        if isinstance(w, Aborted):
+            raise StagingAborted(f"staging of step {self.handle.step} was interrupted") from w.error
+        if w is None:
+            return None
+        for copy in w.deferred:
+            copy()
+        for ev in w.events:
+            ev.synchronize()
+        w.keep.clear()
+        if self.handle.deferred:
+            self.handle.mark_staged()
+        return w
+
+    def _run_whole(self) -> Future[None] | None:
+        engine, h = self.engine, self.handle
+        w = self._take_window()
+        end = self._take_window()
+        if w is None or end is not None:
+            raise SnapcoreError(f"step {h.step}: expected one staged window")
+        s = Staged(
+            h.step,
+            self.layout,
+            self.tree,
+            w.arena,
+            self.slot,
+            chunk_list(self.layout, settings.chunk_bytes()),
+        )
+        ready = [threading.Event() for _ in s.chunks]
+
+        def after_hashing() -> None:
+            if "host" in h.tiers:
+                try:
+                    assert engine.host is not None
+                    commit_host(engine.host, s, h)
+                except BaseException as e:
+                    h.resolve("host", e)
+                else:
+                    h.resolve("host")
+
+        hashing = engine.hasher.submit(hash_chunks, s, ready, after_hashing)
+        self.helpers.append(hashing)
+        local_m = None
+        if "local" in h.tiers:
+            assert self.pending is not None and engine.local is not None
+            resaved = h.step in engine.local.committed_steps()
+            local_m = LocalWriter(
+                s,
+                self.pending,
+                h,
+                root=engine.local.root,
+                codec=engine.config.codec_for("local"),
+                index=engine.index.get("local"),
+                encoder=engine.encoder,
+                encode_ahead=engine.encode_ahead,
+                helpers=self.helpers,
+            ).write(ready, hashing)
+            hashing.result()
+            if "remote" in h.tiers:
+                engine.uploading.add(h.step)  # before retention can drop it
+            self.pending.commit(local_m)
+            h.resolve("local")  # durable: retention's deletions are not the caller's wait
+            engine.after_commit("local", local_m, h, resaved=resaved)
+        hashing.result()
+        if "remote" not in h.tiers:
+            return None
+        if local_m is not None:
+            job = Upload(engine, h, engine.local, local_m)  # type: ignore[arg-type]
+        else:  # no local tier: upload straight from host memory
+            locs = [Location("arena", off, n, w.arena.size) for _, _, off, n in s.chunks]
+            m = staged_manifest(s, locs, ["none"] * len(locs), [n for *_, n in s.chunks])
+            job = Upload(engine, h, engine.local, m, arena=w.arena)  # type: ignore[arg-type]
+
+        def upload() -> None:
+            try:
+                job.run()
+            finally:
+                engine.uploading.discard(h.step)
+
+        fut = engine.uploader.submit(upload)
+        return fut if local_m is None else None
+
+    def _run_streaming(self) -> None:
+        """The state is larger than the budget: write the image window by window."""
+        engine, layout, h = self.engine, self.layout, self.handle
+        assert self.pending is not None and engine.local is not None
+        chunks = layout.chunks(settings.chunk_bytes())
+        digests: list[list[str]] = [[""] * len(c) for c in chunks]
+        partial: dict[tuple[int, int], Any] = {}
+        name = self.pending.data_name(0)
+        writer = _native.FileWriter(
+            str(engine.local.root / name), direct=settings.o_direct() == "auto"
+        )
+        h.stats.o_direct = writer.direct
+        written = 0
+        try:
+            while (w := self._take_window()) is not None:
+                hashed = engine.hasher.submit(hash_window, w, chunks, digests, partial)
+                self.helpers.append(hashed)
+                writer.write_at(w.start, w.arena.address + w.arena_offset, w.end - w.start)
+                hashed.result()
+                written = w.end
+                self.halves[w.half].set()
+            writer.sync()
+        finally:
+            writer.close()
+        if written != layout.total or any(not d for ds in digests for d in ds):
+            raise SnapcoreError(f"step {h.step}: the image was not staged whole")
+        blobs = [
+            BlobRecord(
+                b.nbytes,
+                b.element_size,
+                [
+                    ChunkRecord(Location(name, off, n, layout.total), n, digests[i][j], "none", n)
+                    for j, (off, n) in enumerate(chunks[i])
+                ],
+            )
+            for i, b in enumerate(layout.blobs)
+        ]
+        m = build_manifest(step=h.step, blobs=blobs, tensors=layout.entries, tree=self.tree)
+        resaved = h.step in engine.local.committed_steps()
+        self.pending.commit(m)
+        h.stats.written["local"] = layout.total
+        h.resolve("local")
+        engine.after_commit("local", m, h, resaved=resaved)

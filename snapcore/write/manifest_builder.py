@@ -1,0 +1,105 @@
+"""The one manifest builder: every tier's manifest of a snapshot is made here, and only
+here are ``world_size`` and ``rank_files`` set (docs/format.md)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import manifest as mf
+from ..io_types import Location
+from .chunks import Staged
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One chunk as a tier stores it: ``stored`` bytes at ``location``, decoding (with
+    ``codec``) to ``raw_length`` bytes whose xxh3 is ``xxh3``."""
+
+    location: Location
+    stored: int
+    xxh3: str
+    codec: str
+    raw_length: int
+
+
+@dataclass(frozen=True)
+class BlobRecord:
+    nbytes: int
+    element_size: int
+    chunks: Sequence[ChunkRecord]
+
+
+def build_manifest(
+    *,
+    step: int,
+    blobs: Sequence[BlobRecord],
+    tensors: list[mf.TensorEntry],
+    tree: dict[str, Any],
+    created_unix: float | None = None,
+    writer: dict[str, Any] | None = None,
+) -> mf.Manifest:
+    """A tier's manifest of ``step``: files in the order chunks first name them."""
+    files: list[mf.FileRef] = []
+    index: dict[str, int] = {}
+    out = []
+    for b in blobs:
+        chunks = []
+        for c in b.chunks:
+            loc = c.location
+            if loc.name not in index:
+                index[loc.name] = len(files)
+                files.append(mf.FileRef(loc.name, loc.file_size))
+            chunks.append(
+                mf.Chunk(index[loc.name], loc.offset, c.stored, c.xxh3, c.codec, c.raw_length)
+            )
+        out.append(mf.Blob(b.nbytes, chunks, b.element_size))
+    return mf.Manifest(
+        step=step,
+        created_unix=time.time() if created_unix is None else created_unix,
+        writer=writer_info() if writer is None else writer,
+        world_size=1,  # one process writes a snapshot: sharded snapshots change this
+        rank_files=[list(range(len(files)))],
+        files=files,
+        blobs=out,
+        tensors=tensors,
+        tree=tree,
+    )
+
+
+def staged_manifest(
+    s: Staged, locations: list[Location], codecs: list[str], stored: list[int]
+) -> mf.Manifest:
+    """The manifest of a staged snapshot whose chunk ``k`` is stored at ``locations[k]``."""
+    records: list[list[ChunkRecord]] = [[] for _ in s.layout.blobs]
+    for k, (b_i, _, _, raw) in enumerate(s.chunks):
+        records[b_i].append(ChunkRecord(locations[k], stored[k], s.digests[k], codecs[k], raw))
+    blobs = [
+        BlobRecord(b.nbytes, b.element_size, records[b_i]) for b_i, b in enumerate(s.layout.blobs)
+    ]
+    return build_manifest(step=s.step, blobs=blobs, tensors=s.layout.entries, tree=s.tree)
+
+
+def writer_info() -> dict[str, Any]:
+    """Who wrote a manifest (informational)."""
+    return {
+        "snapcore": _version(),
+        "torch": torch.__version__,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("snapcore")
+    except PackageNotFoundError:
+        return "unknown"
