@@ -228,6 +228,30 @@ def test_verify_every_tier_holding_the_step(tmp_path, host_name, capsys):
     assert "local" not in capsys.readouterr().out
 
 
+def test_a_store_of_host_memory_only_needs_no_store_argument(host_name, capsys):
+    snapcore.save({"lr": 0.5}, snapcore.Store(host=host_name), step=4)
+    snapcore.close()
+    assert main(["ls", "--host", host_name]) == 0
+    assert "host" in capsys.readouterr().out.splitlines()[1]
+    assert main(["inspect", "--host", host_name]) == 0
+    assert "lr = 0.5" in capsys.readouterr().out
+    assert main(["ls"]) == 2  # no tier named at all: a usage error
+    assert "give a STORE" in capsys.readouterr().err
+    assert main(["ls", "--host", "no-such-area-x"]) == 1
+    assert "no host-memory area" in capsys.readouterr().err
+
+
+def test_journal_of_a_missing_store_fails_and_an_absurd_time_prints(tmp_path, capsys):
+    assert main(["journal", str(tmp_path / "missing")]) == 1
+    assert "no store at" in capsys.readouterr().err
+    assert main(["journal", str(tmp_path / "missing.jsonl")]) == 1
+    capsys.readouterr()
+    line = {"v": 1, "event": "start", "time": 1e300, "run": "r1", "pid": 1, "devices": 1}
+    (tmp_path / "journal.jsonl").write_text(json.dumps(line) + "\n")
+    assert main(["journal", str(tmp_path)]) == 0  # an OverflowError traceback before
+    assert "start" in capsys.readouterr().out
+
+
 # -- issue 8, item 5: host-memory areas ----------------------------------------------------
 
 

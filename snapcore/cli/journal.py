@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
+from ..errors import SnapshotNotFound
 from ..journal import history_json, history_text, journal_path, read_history, run_facts
 from ..scheduler.rate import LLAMA3_RATE_PER_DEVICE_HOUR, RatePrior
 from ..tiers import Store
 from .output import clean
-from .stores import add_store_args, store_from
+from .stores import add_store_args, check_exists, store_from
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,12 +26,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    store: Store | str = args.store if args.store.endswith(".jsonl") else store_from(args)
-    path = journal_path(store)
-    if path is None:
+    store: Store | str
+    if args.store is not None and args.store.endswith(".jsonl"):
+        store = args.store
+        if not os.path.isfile(store):
+            raise SnapshotNotFound(f"no journal at {store}")
+    else:
+        store = store_from(args)
+        check_exists(store)  # a store with no journal yet has no events, one missing is an error
+    if journal_path(store) is None:
         raise ValueError(f"{args.store}: a store with object storage only keeps no journal")
-    if not path.is_file():
-        raise FileNotFoundError(f"no journal at {path}")
     history = read_history(store)
     devices = args.devices if args.devices is not None else run_facts(store)[0]
     prior = None
