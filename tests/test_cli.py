@@ -128,6 +128,23 @@ def test_inspect_prints_floats_as_numbers_and_collapses_long_sequences(tmp_path,
     assert len(out.splitlines()) < 20  # was 625+ lines for the RNG's tuple
 
 
+def test_inspect_prints_node_kinds_it_does_not_know_and_long_strings_briefly():
+    from snapcore.cli.inspect import tree_lines
+
+    tree = {
+        "dict": [
+            ["arr", {"ndarray": {"dtype": "int64", "shape": [3], "data": "AAAA" * 40}}],
+            ["note", {"str": "x" * 5000}],
+            ["bad", {"float": "0x1p99999"}],
+        ]
+    }
+    lines = tree_lines(tree, None, "", 0)  # type: ignore[arg-type]  # no tensors in this tree
+    assert lines[1].startswith('  arr = <ndarray> {"dtype":"int64","shape":[3]')
+    assert lines[1].endswith("...") and len(lines[1]) < 100
+    assert lines[2] == f"  note = {'x' * 60!r}... (5000 characters)"
+    assert lines[3] == "  bad = <float> '0x1p99999'"  # no OverflowError traceback
+
+
 def test_inspect_only_glob(tmp_path, capsys):
     snapcore.save({"model": torch.nn.Linear(2, 2), "lr": 0.5}, tmp_path, step=1)
     assert main(["inspect", str(tmp_path), "--only", "model.*"]) == 0
