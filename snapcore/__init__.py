@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .api import (
-    HostArea,
+    HostAreaInfo,
     async_save,
     close,
     committed,
@@ -39,7 +39,7 @@ __all__ = [
     "Checkpointer",
     "CorruptSnapshot",
     "CudaError",
-    "HostArea",
+    "HostAreaInfo",
     "InvalidManifest",
     "NativeError",
     "RestoreInfo",

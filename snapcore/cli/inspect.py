@@ -15,6 +15,8 @@ from .stores import add_store_args, open_store
 
 SHOWN = 4  # values shown of a long sequence of scalars
 LONG = 8  # a sequence of more scalars than this is collapsed to one line
+LONG_STR = 200  # a longer string shows its first SHOWN_STR characters and its length
+SHOWN_STR = 60
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,9 +60,14 @@ def describe_leaf(kind: str, value: Any, m: mf.Manifest) -> str:
 
 def scalar(kind: str, value: Any) -> str:
     if kind == "float":
-        return repr(decode_float(value))
+        try:
+            return repr(decode_float(value))
+        except (ValueError, OverflowError, TypeError):  # a manifest a reader would refuse
+            return f"<float> {value!r:.60}"
     if kind == "none":
         return "None"
+    if kind == "str" and isinstance(value, str) and len(value) > LONG_STR:
+        return f"{value[:SHOWN_STR]!r}... ({len(value)} characters)"
     if kind in ("int", "bool", "str"):
         return repr(value)
     summary = json.dumps(value, separators=(",", ":"))  # a kind this printer does not know
