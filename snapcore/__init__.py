@@ -18,6 +18,7 @@ from .errors import (
 )
 from .handle import SaveHandle, SaveStats
 from .read import RestoreInfo
+from .rng import RNGState
 from .tiers import Retention, Store
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "CudaError",
     "InvalidManifest",
     "NativeError",
+    "RNGState",
     "RestoreInfo",
     "Retention",
     "SaveHandle",

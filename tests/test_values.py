@@ -1,11 +1,12 @@
-"""The state types of values.py (NumPy, bytes, generators, enums, paths, dataclasses):
-round trips through load and restore, refusals, and hostile manifests."""
+"""The state types of values.py (NumPy, bytes, generators, enums, paths, dataclasses) and
+RNGState: round trips through load and restore, refusals, and hostile manifests."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 import json
+import logging
 import pathlib
 import random
 import sys
@@ -439,6 +440,73 @@ def test_dataclass_cycle_and_stateful_dataclass(tmp_path):
     snapcore.save({"c": Counter(4)}, tmp_path, step=1)
     assert "stateful" in node_of(tmp_path, "c")  # state_dict() wins over the fields
     assert snapcore.load(tmp_path) == {"c": {"count": 4}}
+
+
+# -- RNGState -----------------------------------------------------------------------------
+
+
+def draws() -> tuple[list[float], list[float], torch.Tensor]:
+    return (
+        [random.random() for _ in range(3)] + [random.gauss(0, 1) for _ in range(3)],
+        np.random.rand(3).tolist() + np.random.randn(3).tolist(),
+        torch.cat([torch.rand(3), torch.randn(3), torch.randint(0, 1 << 30, (3,)).float()]),
+    )
+
+
+def test_rng_state_resumes_bit_exact(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    draws()  # advance, and leave NumPy and Python with a cached gaussian
+    random.gauss(0, 1)
+    np.random.randn()
+    snapcore.save({"rng": snapcore.RNGState(), "step": 7}, tmp_path, step=7)
+    expected = draws()
+
+    for reset in (0, 10):  # whatever happened in between, a restore puts it back
+        random.seed(reset)
+        np.random.seed(reset)
+        torch.manual_seed(reset)
+        draws()
+        assert draws()[0] != expected[0]
+        state = {"rng": snapcore.RNGState(), "step": 0}
+        snapcore.restore(state, tmp_path)
+        assert state["step"] == 7
+        got = draws()
+        assert got[0] == expected[0] and got[1] == expected[1]
+        assert torch.equal(got[2], expected[2])
+
+    # load() gives the state dict; load_state_dict takes it.
+    sd = snapcore.load(tmp_path)["rng"]
+    assert set(sd) == {"python", "numpy", "torch", "cuda"} and sd["cuda"] is None
+    torch.manual_seed(0)
+    snapcore.RNGState().load_state_dict(sd)
+    got = draws()
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_rng_state_saves_and_sets_every_cuda_device(monkeypatch, caplog):
+    # No GPU here: the CUDA calls are replaced, to check which states go where.
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(3)]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    sd = snapcore.RNGState().state_dict()
+    assert sd["cuda"] is states
+
+    set_calls: list[tuple[int, torch.Tensor]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d: set_calls.append((d, s)))
+    with caplog.at_level(logging.WARNING, logger="snapcore.rng"):
+        snapcore.RNGState().load_state_dict(sd)
+    assert [(d, s[0].item()) for d, s in set_calls] == [(0, 0), (1, 1)]
+    assert "3 CUDA devices and this process has 2" in caplog.text
+
+
+def test_rng_state_without_cuda_records_none():
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is initialised in this process")
+    assert snapcore.RNGState().state_dict()["cuda"] is None
 
 
 # -- hostile manifests --------------------------------------------------------------------
