@@ -657,3 +657,19 @@ def test_describe_summarises_each_kind_on_one_line(saved_values):
     assert lines["d"].startswith("dataclass ") and lines["d"].endswith("test_values.Frozen")
     evil = {"module": "m", "qualname": "E\x1b[31m", "name": "A"}
     assert "\x1b" not in values.describe("enum", evil)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_generator_cannot_be_loaded_without_cuda(saved_values):
+    root, path, doc = saved_values
+    node = {"generator": {"device": "cuda:0", "data": {"b64": _b64(16)}}}
+    path.write_text(json.dumps(_with("g", node)(doc)))
+    with pytest.raises(snapcore.StateMismatch, match=r"^g: .*cuda:0 and this process has no"):
+        snapcore.load(root)
+
+
+def test_numpy_values_without_numpy_installed_are_a_clear_error(tmp_path, monkeypatch):
+    snapcore.save({"x": np.float32(1.5)}, tmp_path, step=1)
+    monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy now raises ImportError
+    with pytest.raises(snapcore.StateMismatch, match=r"^x: .*NumPy is not installed"):
+        snapcore.load(tmp_path)
