@@ -31,6 +31,7 @@ from .errors import (
 )
 from .handle import SaveHandle, SaveStats
 from .read import RestoreInfo
+from .rng import RNGState
 from .tiers import Retention, Store
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ __all__ = [
     "HostAreaInfo",
     "InvalidManifest",
     "NativeError",
+    "RNGState",
     "RestoreInfo",
     "Retention",
     "SaveHandle",
