@@ -318,3 +318,34 @@ def test_free_host_refuses_an_area_another_process_writes(tmp_path, host_name):
             child.stdin.close()  # the child exits
             child.wait(timeout=60)
     assert snapcore.free_host(host_name) > 0
+
+
+def test_inspect_describes_the_value_kinds(tmp_path, capsys):
+    import dataclasses
+    import enum
+
+    import numpy as np
+
+    class Color(enum.Enum):
+        BLUE = 2
+
+    @dataclasses.dataclass
+    class Cfg:
+        lr: float
+        name: str
+
+    state = {
+        "arr": np.arange(6, dtype=np.float32),
+        "g": torch.Generator().manual_seed(1),
+        "r": random.Random(5),
+        "c": Color.BLUE,
+        "cfg": Cfg(0.5, "x"),
+    }
+    snapcore.save(state, tmp_path, step=1)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "arr = numpy float32 [6] (inline)" in out
+    assert "g = torch.Generator on cpu" in out
+    assert "r = random.Random" in out and len(out.splitlines()) < 20
+    assert "Color.BLUE" in out
+    assert "cfg/ (dataclass" in out and "lr = 0.5" in out and "name = 'x'" in out
