@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .api import (
-    HostArea,
+    HostAreaInfo,
     async_save,
     close,
     committed,
@@ -29,6 +29,7 @@ from .errors import (
     UnsupportedState,
 )
 from .read import RestoreInfo
+from .rng import RNGState
 from .scheduling.checkpointer import Checkpointer
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import Retention, Store
@@ -39,9 +40,10 @@ __all__ = [
     "Checkpointer",
     "CorruptSnapshot",
     "CudaError",
-    "HostArea",
+    "HostAreaInfo",
     "InvalidManifest",
     "NativeError",
+    "RNGState",
     "RestoreInfo",
     "Retention",
     "SaveHandle",

@@ -171,7 +171,7 @@ def close() -> None:
 
 
 @dataclass(frozen=True)
-class HostArea:
+class HostAreaInfo:
     """A host-memory area (``/dev/shm/snapcore-NAME``) and what it holds."""
 
     name: str
@@ -182,7 +182,7 @@ class HostArea:
     writer: dict[str, Any] | None  # the live process saving to it (pid, host), if any
 
 
-def host_areas(root: str | os.PathLike[str] = "/dev/shm") -> list[HostArea]:
+def host_areas(root: str | os.PathLike[str] = "/dev/shm") -> list[HostAreaInfo]:
     """Every snapcore host-memory area under ``root``: its size, steps, owner and writer.
 
     Host areas outlive the training process on purpose (a restart restores from them);
@@ -196,12 +196,12 @@ def host_areas(root: str | os.PathLike[str] = "/dev/shm") -> list[HostArea]:
         except OSError:
             steps = []
         out.append(
-            HostArea(
+            HostAreaInfo(
                 name=name,
                 path=str(tier.root),
                 bytes=tier.nbytes(),
                 steps=steps,
-                store=tier.identity(),
+                store=_identity(tier),
                 writer=_area_writer(tier),
             )
         )
@@ -237,7 +237,12 @@ def free_host(name: str, *, root: str | os.PathLike[str] = "/dev/shm") -> int:
 def _area_writer(tier: HostTier) -> dict[str, Any] | None:
     """The live writer of the store an area belongs to: its writer lock is in the store's
     local directory, or in the area itself for a store without one."""
-    ident = tier.identity() or {}
-    local = ident.get("local")
+    local = (_identity(tier) or {}).get("local")
     directory = Path(local) if isinstance(local, str) else tier.root
     return writer_lock.holder(directory) or writer_lock.holder(tier.root)
+
+
+def _identity(tier: HostTier) -> dict[str, Any] | None:
+    """The store an area says it belongs to; None for an area that says nothing usable."""
+    ident = tier.identity()
+    return ident if isinstance(ident, dict) else None

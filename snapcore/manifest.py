@@ -19,6 +19,7 @@ from typing import Any
 import fastjsonschema
 import torch
 
+from . import values
 from .errors import InvalidManifest
 
 FORMAT_VERSION = 2
@@ -345,10 +346,11 @@ def check(m: Manifest, *, where: str) -> None:
                     )
             if p.byte_offset % itemsize:
                 raise InvalidManifest(f"{what}: byte_offset is not a multiple of the item size")
-    _check_tree(m.tree, len(m.tensors), where)
+    _check_tree(m.tree, m.tensors, where)
 
 
-def _check_tree(node: dict[str, Any], n_tensors: int, where: str) -> None:
+def _check_tree(node: dict[str, Any], tensors: list[TensorEntry], where: str) -> None:
+    n_tensors = len(tensors)
     stack = [node]
     while stack:
         (kind, value), *_ = stack.pop().items()
@@ -363,3 +365,6 @@ def _check_tree(node: dict[str, Any], n_tensors: int, where: str) -> None:
             stack.extend(value)
         elif kind == "stateful":
             stack.append(value["state"])
+        elif kind in values.KINDS:  # NumPy arrays, bytes, generators...: values.py
+            values.check(kind, value, tensors, where, MAX_BYTES)
+            stack.extend(child for _, child in values.children(kind, value))

@@ -1,8 +1,9 @@
 """The state tree: turning a training state into JSON nodes + a list of tensors, and back.
 
-A state is a tree of dicts, lists, tuples, tensors, None/bool/int/float/str, and objects
-with ``state_dict()`` / ``load_state_dict()``. Anything else is refused with an error that
-names its path, because snapcore never pickles.
+A state is a tree of dicts, lists, tuples, tensors, None/bool/int/float/str, objects
+with ``state_dict()`` / ``load_state_dict()``, and the values of values.py (NumPy arrays
+and scalars, bytes, generators, enums, paths, dataclasses...). Anything else is refused
+with an error that names its path, because snapcore never pickles.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from typing import Any
 
 import torch
 
+from . import values
 from .errors import InvalidManifest, StateMismatch, UnsupportedState
 
 Node = dict[str, Any]
+
+# Values of these exact types skip values.encode (subclasses such as IntEnum do not).
+_PLAIN_TYPES = frozenset([bool, int, float, str, dict, list, tuple])
 
 
 def is_stateful(obj: object) -> bool:
@@ -98,6 +103,13 @@ def flatten(state: object) -> Flattened:
             return {"tensor": i}
         if obj is None:
             return {"none": None}
+        if type(obj) not in _PLAIN_TYPES:  # NumPy values, enums, dataclasses...: values.py
+            if id(obj) in seen:
+                raise UnsupportedState(f"{path or '<root>'}: the state contains a cycle", path=path)
+            inner = (*seen, id(obj))
+            node = values.encode(obj, path, lambda v, p: walk(v, p, inner))
+            if node is not None:
+                return node
         if isinstance(obj, bool):
             return {"bool": obj}
         if isinstance(obj, int):
@@ -158,6 +170,9 @@ def tensor_paths(node: Node, path: str = "", out: dict[int, str] | None = None) 
             tensor_paths(v, join_path(path, i), out)
     elif kind == "stateful":
         tensor_paths(value["state"], path, out)
+    elif kind in values.KINDS:
+        for key, child in values.children(kind, value):
+            tensor_paths(child, path if key is None else join_path(path, key), out)
     return out
 
 
@@ -181,6 +196,8 @@ def build(node: Node, tensor: TensorFactory, path: str = "") -> Any:
         return decode_float(value)
     if kind in ("int", "str", "bool", "none"):
         return value
+    if kind in values.KINDS:
+        return values.build(kind, value, path, lambda n, p: build(n, tensor, p))
     raise InvalidManifest(f"{path or '<root>'}: unknown node kind {kind!r}")
 
 
@@ -215,6 +232,14 @@ def _merge(
         if isinstance(current, torch.Tensor):
             return into(value, path, current)
         return fresh(value, path)
+    if kind in values.KINDS:  # NumPy arrays, generators, dataclasses... filled in place
+        return values.restore_value(
+            current,
+            node,
+            path,
+            lambda n, p: build(n, fresh, p),
+            lambda c, n, p: _merge(c, n, p, fresh, into, loaders),
+        )
     if kind == "stateful":
         if not is_stateful(current):
             raise StateMismatch(

@@ -128,6 +128,23 @@ def test_inspect_prints_floats_as_numbers_and_collapses_long_sequences(tmp_path,
     assert len(out.splitlines()) < 20  # was 625+ lines for the RNG's tuple
 
 
+def test_inspect_prints_node_kinds_it_does_not_know_and_long_strings_briefly():
+    from snapcore.cli.inspect import tree_lines
+
+    tree = {
+        "dict": [
+            ["arr", {"ndarray": {"dtype": "int64", "shape": [3], "data": "AAAA" * 40}}],
+            ["note", {"str": "x" * 5000}],
+            ["bad", {"float": "0x1p99999"}],
+        ]
+    }
+    lines = tree_lines(tree, None, "", 0)  # type: ignore[arg-type]  # no tensors in this tree
+    assert lines[1].startswith('  arr = <ndarray> {"dtype":"int64","shape":[3]')
+    assert lines[1].endswith("...") and len(lines[1]) < 100
+    assert lines[2] == f"  note = {'x' * 60!r}... (5000 characters)"
+    assert lines[3] == "  bad = <float> '0x1p99999'"  # no OverflowError traceback
+
+
 def test_inspect_only_glob(tmp_path, capsys):
     snapcore.save({"model": torch.nn.Linear(2, 2), "lr": 0.5}, tmp_path, step=1)
     assert main(["inspect", str(tmp_path), "--only", "model.*"]) == 0
@@ -228,6 +245,30 @@ def test_verify_every_tier_holding_the_step(tmp_path, host_name, capsys):
     assert "local" not in capsys.readouterr().out
 
 
+def test_a_store_of_host_memory_only_needs_no_store_argument(host_name, capsys):
+    snapcore.save({"lr": 0.5}, snapcore.Store(host=host_name), step=4)
+    snapcore.close()
+    assert main(["ls", "--host", host_name]) == 0
+    assert "host" in capsys.readouterr().out.splitlines()[1]
+    assert main(["inspect", "--host", host_name]) == 0
+    assert "lr = 0.5" in capsys.readouterr().out
+    assert main(["ls"]) == 2  # no tier named at all: a usage error
+    assert "give a STORE" in capsys.readouterr().err
+    assert main(["ls", "--host", "no-such-area-x"]) == 1
+    assert "no host-memory area" in capsys.readouterr().err
+
+
+def test_journal_of_a_missing_store_fails_and_an_absurd_time_prints(tmp_path, capsys):
+    assert main(["journal", str(tmp_path / "missing")]) == 1
+    assert "no store at" in capsys.readouterr().err
+    assert main(["journal", str(tmp_path / "missing.jsonl")]) == 1
+    capsys.readouterr()
+    line = {"v": 1, "event": "start", "time": 1e300, "run": "r1", "pid": 1, "devices": 1}
+    (tmp_path / "journal.jsonl").write_text(json.dumps(line) + "\n")
+    assert main(["journal", str(tmp_path)]) == 0  # an OverflowError traceback before
+    assert "start" in capsys.readouterr().out
+
+
 # -- issue 8, item 5: host-memory areas ----------------------------------------------------
 
 
@@ -277,3 +318,34 @@ def test_free_host_refuses_an_area_another_process_writes(tmp_path, host_name):
             child.stdin.close()  # the child exits
             child.wait(timeout=60)
     assert snapcore.free_host(host_name) > 0
+
+
+def test_inspect_describes_the_value_kinds(tmp_path, capsys):
+    import dataclasses
+    import enum
+
+    import numpy as np
+
+    class Color(enum.Enum):
+        BLUE = 2
+
+    @dataclasses.dataclass
+    class Cfg:
+        lr: float
+        name: str
+
+    state = {
+        "arr": np.arange(6, dtype=np.float32),
+        "g": torch.Generator().manual_seed(1),
+        "r": random.Random(5),
+        "c": Color.BLUE,
+        "cfg": Cfg(0.5, "x"),
+    }
+    snapcore.save(state, tmp_path, step=1)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "arr = numpy float32 [6] (inline)" in out
+    assert "g = torch.Generator on cpu" in out
+    assert "r = random.Random" in out and len(out.splitlines()) < 20
+    assert "Color.BLUE" in out
+    assert "cfg/ (dataclass" in out and "lr = 0.5" in out and "name = 'x'" in out

@@ -9,12 +9,15 @@ import sys
 from typing import Any
 
 from .. import manifest as mf
+from .. import values
 from ..tree import decode_float, join_path
 from .output import clean, human_bytes
 from .stores import add_store_args, open_store
 
 SHOWN = 4  # values shown of a long sequence of scalars
 LONG = 8  # a sequence of more scalars than this is collapsed to one line
+LONG_STR = 200  # a longer string shows its first SHOWN_STR characters and its length
+SHOWN_STR = 60
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,11 +61,21 @@ def describe_leaf(kind: str, value: Any, m: mf.Manifest) -> str:
 
 def scalar(kind: str, value: Any) -> str:
     if kind == "float":
-        return repr(decode_float(value))
+        try:
+            return repr(decode_float(value))
+        except (ValueError, OverflowError, TypeError):  # a manifest a reader would refuse
+            return f"<float> {value!r:.60}"
     if kind == "none":
         return "None"
+    if kind == "str" and isinstance(value, str) and len(value) > LONG_STR:
+        return f"{value[:SHOWN_STR]!r}... ({len(value)} characters)"
     if kind in ("int", "bool", "str"):
         return repr(value)
+    if kind in values.KINDS:
+        try:
+            return values.describe(kind, value)
+        except (KeyError, TypeError, ValueError):  # a manifest a reader would refuse
+            pass
     summary = json.dumps(value, separators=(",", ":"))  # a kind this printer does not know
     return f"<{kind}> {summary[:60]}{'...' if len(summary) > 60 else ''}"
 
@@ -89,6 +102,11 @@ def tree_lines(node: dict[str, Any], m: mf.Manifest, name: str, depth: int) -> l
         for i, v in enumerate(value):
             out += tree_lines(v, m, str(i), depth + 1)
         return out
+    if kind == "dataclass":
+        out = [f"{label}/ ({values.describe(kind, value)})"]
+        for k, v in values.children(kind, value):
+            out += tree_lines(v, m, str(k), depth + 1)
+        return out
     if kind == "stateful":
         out = [f"{label}/ ({value['type']})"]
         (skind, svalue), *_ = value["state"].items()
@@ -110,4 +128,8 @@ def leaves(node: dict[str, Any], m: mf.Manifest, path: str) -> list[tuple[str, s
         return [x for i, v in enumerate(value) for x in leaves(v, m, join_path(path, i))]
     if kind == "stateful":
         return leaves(value["state"], m, path)
+    if kind == "dataclass":
+        return [
+            x for k, v in values.children(kind, value) for x in leaves(v, m, join_path(path, k))
+        ]
     return [(path or "<root>", describe_leaf(kind, value, m))]

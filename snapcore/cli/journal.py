@@ -27,15 +27,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     store: Store | str
-    if args.store.endswith(".jsonl"):  # the journal file itself
+    if args.store is not None and args.store.endswith(".jsonl"):
         store = args.store
         if not os.path.isfile(store):
             raise SnapshotNotFound(f"no journal at {store}")
     else:
         store = store_from(args)
-        if store.local is None and store.host is None:
-            raise ValueError(f"{args.store}: a store with object storage only keeps no journal")
-        check_exists(store, {})
+        check_exists(store)  # a store with no journal yet has no events, one missing is an error
     if journal_path(store) is None:
         raise ValueError(f"{args.store}: a store with object storage only keeps no journal")
     history = read_history(store)

@@ -11,6 +11,7 @@ from .. import __version__
 from ..errors import CorruptSnapshot, SnapcoreError
 from . import gc, hosts, inspect, journal, ls, verify
 from .output import clean
+from .stores import UsageError
 
 USAGE_ERROR = 2  # argparse's own code for bad arguments
 
@@ -51,6 +52,9 @@ def _run(argv: list[str]) -> int:
         return int(args.func(args))
     except BrokenPipeError:
         raise
+    except UsageError as e:
+        print(clean(f"snapcore {args.cmd}: {e}"), file=sys.stderr)
+        return USAGE_ERROR
     except CorruptSnapshot as e:
         print(clean(f"snapcore {args.cmd}: damaged: {e}"), file=sys.stderr)
     except (SnapcoreError, OSError, ValueError) as e:

@@ -15,8 +15,17 @@ from ..errors import SnapcoreError, SnapshotNotFound
 from ..tiers import HostTier, Store, Tier, as_store, open_tiers
 
 
+class UsageError(ValueError):
+    """Arguments that do not name what the verb needs (exit 2, like argparse's own)."""
+
+
 def add_store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("store", help="a local directory, or an fsspec URL (s3://bucket/prefix)")
+    p.add_argument(
+        "store",
+        nargs="?",
+        help="a local directory, or an fsspec URL (s3://bucket/prefix); may be left out "
+        "for a store of --host and/or --remote tiers only",
+    )
     p.add_argument("--remote", metavar="URL", help="the object-storage tier of this store")
     p.add_argument("--host", metavar="NAME", help="the host-memory tier (/dev/shm/snapcore-NAME)")
     p.add_argument(
@@ -34,12 +43,17 @@ def store_from(args: argparse.Namespace, **extra: Any) -> Store:
             raise ValueError(f"--storage-options is not JSON: {e}") from None
         if not isinstance(options, dict):
             raise ValueError("--storage-options must be a JSON object")
-    base = as_store(args.store)
-    if base.remote is not None and args.remote is not None:
+    local, remote = None, None
+    if args.store is not None:
+        base = as_store(args.store)
+        local, remote = base.local, base.remote
+    elif args.host is None and args.remote is None:
+        raise UsageError("give a STORE (a directory or URL), --remote URL or --host NAME")
+    if remote is not None and args.remote is not None:
         raise ValueError("STORE is a URL already: --remote is for a local STORE")
     return Store(
-        local=base.local,
-        remote=args.remote or base.remote,
+        local=local,
+        remote=args.remote or remote,
         host=args.host,
         storage_options=options,
         **extra,
@@ -105,8 +119,9 @@ def open_store(args: argparse.Namespace, **extra: Any) -> Iterator[OpenStore]:
                 close()
 
 
-def check_exists(store: Store, tiers: dict[str, Tier]) -> None:
-    """Raise ``SnapshotNotFound`` for a store that does not exist (see ``open_store``)."""
+def check_exists(store: Store, tiers: dict[str, Tier] | None = None) -> None:
+    """Raise ``SnapshotNotFound`` for a store that does not exist; its object storage is
+    looked at only when the store has no local directory and ``tiers`` are given."""
     if store.local is not None:
         path = os.fspath(store.local)
         if not os.path.exists(path):
@@ -117,7 +132,7 @@ def check_exists(store: Store, tiers: dict[str, Tier]) -> None:
         area = HostTier(store.host)
         if not area.root.is_dir():
             raise SnapshotNotFound(f"no host-memory area {store.host!r} ({area.root})")
-    if store.local is None and store.remote is not None:
+    if store.local is None and store.remote is not None and tiers is not None:
         remote = tiers["remote"]
         if not remote.rt.list(""):  # type: ignore[union-attr]
             raise SnapshotNotFound(f"no store at {store.remote}: nothing under that prefix")

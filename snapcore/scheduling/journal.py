@@ -600,7 +600,10 @@ def history_text(h: FailureHistory, estimate: RateEstimate | None) -> list[str]:
     c = h.contents
     lines = [f"journal {c.path}"]
     for e in c.events:
-        when = dt.datetime.fromtimestamp(e.time).strftime("%Y-%m-%d %H:%M:%S")
+        try:
+            when = dt.datetime.fromtimestamp(e.time).strftime("%Y-%m-%d %H:%M:%S")
+        except (OverflowError, OSError, ValueError):  # a time no calendar holds
+            when = "?".ljust(19)
         detail = _event_detail(e)
         lines.append(f"  {when}  {e.run[:8]}  {e.kind:<8}  {detail}")
     if not c.events:

@@ -3,7 +3,7 @@
 It answers "how often should this run snapshot, to which tier, and what will it lose?"
 from a failure rate (an MTBF, or devices times a per-device rate, or a store's journal)
 and the costs of a snapshot, and prints the answer beside Young's and Daly's intervals so
-a user can see what the tiered, asynchronous model changes. snapcore/cli.py calls
+a user can see what the tiered, asynchronous model changes. snapcore/cli/main.py calls
 ``plan_main``; it may print, the library modules do not.
 """
 
