@@ -17,7 +17,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -382,13 +382,11 @@ class Store:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        from .write.engine import close_store
-
         if exc_type is None:
-            close_store(self)  # raises a background failure nobody saw
+            _close_store(self)  # raises a background failure nobody saw
             return
         try:  # the body's exception is the news: a failure on top of it is logged
-            close_store(self)
+            _close_store(self)
         except Exception as e:
             log.error("closing %s after %s: %s", self.describe(), exc_type.__name__, e)
 
@@ -408,6 +406,20 @@ class Store:
 
 
 Tier = LocalTier | RemoteStoreTier
+
+# What closes the engine of a store when its ``with`` block ends. The write layer, above
+# this one, registers it when it is imported; before that no store has an engine.
+_store_closers: list[Callable[[Store], None]] = []
+
+
+def on_store_exit(closer: Callable[[Store], None]) -> None:
+    """Register ``closer(store)`` to run when a ``with Store(...)`` block ends."""
+    _store_closers.append(closer)
+
+
+def _close_store(store: Store) -> None:
+    for closer in _store_closers:
+        closer(store)
 
 
 def open_tiers(store: Store) -> dict[str, Tier]:

@@ -30,7 +30,7 @@ from ..planning.layout import Layout, align_up, plan
 from ..staging.arena import HostArena
 from ..staging.copy import Stager
 from ..staging.handle import SaveHandle, SaveStats
-from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, as_store
+from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, as_store, on_store_exit
 from ..tree import flatten
 from . import writer_lock
 from .chunks import ChunkIndex
@@ -436,6 +436,7 @@ def _close_at_exit() -> None:
 
 
 atexit.register(_close_at_exit)
+on_store_exit(close_store)  # `with Store(...)` closes its engine
 
 
 # -- the writer lock -----------------------------------------------------------------------
