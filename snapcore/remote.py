@@ -45,7 +45,7 @@ import aiofiles
 import fsspec
 import xxhash
 
-from .errors import StorageError
+from .errors import RemoteError
 
 log = logging.getLogger(__name__)
 
@@ -58,31 +58,6 @@ MAX_BACKOFF_S = 30.0
 
 _NAME_COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _MAX_NAME_COMPONENTS = 4
-
-
-class RemoteError(StorageError):
-    """A request to the remote tier failed for good: after its retries, or at once when the
-    error cannot go away by retrying (not found, access denied, bad request).
-
-    ``url`` is the tier's URL, ``name`` the object (None for the tier as a whole) and ``op``
-    the request that failed. ``errno`` is ENOENT or EACCES when the store answered
-    not-found or denied, the cause's errno where it has one, EIO otherwise. The last
-    underlying error is chained as ``__cause__``.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        url: str,
-        name: str | None = None,
-        op: str | None = None,
-        code: int = errno.EIO,
-    ) -> None:
-        super().__init__(code, message, url if name is None else f"{url}/{name}")
-        self.url = url
-        self.name = name
-        self.op = op
 
 
 def check_name(name: str, *, what: str = "object name") -> str:
