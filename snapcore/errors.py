@@ -79,6 +79,31 @@ class StorageError(SnapcoreError, OSError):
     """An I/O error while writing or reading a store; keeps errno and the file name."""
 
 
+class RemoteError(StorageError):
+    """A request to the remote tier failed for good: after its retries, or at once when the
+    error cannot go away by retrying (not found, access denied, bad request).
+
+    ``url`` is the tier's URL, ``name`` the object (None for the tier as a whole) and ``op``
+    the request that failed. ``errno`` is ENOENT or EACCES when the store answered
+    not-found or denied, the cause's errno where it has one, EIO otherwise. The last
+    underlying error is chained as ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str,
+        name: str | None = None,
+        op: str | None = None,
+        code: int = errno.EIO,
+    ) -> None:
+        super().__init__(code, message, url if name is None else f"{url}/{name}")
+        self.url = url
+        self.name = name
+        self.op = op
+
+
 class StoreInUse(StorageError):
     """Another live process saves to the same store: its writer lock is held.
 
@@ -102,6 +127,7 @@ __all__ = [
     "CudaError",
     "InvalidManifest",
     "NativeError",
+    "RemoteError",
     "SnapcoreError",
     "SnapshotFailed",
     "SnapshotNotFound",

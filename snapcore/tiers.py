@@ -213,7 +213,7 @@ class RemoteStoreTier:
     _PENDING = re.compile(r"^step-\d{1,20}/([0-9a-f]+)\.pending$")
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        from .remote import RemoteTier
+        from .objstore import RemoteTier
 
         self.rt = RemoteTier(url, dict(storage_options or {}))
 

@@ -84,7 +84,7 @@ def test_close_waits_frees_and_raises_a_failure_nobody_saw(tmp_path, monkeypatch
     snapcore.close()
     assert h.done()  # waited for: durable in every tier
     assert snapcore.committed(store) == {"local": [1], "remote": [1]}
-    assert engine.arenas == [None] and remote._closing
+    assert engine.arenas == [None] and remote.closed
     assert engine_mod.engine_for(store) is not engine  # a later call makes a new engine
 
     def failing(*a, **k):
@@ -105,7 +105,7 @@ def test_store_as_a_context_manager_closes_its_engine(tmp_path, monkeypatch):
     with snapcore.Store(local=tmp_path / "a", remote=url) as store:
         h = snapcore.async_save(small(1.0), store, step=1)
         engine = engine_mod.engine_for(store)
-    assert h.done() and engine.remote.rt._closing and engine.arenas == [None]
+    assert h.done() and engine.remote.rt.closed and engine.arenas == [None]
     assert store.key() not in engine_mod._engines
     assert snapcore.Store(local=other).key() in engine_mod._engines  # another store's: open
 

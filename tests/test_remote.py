@@ -1,4 +1,4 @@
-"""snapcore.remote against real parts: moto's S3 server on 127.0.0.1 through s3fs,
+"""snapcore.objstore against real parts: moto's S3 server on 127.0.0.1 through s3fs,
 memory:// and file://. Faults come from stopping the server and from a loopback proxy
 that cuts connections; nothing of s3fs is mocked.
 
@@ -24,7 +24,8 @@ import pytest
 import xxhash
 
 from snapcore.errors import StorageError
-from snapcore.remote import RemoteError, RemoteTier, is_transient
+from snapcore.objstore import RemoteError, RemoteTier, is_transient
+from snapcore.objstore.connection import Connection
 
 MiB = 1 << 20
 LOOPBACK = "127.0.0.1"
@@ -51,7 +52,7 @@ def retry_warnings(caplog: pytest.LogCaptureFixture, op: str | None = None) -> l
     out = []
     for r in caplog.records:
         if (
-            r.name == "snapcore.remote"
+            r.name.startswith("snapcore.objstore.")
             and r.levelno == logging.WARNING
             and "retry" in r.msg
             and (op is None or r.args[0] == op)  # type: ignore[index]
@@ -225,12 +226,12 @@ def test_complete_retry_finds_the_upload_gone(s3_bucket: Any) -> None:
         w = tier.open_writer("done.bin")
         w.write(payload(PART + 1))
         w.close()
-        upload = w._upload
+        upload = w.upload
         upload.upload_id = "no-such-upload"
-        tier._run(upload.complete())  # failed, and the object is this upload's: success
+        tier.loop.run(upload.complete())  # failed, and the object is this upload's: success
         upload.etags[1] = '"' + "0" * 32 + '"'  # parts of some other object
         with pytest.raises(RemoteError) as e:
-            tier._run(upload.complete())
+            tier.loop.run(upload.complete())
         assert e.value.op == "complete_multipart_upload"
 
 
@@ -238,10 +239,10 @@ def test_close_checks_the_size(s3_tier: RemoteTier, monkeypatch: pytest.MonkeyPa
     """A store that holds a different size than was written fails close(), and the object
     is taken away. (The store's answer is faked: moto never loses bytes.)"""
 
-    async def wrong_size(self: RemoteTier, name: str) -> int:
+    async def wrong_size(self: Connection, name: str) -> int:
         return 12345
 
-    monkeypatch.setattr(RemoteTier, "_size", wrong_size)
+    monkeypatch.setattr(Connection, "size", wrong_size)
     w = s3_tier.open_writer("short.bin")
     w.write(payload(1000))
     with pytest.raises(RemoteError, match="12345 bytes, 1000 were written") as e:
@@ -303,7 +304,7 @@ def test_close_is_idempotent_and_final(s3_bucket: Any, s3_client: Any) -> None:
     for call in (lambda: tier.read_bytes("open.bin"), lambda: tier.put_bytes("x", b"")):
         with pytest.raises(RemoteError, match="closed"):
             call()
-    assert not tier._loop.thread.is_alive()
+    assert tier.closed and not tier.loop.thread.is_alive()
 
 
 # -- faults: the server goes away -------------------------------------------------------------
@@ -314,7 +315,7 @@ def test_outage_during_upload_is_retried(
 ) -> None:
     """The server stops in the middle of a multipart upload and comes back 0.5 s later:
     the requests are retried and the object is complete and correct."""
-    caplog.set_level(logging.WARNING, logger="snapcore.remote")
+    caplog.set_level(logging.WARNING, logger="snapcore.objstore")
     options = s3_bucket.options_for(s3_restartable.endpoint)
     data = payload(4 * PART + 123, seed=7)
     tier = RemoteTier(s3_bucket.url, options, part_bytes=PART, retries=8, backoff_s=0.05)
@@ -345,7 +346,7 @@ def test_outage_longer_than_retries(
     """The server stays away through every retry: RemoteError naming the URL, the object,
     the request; the multipart upload is aborted (the server comes back while the abort is
     being retried) and nothing is visible under the name."""
-    caplog.set_level(logging.WARNING, logger="snapcore.remote")
+    caplog.set_level(logging.WARNING, logger="snapcore.objstore")
     options = s3_bucket.options_for(s3_restartable.endpoint)
     tier = RemoteTier(f"{s3_bucket.url}/run", options, part_bytes=PART, retries=2, backoff_s=0.05)
 
@@ -355,7 +356,7 @@ def test_outage_longer_than_retries(
                 s3_restartable.start()
 
     handler = RestartOnAbortRetry()
-    logging.getLogger("snapcore.remote").addHandler(handler)
+    logging.getLogger("snapcore.objstore").addHandler(handler)
     try:
         w = tier.open_writer("lost.bin")
         w.write(payload(2 * PART + 1))
@@ -365,7 +366,7 @@ def test_outage_longer_than_retries(
             w.write(payload(2 * PART))
             w.close()
     finally:
-        logging.getLogger("snapcore.remote").removeHandler(handler)
+        logging.getLogger("snapcore.objstore").removeHandler(handler)
         s3_restartable.start()  # a no-op unless the abort was never retried
         tier.close()
     err = e.value
@@ -382,7 +383,7 @@ def test_outage_longer_than_retries(
 def test_put_with_server_down_tries_retries_plus_one_times(
     s3_bucket: Any, s3_restartable: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="snapcore.remote")
+    caplog.set_level(logging.WARNING, logger="snapcore.objstore")
     options = s3_bucket.options_for(s3_restartable.endpoint)
     with RemoteTier(s3_bucket.url, options, retries=3, backoff_s=0.01) as tier:
         s3_restartable.stop()
@@ -517,7 +518,7 @@ def test_upload_through_cut_connections(
     aiohttp resends an idempotent request once, on a new connection, by itself; parts go
     one at a time here, so that the resent part is cut again and snapcore's retry has to
     finish the job. The object arrives whole."""
-    caplog.set_level(logging.WARNING, logger="snapcore.remote")
+    caplog.set_level(logging.WARNING, logger="snapcore.objstore")
     proxy = CuttingProxy(s3_port, cut=3, after=64 << 10)
     data = payload(3 * PART + 99, seed=11)
     src = tmp_path / "src.bin"
@@ -539,7 +540,7 @@ def test_download_through_cut_connections(
     s3_tier: RemoteTier, s3_bucket: Any, s3_port: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Responses cut half-way are read again."""
-    caplog.set_level(logging.WARNING, logger="snapcore.remote")
+    caplog.set_level(logging.WARNING, logger="snapcore.objstore")
     data = payload(3 * MiB, seed=12)
     s3_tier.put_bytes("get.bin", data)
     proxy = CuttingProxy(s3_port, cut=3, after=MiB, direction="down")
@@ -563,7 +564,7 @@ def test_permanent_errors_fail_fast(
 ) -> None:
     """A missing bucket or object is not retried: one attempt each (no retry logged), and
     no backoff waited (with backoff_s=5, a retry would wait at least 2.5 s)."""
-    caplog.set_level(logging.WARNING, logger="snapcore.remote")
+    caplog.set_level(logging.WARNING, logger="snapcore.objstore")
     options = s3_bucket.options_for(s3_server)
     with RemoteTier("s3://no-such-bucket/run", options, part_bytes=PART, backoff_s=5.0) as tier:
         with pytest.raises(RemoteError) as e:
