@@ -403,7 +403,7 @@ def test_max_interval_s_bounds_every_tier_from_the_start(tmp_path, host_name):
 def cheap_host(monkeypatch):
     """The costs assumed before measuring: a cheap host tier and a dear disk (what a
     large model measures), so that the first plan, kept by replan_s=inf, is known."""
-    from snapcore.scheduling import checkpointer as ck
+    from snapcore.scheduling import costs as ck
 
     monkeypatch.setattr(ck, "DEFAULT_STALL_S", 0.05)
     monkeypatch.setattr(ck, "DEFAULT_PERSIST_S", {"host": 0.5, "local": 60.0, "remote": 300.0})
@@ -431,7 +431,7 @@ def test_each_tier_gets_the_interval_the_plan_gives_it(tmp_path, host_name, chea
 def test_a_host_tier_asked_for_is_used_when_the_plan_leaves_it_out(
     tmp_path, host_name, monkeypatch
 ):
-    from snapcore.scheduling import checkpointer as ck
+    from snapcore.scheduling import costs as ck
 
     # a host tier the model finds not worth writing (slow, and slow to restore from)
     monkeypatch.setattr(ck, "DEFAULT_PERSIST_S", {"host": 50.0, "local": 20.0, "remote": 300.0})

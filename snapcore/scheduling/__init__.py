@@ -1,9 +1,10 @@
-"""Scheduling: the cost model, failure-rate learning, the run journal, `snapcore plan`, and
-the Checkpointer on top.
+"""Scheduling: the cost model, failure-rate learning, the run journal, `snapcore plan`, the
+measured costs, the scheduling policy, SIGTERM handling, and the Checkpointer on top.
 
-The model, the rate and the plan are pure Python with no dependency on torch or the
-native extension, so that planning and simulation run anywhere; only the Checkpointer
-(and the journal's store lookups) import the rest of snapcore.
+Everything below the Checkpointer (model, rate, plan, costs, policy, preemption) is pure
+Python with no dependency on torch or the native extension, so that planning and
+simulation run anywhere; only the Checkpointer (and the journal's store lookups) import
+the rest of snapcore. This package imports the model and the rate only.
 """
 
 from __future__ import annotations

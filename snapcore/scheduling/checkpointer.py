@@ -18,12 +18,9 @@ rare calls where that time has passed.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
-import signal
-import threading
 import time
 import types
 from collections.abc import Callable, Iterable
@@ -34,6 +31,7 @@ from .. import api
 from ..errors import SnapcoreError, SnapshotFailed, SnapshotNotFound
 from ..staging.handle import SaveHandle, SaveStats
 from ..tiers import TIER_ORDER, HostTier, Store, as_store
+from .costs import DEFAULT_SLOWDOWN, CostMeter, Costs
 from .journal import (
     MIN_RUN_S,
     UNKNOWN,
@@ -43,94 +41,21 @@ from .journal import (
     journal_path,
     read_history,
 )
-from .model import CostModel, FailureClass, Tier, Waste, optimise
-from .rate import (
-    DEFAULT_QUANTILE,
-    LLAMA3_RATE_PER_DEVICE_HOUR,
-    MACHINE,
-    PROCESS,
-    SURVIVES,
-    FailureRateLearner,
-    RatePrior,
-    estimate_from_history,
-)
+from .policy import RateInfo, Schedule, make_schedule, moved, plan_inputs, rate_info
+from .preemption import SigtermGuard
+from .rate import DEFAULT_QUANTILE, LLAMA3_RATE_PER_DEVICE_HOUR, MACHINE, PROCESS, RatePrior
 
 log = logging.getLogger("snapcore.checkpointer")
 
 StoreLike = Store | str | os.PathLike[str]
-
-# Costs assumed until measured (the same as `snapcore plan`'s defaults and the
-# simulator's): a 1 s stall, persist 2 s / 20 s / 5 min, restore 10 s / 30 s / 2 min.
-DEFAULT_STALL_S = 1.0
-DEFAULT_PERSIST_S = {"host": 2.0, "local": 20.0, "remote": 300.0}
-DEFAULT_RESTORE_S = {"host": 10.0, "local": 30.0, "remote": 120.0}
-DEFAULT_SLOWDOWN = 0.05
 
 # The upper bound on every tier's interval unless max_interval_s says otherwise: the
 # model's optimum for a small job with a reliable cluster's prior runs to hours, and a
 # workstation's failure rate is a guess; at 1 h a 1 s stall costs 0.03% of the run.
 DEFAULT_CHECKPOINTER_MAX_INTERVAL_S = 3600.0
 
-EWMA_WEIGHT = 0.3  # weight of a new measurement: a few snapshots to follow a change
-MATERIAL_CHANGE = 0.2  # relative change of an input that is worth a new plan
 POLL_S = 0.5  # how often snapshots in flight are looked at (lazily, from step())
 HEARTBEAT_S = 300.0  # an "alive" journal event after MIN_RUN_S, then at least this often
-
-
-@dataclass(frozen=True)
-class Costs:
-    """The costs the plan is made with; ``measured`` names those that are not defaults
-    (``"step_s"``, ``"stall_s"``, ``"persist_s:<tier>"``, ``"restore_s:<tier>"``)."""
-
-    step_s: float | None  # None until two step() calls were seen
-    stall_s: float
-    persist_s: dict[str, float]  # from the end of the stall until durable, per tier
-    restore_s: dict[str, float]  # reading the snapshot back, per tier (restart apart)
-    restart_s: float  # requeue, process start, process-group init: not measurable here
-    slowdown: float
-    measured: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class RateInfo:
-    """The failure rate: what was observed and the two reads of the posterior."""
-
-    failures: int  # past runs' unclean ends and rollbacks, plus this run's rollbacks
-    by_class: dict[str, int]
-    exposure_hours: float  # past runs plus this one so far
-    prior_per_hour: float
-    mean_per_hour: float
-    conservative_per_hour: float  # the upper quantile the plan is made with
-    quantile: float
-    rates_per_s: dict[str, float]  # conservative rate split by class: the model's input
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """What ``Checkpointer.plan()`` returns: the intervals in use and why.
-
-    ``intervals_s`` are the tiers written and how often (start to start); ``planned_s``
-    is the optimiser's answer, which ``intervals_s`` extends with ``forced`` tiers (see
-    docs/scheduler.md). ``uncovered`` lists failure classes no tier of the store
-    survives; they are charged to the store's most durable tier.
-    """
-
-    intervals_s: dict[str, float]
-    intervals_steps: dict[str, int] | None  # None until the step time is measured
-    planned_s: dict[str, float]
-    forced: dict[str, str]  # tier -> why it is written though the optimiser left it out
-    waste: Waste
-    target: float
-    target_met: bool
-    shortfall: float  # points (fraction) above the target; 0 when met
-    recovers_from: dict[str, str]
-    uncovered: tuple[str, ...]
-    rate: RateInfo
-    costs: Costs
-
-    @property
-    def predicted_waste(self) -> float:
-        return self.waste.total
 
 
 @dataclass(frozen=True)
@@ -226,7 +151,6 @@ class Checkpointer:
             raise ValueError("restart_s, grace_s and replan_s must be >= 0")
         self.target_waste = target_waste
         self.devices = devices
-        self.grace_s = grace_s
         self.overlap = overlap
         self.budget_bytes = budget_bytes
         self.replan_s = replan_s
@@ -240,13 +164,8 @@ class Checkpointer:
         )
         self._quantile = quantile
 
-        # measured costs (None: not yet, the default is used)
-        self._restart_s = restart_s
-        self._slowdown = slowdown
-        self._step_s: float | None = None
-        self._stall_s: float | None = None
-        self._persist_s: dict[str, float] = {}
-        self._restore_s: dict[str, float] = {}
+        # measured costs (the defaults until measured)
+        self._meter = CostMeter(self._tiers, restart_s=restart_s, slowdown=slowdown)
 
         # the journal and the failure history
         self._journal_on = _journal_default() if journal is None else journal
@@ -282,9 +201,6 @@ class Checkpointer:
 
         # counters
         self._trained = False  # a slow step() call was seen: a later restore() rolls back
-        self._mark: float | None = None  # clock and step of the last slow step() call
-        self._mark_step = 0
-        self._stall_since_mark = 0.0
         self._snapshots = 0
         self._per_tier: dict[str, int] = dict.fromkeys(self._tiers, 0)
         self._durable: dict[str, int] = {}
@@ -294,16 +210,15 @@ class Checkpointer:
         self._closed = False
 
         # SIGTERM
-        self._term_at: float | None = None  # time.monotonic() of the request
-        self._term_seen = False
-        self._delegate = False  # grace expired: our handler passes signals on
-        self._timer: threading.Timer | None = None
-        self._term_lock = threading.Lock()  # the final snapshot or the grace timer, not both
-        self._prev_handler: Any = None
-        self._installed = False
+        self._sigterm = SigtermGuard(
+            grace_s,
+            on_request=self._on_sigterm,
+            on_expired=self._grace_expired,
+            on_pass_on=self._shutdown,
+        )
         self._replan(self._clock(), force=True)
         if handle_sigterm:
-            self._install_sigterm()
+            self._sigterm.install()
 
     # -- the training loop's calls ---------------------------------------------------------
     def restore(self, state: Any, *, step: int | None = None) -> int:
@@ -322,7 +237,7 @@ class Checkpointer:
         now = self._clock()
         rollback = self._trained  # training had begun: this run rolls back
         fastest = info.tier.split("+")[0]
-        self._restore_s[fastest] = self._ewma(self._restore_s.get(fastest), info.seconds)
+        self._meter.restored(fastest, info.seconds)
         self._restored = (info.step, info.tier)
         self._journal_event("restore", step=info.step, tier=info.tier, rollback=rollback)
         if rollback:
@@ -427,11 +342,10 @@ class Checkpointer:
             failure = failure or later
         finally:
             self._journal_event("exit", clean=clean, **({"reason": reason} if reason else {}))
-            with self._term_lock:
-                term, self._term_at = self._term_at is not None, None
+            term = self._sigterm.take() is not None
             self._shutdown()
             if term:  # a SIGTERM came while closing: what was in flight is durable now
-                os.kill(os.getpid(), signal.SIGTERM)
+                self._sigterm.resend()
         if failure is not None:
             raise failure
 
@@ -497,7 +411,7 @@ class Checkpointer:
             restored_step=restored[0] if restored else None,
             restored_from=restored[1] if restored else None,
             costs=self._costs(),
-            sigterm=self._term_seen,
+            sigterm=self._sigterm.seen,
         )
 
     # -- the slow path ---------------------------------------------------------------------
@@ -507,11 +421,11 @@ class Checkpointer:
             log.warning("step() after close(): nothing is snapshotted any more")
             return
         self._begin()
-        if self._term_at is not None:
+        if self._sigterm.pending:
             self._final_snapshot(step, state)
             return
         self._trained = True
-        self._measure_steps(step, now)
+        self._meter.steps(step, now)
         failure = self._poll()
         if failure is not None:
             self._next_check = -math.inf  # what was due is still due at the next call
@@ -526,17 +440,6 @@ class Checkpointer:
             self._save(step, state, due, now)
             self._first_due = False
         self._schedule_next(now)
-
-    def _measure_steps(self, step: int, now: float) -> None:
-        """Step time from the clock and the steps since the last slow call, without the
-        stalls of our own snapshots (the hot path counts nothing)."""
-        steps = step - self._mark_step
-        if self._mark is not None and steps > 0:
-            per_step = max(0.0, now - self._mark - self._stall_since_mark) / steps
-            self._step_s = self._ewma(self._step_s, per_step, weight=min(0.5, 0.05 * steps))
-        self._mark = now
-        self._mark_step = step
-        self._stall_since_mark = 0.0
 
     def _due(self, now: float) -> tuple[str, ...]:
         """The tiers to snapshot now: those whose interval has elapsed since their last
@@ -584,7 +487,7 @@ class Checkpointer:
         if nxt <= now:  # due but busy: look again soon
             nxt = now + min(POLL_S, min(self._intervals.values(), default=POLL_S))
         self._next_check = nxt
-        if self._term_at is not None:  # a SIGTERM between the two lines above
+        if self._sigterm.pending:  # a SIGTERM between the two lines above
             self._next_check = -math.inf
 
     def _save(self, step: int, state: Any, tiers: Iterable[str], now: float) -> SaveHandle:
@@ -606,8 +509,7 @@ class Checkpointer:
                     self._drain(r)
                     r.told = True
             raise
-        self._stall_since_mark += h.stats.stall_s
-        self._stall_s = self._ewma(self._stall_s, h.stats.stall_s)
+        self._meter.stalled(h.stats.stall_s)
         for t in h.tiers:  # the engine adds local to a remote snapshot (uploads read it)
             self._last_begin[t] = now
             self._per_tier[t] += 1
@@ -630,7 +532,7 @@ class Checkpointer:
                 took = h.stats.tiers.get(t)
                 if took is not None:
                     persist = max(0.0, took - h.stats.stall_s)
-                    self._persist_s[t] = self._ewma(self._persist_s.get(t), persist)
+                    self._meter.persisted(t, persist)
                     self._durable[t] = max(self._durable.get(t, -1), h.step)
                 elif self._sent.get(t) == h.step:
                     del self._sent[t]  # failed there: close() sends it again
@@ -671,55 +573,12 @@ class Checkpointer:
 
     # -- planning --------------------------------------------------------------------------
     def _costs(self) -> Costs:
-        measured = set()
-        if self._step_s is not None:
-            measured.add("step_s")
-        if self._stall_s is not None:
-            measured.add("stall_s")
-        persist, restore = {}, {}
-        for t in self._tiers:
-            if t in self._persist_s:
-                measured.add(f"persist_s:{t}")
-            persist[t] = self._persist_s.get(t, DEFAULT_PERSIST_S[t])
-            # reading a tier back costs about what writing it did, until a restore says
-            if t in self._restore_s:
-                measured.add(f"restore_s:{t}")
-                restore[t] = self._restore_s[t]
-            elif t in self._persist_s:
-                restore[t] = self._persist_s[t]
-            else:
-                restore[t] = DEFAULT_RESTORE_S[t]
-        return Costs(
-            step_s=self._step_s,
-            stall_s=DEFAULT_STALL_S if self._stall_s is None else self._stall_s,
-            persist_s=persist,
-            restore_s=restore,
-            restart_s=self._restart_s,
-            slowdown=self._slowdown,
-            measured=frozenset(measured),
-        )
+        return self._meter.costs()
 
     def _rate(self, now: float) -> RateInfo:
         own_hours = max(0.0, now - self._run_start) / 3600.0 if self._begun else 0.0
-        by_class = {k: self._past.get(k, 0) + self._own.get(k, 0) for k in self._past}
-        failures = sum(by_class.values())
-        hours = self._past_hours + own_hours
-        est = estimate_from_history(failures, hours, self._prior, quantile=self._quantile)
-        # the split between classes: Llama 3's, moved by the failures whose class is known
-        learner = FailureRateLearner(self._prior, quantile=self._quantile)
-        for cls in (PROCESS, MACHINE):
-            learner.failures[cls] += by_class[cls]
-        shares = learner.shares()
-        per_s = est.conservative_per_hour / 3600.0
-        return RateInfo(
-            failures=failures,
-            by_class=by_class,
-            exposure_hours=hours,
-            prior_per_hour=self._prior.rate_per_hour,
-            mean_per_hour=est.mean_per_hour,
-            conservative_per_hour=est.conservative_per_hour,
-            quantile=self._quantile,
-            rates_per_s={cls: per_s * share for cls, share in shares.items()},
+        return rate_info(
+            self._prior, self._quantile, self._past, self._past_hours, self._own, own_hours
         )
 
     def _replan(self, now: float, *, force: bool = False) -> None:
@@ -727,18 +586,17 @@ class Checkpointer:
         self._planned_at = now
         costs = self._costs()
         rate = self._rate(now)
-        inputs = (
-            costs.step_s or 0.0,
-            costs.stall_s,
-            *(costs.persist_s[t] for t in self._tiers),
-            *(costs.restore_s[t] for t in self._tiers),
-            rate.conservative_per_hour,
-            *(rate.rates_per_s[c] for c in sorted(rate.rates_per_s)),
-        )
-        if not force and not _moved(self._plan_inputs, inputs):
+        inputs = plan_inputs(costs, rate, self._tiers)
+        if not force and not moved(self._plan_inputs, inputs):
             return
         try:
-            schedule = self._make_schedule(costs, rate)
+            schedule = make_schedule(
+                costs,
+                rate,
+                self._tiers,
+                target=self.target_waste,
+                max_interval_s=self.max_interval_s,
+            )
         except ValueError as e:  # keep the schedule we have (the first one must succeed)
             if self._schedule is None:
                 raise
@@ -765,70 +623,6 @@ class Checkpointer:
                 rate.failures,
                 rate.exposure_hours,
             )
-
-    def _make_schedule(self, costs: Costs, rate: RateInfo) -> Schedule:
-        have = set(self._tiers)
-        deepest = self._tiers[-1]
-        model = CostModel(
-            tiers=tuple(
-                Tier(t, costs.persist_s[t], costs.restart_s + costs.restore_s[t])
-                for t in self._tiers
-            ),
-            stall_s=costs.stall_s,
-            slowdown=costs.slowdown,
-            step_s=costs.step_s or 0.0,
-            max_interval_s=self.max_interval_s,
-        )
-        classes = []
-        uncovered = []
-        for cls, survives in SURVIVES.items():
-            mine = survives & have
-            if not mine:  # e.g. a lost machine with no remote tier: the best there is
-                uncovered.append(cls)
-                mine = frozenset({deepest})
-            classes.append(FailureClass(cls, rate.rates_per_s.get(cls, 0.0), mine))
-        plan = optimise(model, classes, target=self.target_waste)
-        intervals = dict(plan.intervals_s)
-        forced: dict[str, str] = {}
-        persistent = [t for t in self._tiers if t != "host"]
-        if persistent and not any(t in intervals for t in persistent):
-            # Host memory does not outlive the machine or a reboot: a store that has a
-            # disk or a bucket always gets copies there, at the slowest planned interval.
-            intervals[persistent[-1]] = max(intervals.values())
-            forced[persistent[-1]] = "the only copy that outlives the machine"
-        if "remote" in intervals and "local" in have and "local" not in intervals:
-            intervals["local"] = intervals["remote"]
-            forced["local"] = "uploads to remote are read from the local copy"
-        if "host" in have and "host" not in intervals:
-            # Asked for, so used: a host copy of a snapshot that is staged anyway costs no
-            # stall of its own (the arena is the host tier's memory).
-            intervals["host"] = min(intervals.values())
-            forced["host"] = "asked for: every snapshot also goes to host memory"
-        # The upper bound is hard, whatever the costs assumed or measured.
-        intervals = {
-            t: min(intervals[t], self.max_interval_s) for t in TIER_ORDER if t in intervals
-        }
-        steps = None
-        if costs.step_s:
-            steps = {t: max(1, round(iv / costs.step_s)) for t, iv in intervals.items()}
-        return Schedule(
-            intervals_s=intervals,
-            intervals_steps=steps,
-            planned_s=dict(plan.intervals_s),
-            forced=forced,
-            waste=plan.waste,
-            target=plan.target,
-            target_met=plan.target_met,
-            shortfall=plan.shortfall,
-            recovers_from=dict(plan.recovers_from),
-            uncovered=tuple(uncovered),
-            rate=rate,
-            costs=costs,
-        )
-
-    @staticmethod
-    def _ewma(old: float | None, new: float, weight: float = EWMA_WEIGHT) -> float:
-        return new if old is None else old + weight * (new - old)
 
     # -- the journal -----------------------------------------------------------------------
     def _load_history(self, h: FailureHistory) -> None:
@@ -878,48 +672,25 @@ class Checkpointer:
             log.warning("journal %s: cannot append %s: %s", self._journal_path, kind, e)
 
     # -- SIGTERM ---------------------------------------------------------------------------
-    def _install_sigterm(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            log.warning(
-                "Checkpointer made outside the main thread: no SIGTERM handler installed "
-                "(Python runs signal handlers in the main thread only); a preemption will "
-                "not take a final snapshot"
-            )
-            return
-        if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
-            log.info("SIGTERM is ignored in this process: no handler installed")
-            return
-        self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._installed = True
+    @property
+    def grace_s(self) -> float:
+        """How long a final snapshot (SIGTERM, ``snapshot_now``) may take."""
+        return self._sigterm.grace_s
 
-    def _on_sigterm(self, signum: int, frame: types.FrameType | None) -> None:
-        """Record the request; the next step() snapshots. Runs in the main thread between
-        two bytecodes, so it only sets fields."""
-        if self._delegate:  # grace expired: the signal is the previous handler's
-            self._pass_on(signum, frame)
-            return
-        if self._term_seen:
-            log.warning("SIGTERM again: the first one is being handled")
-            return
-        self._term_seen = True
-        self._term_at = time.monotonic()
+    @grace_s.setter
+    def grace_s(self, value: float) -> None:
+        self._sigterm.grace_s = value
+
+    def _on_sigterm(self) -> None:
+        """The guard's handler saw a SIGTERM: the next step() snapshots (sets a field only)."""
         self._next_check = -math.inf
-        log.warning(
-            "SIGTERM: a final snapshot at the next step() (within %.0fs of grace)", self.grace_s
-        )
-        self._timer = threading.Timer(self.grace_s, self._grace_expired)
-        self._timer.daemon = True
-        self._timer.start()
 
     def _final_snapshot(self, step: int, state: Any) -> None:
         """The SIGTERM path: snapshot to every tier, wait (within the grace left), journal
         a clean exit, give the handler back and deliver the signal again."""
-        with self._term_lock:
-            if self._term_at is None:  # the grace timer took it
-                return
-            term_at, self._term_at = self._term_at, None
-            if self._timer is not None:
-                self._timer.cancel()
+        term_at = self._sigterm.take()
+        if term_at is None:  # the grace timer took it
+            return
         left = max(0.0, self.grace_s - (time.monotonic() - term_at))
         durable = False
         try:
@@ -941,72 +712,22 @@ class Checkpointer:
                 "exit", clean=True, reason="sigterm", step=step, durable=durable, grace_left=left
             )
             self._shutdown()
-        os.kill(os.getpid(), signal.SIGTERM)  # now handled as it would have been
+        self._sigterm.resend()  # now handled as it would have been
 
     def _grace_expired(self) -> None:
-        """Timer thread: step() did not come within the grace period (a hung step).
-
-        Nothing is snapshotted: the state may be half-way through an optimizer update.
-        The signal goes on to the previous handler, so the process ends as it would have
-        without us, only ``grace_s`` later.
-        """
-        with self._term_lock:
-            if self._term_at is None:  # step() came in time
-                return
-            self._term_at = None
-            self._delegate = True
-        log.error(
-            "SIGTERM: no step() within %.0fs: handing the signal on without a snapshot",
-            self.grace_s,
-        )
+        """Timer thread: step() did not come within the grace period (a hung step); the
+        guard hands the signal on without a snapshot (the state may be mid-update)."""
         self._journal_event("exit", clean=False, reason="sigterm: no step() within grace")
-        if not callable(self._prev_handler):
-            # SIG_DFL (or a handler set outside Python): the main thread may be stuck in
-            # native code, where no Python handler runs. Put the default action back at
-            # the C level (signal.signal works in the main thread only) and let it act.
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.signal.restype = ctypes.c_void_p
-            libc.signal(signal.SIGTERM, ctypes.c_void_p(0))  # SIG_DFL
-        # a Python handler runs when the main thread next runs Python: ours passes it on
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    def _pass_on(self, signum: int, frame: types.FrameType | None) -> None:
-        self._shutdown()
-        prev = self._prev_handler
-        if callable(prev):
-            prev(signum, frame)
-        else:
-            os.kill(os.getpid(), signum)  # the default action, put back by _shutdown
 
     def _shutdown(self) -> None:
         """Stop for good: no more snapshots, the handler given back, the journal closed."""
         self._closed = True
         self._next_check = math.inf
         self._last_state = None  # the state is the caller's again (no reference kept)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._installed:
-            self._installed = False
-            prev = signal.SIG_DFL if self._prev_handler is None else self._prev_handler
-            try:
-                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                    signal.signal(signal.SIGTERM, prev)
-            except ValueError:  # not the main thread: leave ours, which passes signals on
-                self._delegate = True
-                log.warning("close() outside the main thread: SIGTERM handler left in place")
+        self._sigterm.release()
         if self._journal is not None:
             self._journal.close()
             self._journal = None
-
-
-def _moved(old: tuple[float, ...], new: tuple[float, ...]) -> bool:
-    if len(old) != len(new):
-        return True
-    for a, b in zip(old, new, strict=True):
-        if abs(a - b) > MATERIAL_CHANGE * max(abs(a), abs(b), 1e-12):
-            return True
-    return False
 
 
 def _journal_default() -> bool:

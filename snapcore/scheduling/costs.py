@@ -1,0 +1,128 @@
+"""What a snapshot costs on this machine: measured as the run goes, assumed until then.
+
+The Checkpointer feeds a ``CostMeter`` with what it sees (the clock at slow ``step()``
+calls, each snapshot's stall, each tier's persist time, each restore's time); the meter
+keeps an exponentially weighted mean of each (a few snapshots follow a change) and gives
+the ``Costs`` a plan is made with, the defaults standing in for what was not measured yet.
+Pure Python: no torch, no native extension, no other part of snapcore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Costs assumed until measured (the same as `snapcore plan`'s defaults and the
+# simulator's): a 1 s stall, persist 2 s / 20 s / 5 min, restore 10 s / 30 s / 2 min.
+# Read when costs() is called, so that a test may set them.
+DEFAULT_STALL_S = 1.0
+DEFAULT_PERSIST_S = {"host": 2.0, "local": 20.0, "remote": 300.0}
+DEFAULT_RESTORE_S = {"host": 10.0, "local": 30.0, "remote": 120.0}
+DEFAULT_SLOWDOWN = 0.05
+
+EWMA_WEIGHT = 0.3  # weight of a new measurement: a few snapshots to follow a change
+
+
+def ewma(old: float | None, new: float, weight: float = EWMA_WEIGHT) -> float:
+    """The mean ``old`` moved towards ``new`` by ``weight``; ``new`` when there is none."""
+    return new if old is None else old + weight * (new - old)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The costs the plan is made with; ``measured`` names those that are not defaults
+    (``"step_s"``, ``"stall_s"``, ``"persist_s:<tier>"``, ``"restore_s:<tier>"``)."""
+
+    step_s: float | None  # None until two step() calls were seen
+    stall_s: float
+    persist_s: dict[str, float]  # from the end of the stall until durable, per tier
+    restore_s: dict[str, float]  # reading the snapshot back, per tier (restart apart)
+    restart_s: float  # requeue, process start, process-group init: not measurable here
+    slowdown: float
+    measured: frozenset[str] = frozenset()
+
+
+class CostMeter:
+    """The measured costs of one run over ``tiers``; ``costs()`` fills in the defaults.
+
+    ``restart_s`` (requeue and process start) and ``slowdown`` (training while a snapshot
+    persists) are given, not measured.
+    """
+
+    def __init__(self, tiers: Sequence[str], *, restart_s: float, slowdown: float) -> None:
+        self.tiers = tuple(tiers)
+        self.restart_s = restart_s
+        self.slowdown = slowdown
+        self.step_s: float | None = None  # None: not measured yet, the default is used
+        self.stall_s: float | None = None
+        self.persist_s: dict[str, float] = {}
+        self.restore_s: dict[str, float] = {}
+        self._mark: float | None = None  # clock and step of the last steps() call
+        self._mark_step = 0
+        self._stall_since_mark = 0.0
+
+    def steps(self, step: int, now: float) -> None:
+        """The clock ``now`` at training step ``step``: the step time is the time since the
+        last call over the steps since, without the stalls of snapshots taken meanwhile
+        (the training loop's hot path counts nothing)."""
+        steps = step - self._mark_step
+        if self._mark is not None and steps > 0:
+            per_step = max(0.0, now - self._mark - self._stall_since_mark) / steps
+            self.step_s = ewma(self.step_s, per_step, weight=min(0.5, 0.05 * steps))
+        self._mark = now
+        self._mark_step = step
+        self._stall_since_mark = 0.0
+
+    def stalled(self, seconds: float) -> None:
+        """A snapshot blocked training for ``seconds``."""
+        self._stall_since_mark += seconds
+        self.stall_s = ewma(self.stall_s, seconds)
+
+    def persisted(self, tier: str, seconds: float) -> None:
+        """A snapshot became durable in ``tier`` ``seconds`` after its stall ended."""
+        self.persist_s[tier] = ewma(self.persist_s.get(tier), seconds)
+
+    def restored(self, tier: str, seconds: float) -> None:
+        """A restore read ``tier`` in ``seconds``."""
+        self.restore_s[tier] = ewma(self.restore_s.get(tier), seconds)
+
+    def costs(self) -> Costs:
+        measured = set()
+        if self.step_s is not None:
+            measured.add("step_s")
+        if self.stall_s is not None:
+            measured.add("stall_s")
+        persist, restore = {}, {}
+        for t in self.tiers:
+            if t in self.persist_s:
+                measured.add(f"persist_s:{t}")
+            persist[t] = self.persist_s.get(t, DEFAULT_PERSIST_S[t])
+            # reading a tier back costs about what writing it did, until a restore says
+            if t in self.restore_s:
+                measured.add(f"restore_s:{t}")
+                restore[t] = self.restore_s[t]
+            elif t in self.persist_s:
+                restore[t] = self.persist_s[t]
+            else:
+                restore[t] = DEFAULT_RESTORE_S[t]
+        return Costs(
+            step_s=self.step_s,
+            stall_s=DEFAULT_STALL_S if self.stall_s is None else self.stall_s,
+            persist_s=persist,
+            restore_s=restore,
+            restart_s=self.restart_s,
+            slowdown=self.slowdown,
+            measured=frozenset(measured),
+        )
+
+
+__all__ = [
+    "DEFAULT_PERSIST_S",
+    "DEFAULT_RESTORE_S",
+    "DEFAULT_SLOWDOWN",
+    "DEFAULT_STALL_S",
+    "EWMA_WEIGHT",
+    "CostMeter",
+    "Costs",
+    "ewma",
+]
