@@ -104,8 +104,10 @@ T = TypeVar("T")
 def _read(
     store: StoreLike, step: int | None, verify: bool, use: Callable[[Reader], T]
 ) -> tuple[T, Reader, list[str]]:
-    """``use(reader)`` on ``step``, or with ``step=None`` on the newest committed step.
-    Returns what ``use`` returned, its reader, and the skipped steps (none yet)."""
+    """``use(reader)`` on ``step``, or with ``step=None`` on the newest committed step
+    that is intact in some tier: a step whose manifest, data files or chunks are damaged
+    in every tier that holds it is skipped (logged as a warning) for the next older one.
+    Returns what ``use`` returned, its reader, and the skipped steps ("step N: why")."""
     engine = engine_for(store)
     steps = committed(store)
     every = sorted({s for ss in steps.values() for s in ss})
@@ -118,8 +120,29 @@ def _read(
             )
         reader = _reader(engine, steps, step, verify)
         return use(reader), reader, []
-    reader = _reader(engine, steps, every[-1], verify)
-    return use(reader), reader, []
+    skipped: list[str] = []
+    newest: SnapcoreError | None = None
+    for s in reversed(every):
+        try:
+            reader = _reader(engine, steps, s, verify)
+            return use(reader), reader, skipped
+        # SnapshotNotFound: the step went (retention by another process) since the listing
+        except (CorruptSnapshot, SnapshotNotFound) as e:
+            why = f"step {s}: {e}"
+            log.warning("%s: skipping %s", engine.config.describe(), why)
+            skipped.append(why)
+            newest = newest or e
+        except SnapcoreError as e:  # e.g. the state does not fit the older step
+            if skipped:
+                e.add_note(
+                    "newer steps were skipped as damaged (the state may hold part of their "
+                    "tensors):\n" + "\n".join(skipped)
+                )
+            raise
+    assert newest is not None
+    if len(skipped) > 1:
+        newest.add_note("older steps are damaged too:\n" + "\n".join(skipped[1:]))
+    raise newest
 
 
 def restore(
@@ -132,10 +155,11 @@ def restore(
 ) -> RestoreInfo:
     """Load a committed snapshot into ``state`` in place (tensors keep device and storage).
 
-    ``step=None`` takes the newest snapshot committed in any tier. Each chunk is read
-    from the fastest tier that holds it intact (host memory, local disk, object storage);
-    ``.tier`` of the result says where the data came from, ``.damaged`` what was read
-    elsewhere and ``.bytes`` how many bytes were read.
+    ``step=None`` takes the newest snapshot committed in any tier that is intact: a newer
+    step damaged in every tier is skipped, with a warning, and listed in ``.skipped``.
+    Each chunk is read from the fastest tier that holds it intact (host memory, local
+    disk, object storage); ``.tier`` of the result says where the data came from,
+    ``.damaged`` what was read elsewhere and ``.bytes`` how many bytes were read.
 
     The live state is the schema. Every tensor, value and object of ``state`` must be
     filled from the snapshot: with ``strict=True`` a leaf the snapshot lacks raises
@@ -147,11 +171,11 @@ def restore(
     across ``torch.compile`` (``_orig_mod.``) and DDP (``module.``) wrappers.
 
     Raises ``SnapshotNotFound`` when there is none, ``CorruptSnapshot`` when no intact
-    copy is left (``verify=False`` skips the hashes), ``StateMismatch`` when the state
-    cannot take the snapshot.
+    copy is left (for an explicit ``step``: of that step; ``verify=False`` skips the
+    hashes), ``StateMismatch`` when the state cannot take the snapshot.
     """
     t0 = time.perf_counter()
-    (plan, n), reader, _ = _read(
+    (plan, n), reader, skipped = _read(
         store, step, verify, lambda reader: reader.restore(state, strict=strict)
     )
     for d in reader.damaged:
@@ -165,6 +189,7 @@ def restore(
         damaged=list(reader.damaged),
         missing=plan.missing,
         unexpected=plan.unexpected,
+        skipped=skipped,
     )
 
 
@@ -172,7 +197,9 @@ def load(store: StoreLike, *, step: int | None = None, verify: bool = True) -> A
     """Read a committed snapshot as plain Python values and CPU tensors.
 
     Objects that were saved through ``state_dict()`` come back as their state dicts. No
-    model, optimizer or process group is needed.
+    model, optimizer or process group is needed. ``step=None`` takes the newest step
+    that is intact in some tier, as ``restore`` does (skipped steps are logged as
+    warnings).
     """
     tree, _, _ = _read(store, step, verify, Reader.load_tree)
     return tree

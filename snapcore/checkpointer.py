@@ -282,8 +282,8 @@ class Checkpointer:
 
     # -- the training loop's calls ---------------------------------------------------------
     def restore(self, state: Any, *, step: int | None = None, strict: bool = True) -> int:
-        """Load the newest snapshot (or ``step``) into ``state``; returns the step to run
-        next. ``strict``: as for ``snapcore.restore``.
+        """Load the newest intact snapshot (or ``step``) into ``state``; returns the step to
+        run next. ``strict``: as for ``snapcore.restore``.
 
         0 when the store holds nothing. Journals the run's start and the restore; a
         restore after training began in this run is a rollback, which counts as a failure

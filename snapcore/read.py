@@ -34,7 +34,7 @@ RUN_GAP = 1 << 16  # padding a run may read through between two chunks
 @dataclass
 class RestoreInfo:
     """What restore() did: the step, which tier(s) the data came from, what was damaged,
-    what of the state the snapshot did not fill."""
+    what of the state the snapshot did not fill, and which newer steps were skipped."""
 
     step: int
     tier: str = "local"  # the tiers chunks were read from, fastest first, joined by "+"
@@ -44,6 +44,7 @@ class RestoreInfo:
     damaged: list[str] = field(default_factory=list)  # chunks (or manifests) read elsewhere
     missing: list[str] = field(default_factory=list)  # paths of the state left as they were
     unexpected: list[str] = field(default_factory=list)  # paths of the snapshot not read
+    skipped: list[str] = field(default_factory=list)  # "step N: why", newer damaged steps
 
 
 class Tier(Protocol):

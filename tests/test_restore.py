@@ -1,15 +1,19 @@
-"""restore(): strict matching against the live state, partial restores, key normalisation."""
+"""restore(): strict matching against the live state, partial restores, key normalisation,
+and the fallback to an older step when the newest is damaged in every tier."""
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any
 
 import pytest
 import torch
 
 import snapcore
-from snapcore.engine import close_all
-from snapcore.tiers import LocalTier
+from snapcore.engine import close_all, engine_for
+from snapcore.store import MANIFEST, step_dir_name
+from snapcore.tiers import LocalTier, RemoteStoreTier
 
 
 @pytest.fixture(autouse=True)
@@ -225,3 +229,147 @@ def test_a_state_dict_the_object_refuses_raises_state_mismatch(tmp_path):
     live = torch.optim.AdamW([{"params": [other.weight]}, {"params": [other.bias]}])
     with pytest.raises(snapcore.StateMismatch, match=r"optim: torch\.optim\.adamw\.AdamW"):
         snapcore.restore({"optim": live}, tmp_path)
+
+
+# -- item 3: the newest step damaged ----------------------------------------------------
+
+
+class Counter:
+    """A stateful object that records every load_state_dict call."""
+
+    def __init__(self) -> None:
+        self.n = torch.zeros(64)
+        self.loads: list[torch.Tensor] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loads.append(sd["n"].clone())
+        self.n = sd["n"]
+
+
+def state_at(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    counter = Counter()
+    counter.n = torch.randn(64, generator=g)
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return {
+        "model": model,
+        "counter": counter,
+        "big": torch.randn(1 << 16, generator=g),
+        "step": step,
+    }
+
+
+def blank() -> dict[str, Any]:
+    return {"model": make_model(), "counter": Counter(), "big": torch.zeros(1 << 16), "step": 0}
+
+
+def assert_state(state: dict[str, Any], step: int) -> None:
+    want = state_at(step)
+    assert state["step"] == step
+    assert same_params(state["model"], want["model"])
+    assert bits(state["big"]) == bits(want["big"])
+    assert bits(state["counter"].n) == bits(want["counter"].n)
+
+
+def damage(tier: LocalTier | RemoteStoreTier, step: int, how: str) -> None:
+    """Damage a tier's copy of ``step``: flip a byte of a chunk (found by its hash while
+    reading), cut its data file short (found by its size), or break its manifest."""
+    m = tier.read_manifest(step)
+    if isinstance(tier, RemoteStoreTier):
+        get, put = tier.rt.read_bytes, tier.rt.put_bytes
+    else:
+
+        def get(name: str) -> bytes:
+            return (tier.root / name).read_bytes()
+
+        def put(name: str, data: bytes) -> None:
+            (tier.root / name).write_bytes(data)
+
+    if how == "manifest":
+        put(f"{step_dir_name(step)}/{MANIFEST}", b'{"format_version": 1, "step":')
+        return
+    c = m.blobs[-1].chunks[0]  # the other blobs are read intact, into the state
+    name = m.files[c.file].name
+    data = bytearray(get(name))
+    if how == "flip":
+        data[c.offset + 5] ^= 0xFF
+    else:
+        del data[-1:]
+    put(name, bytes(data))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "manifest"])
+def test_a_damaged_newest_step_falls_back_to_the_older_one(tmp_path, how, caplog):
+    for step in (1, 2, 3):
+        snapcore.save(state_at(step), tmp_path, step=step)
+    damage(engine_for(tmp_path).tier("local"), 3, how)
+    state = blank()
+    with caplog.at_level(logging.WARNING, logger="snapcore.api"):
+        info = snapcore.restore(state, tmp_path)
+    assert info.step == 2
+    assert_state(state, 2)
+    assert len(info.skipped) == 1 and info.skipped[0].startswith("step 3: ")
+    assert any("skipping step 3" in r.getMessage() for r in caplog.records)
+    # load_state_dict was called once, with the older step's data (never with partial data)
+    assert len(state["counter"].loads) == 1
+    assert bits(state["counter"].loads[0]) == bits(state_at(2)["counter"].n)
+    with pytest.raises(snapcore.CorruptSnapshot):
+        snapcore.restore(blank(), tmp_path, step=3)  # an explicit step keeps raising
+    out = snapcore.load(tmp_path)  # load falls back too
+    assert out["step"] == 2 and bits(out["big"]) == bits(state_at(2)["big"])
+    with pytest.raises(snapcore.CorruptSnapshot):
+        snapcore.load(tmp_path, step=3)
+
+
+def test_the_newest_step_is_used_while_one_tier_holds_it_intact(tmp_path):
+    store = snapcore.Store(local=tmp_path, remote=f"memory://snapcore-{uuid.uuid4().hex[:8]}")
+    for step in (1, 2):
+        snapcore.save(state_at(step), store, step=step)
+    engine = engine_for(store)
+    damage(engine.tier("local"), 2, "flip")
+    state = blank()
+    info = snapcore.restore(state, store)
+    assert info.step == 2 and info.skipped == [] and info.tier == "local+remote"
+    assert_state(state, 2)
+    damage(engine.tier("remote"), 2, "truncate")  # now damaged in every tier
+    state = blank()
+    info = snapcore.restore(state, store)
+    assert info.step == 1 and info.skipped[0].startswith("step 2: ")
+    assert_state(state, 1)
+
+
+def test_checkpointer_restore_falls_back_to_the_older_step(tmp_path):
+    for step in (4, 5):
+        snapcore.save(state_at(step), tmp_path, step=step)
+    damage(engine_for(tmp_path).tier("local"), 5, "flip")
+    ckpt = snapcore.Checkpointer(tmp_path, journal=False, handle_sigterm=False)
+    state = blank()
+    assert ckpt.restore(state) == 5  # step 4 restored: the next step to run is 5
+    assert_state(state, 4)
+    with pytest.raises(snapcore.CorruptSnapshot):
+        ckpt.restore(blank(), step=5)
+
+
+def test_every_step_damaged_raises_the_newest_error_naming_the_others(tmp_path):
+    for step in (1, 2):
+        snapcore.save(state_at(step), tmp_path, step=step)
+        damage(engine_for(tmp_path).tier("local"), step, "flip")
+    with pytest.raises(snapcore.CorruptSnapshot) as e:
+        snapcore.restore(blank(), tmp_path)
+    assert e.value.step == 2
+    assert any("step 1" in note for note in e.value.__notes__)
+
+
+def test_an_older_step_the_state_does_not_fit_raises_naming_the_skipped_one(tmp_path):
+    snapcore.save({"a": torch.ones(2)}, tmp_path, step=1)
+    snapcore.save({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path, step=2)
+    damage(engine_for(tmp_path).tier("local"), 2, "manifest")
+    with pytest.raises(snapcore.StateMismatch, match=r"step 1: .* nothing for b") as e:
+        snapcore.restore({"a": torch.zeros(2), "b": torch.zeros(2)}, tmp_path)
+    assert any("step 2: " in note for note in e.value.__notes__)
