@@ -243,7 +243,9 @@ def _describe(node: Node) -> str:
     (kind, value), *_ = node.items()
     if kind == "stateful":
         return f"a {value['type']}"
-    return "a tensor" if kind == "tensor" else f"a {kind}"
+    if kind == "none":
+        return "None"
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
 def canonical_key(key: object) -> object:
@@ -321,7 +323,7 @@ class _Planner:
                 raise self.mismatch(current, node, path)
             self.live_dict(current, inner_value, path, normalise=of_object)
             return _const(current)
-        if isinstance(current, list | tuple) and not is_stateful(current):
+        if isinstance(current, list) or type(current) is tuple:  # as flatten() saves them
             if inner_kind not in ("list", "tuple"):
                 raise self.mismatch(current, node, path)
             return self.live_sequence(current, inner_value, path)

@@ -95,7 +95,7 @@ def test_module_and_optimizer_restore_bit_exact_into_fresh_objects(tmp_path):
     [
         ({"w": {"a": torch.ones(2)}}, {"w": torch.zeros(2)}, "w: the snapshot holds a dict"),
         ({"w": [torch.ones(2)]}, {"w": torch.zeros(2)}, "w: the snapshot holds a list"),
-        ({"w": 3}, {"w": torch.zeros(2)}, "w: the snapshot holds a int"),
+        ({"w": 3}, {"w": torch.zeros(2)}, "w: the snapshot holds an int"),
         ({"w": torch.ones(2)}, {"w": {"a": torch.zeros(2)}}, "w: the snapshot holds a tensor"),
         ({"w": torch.ones(2)}, {"w": 0}, "w: the snapshot holds a tensor here but the state"),
         ({"w": [1, 2]}, {"w": torch.nn.Linear(2, 2)}, "w: the snapshot holds a list"),
