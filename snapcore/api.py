@@ -128,7 +128,7 @@ def _read(
             return use(reader), reader, skipped
         # SnapshotNotFound: the step went (retention by another process) since the listing
         except (CorruptSnapshot, SnapshotNotFound) as e:
-            why = f"step {s}: {e}"
+            why = str(e) if str(e).startswith(f"step {s}: ") else f"step {s}: {e}"
             log.warning("%s: skipping %s", engine.config.describe(), why)
             skipped.append(why)
             newest = newest or e
