@@ -72,7 +72,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise TypeError(f"snapcore cannot save tensors of dtype {dtype}") from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileRef:
     name: str
     size: int
@@ -86,7 +86,7 @@ def max_stored_length(raw_length: int) -> int:
     return raw_length + raw_length // 128 + 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """``length`` stored bytes at ``offset`` in ``file``; they decode to ``raw_length``
     bytes whose XXH3-128 is ``xxh3`` (the chunk's content address)."""
@@ -103,14 +103,14 @@ class Chunk:
             object.__setattr__(self, "raw_length", self.length)
 
 
-@dataclass
+@dataclass(slots=True)
 class Blob:
     nbytes: int
     chunks: list[Chunk] = field(default_factory=list)
     element_size: int = 1  # what byte-shuffle groups by
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
@@ -119,7 +119,7 @@ class Piece:
     strides: tuple[int, ...]
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
@@ -134,7 +134,7 @@ class TensorEntry:
         return math.prod(self.shape) * self.torch_dtype.itemsize
 
 
-@dataclass
+@dataclass(slots=True)
 class Manifest:
     step: int
     created_unix: float
