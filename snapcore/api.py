@@ -5,18 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StoreInUse
 from .read import Reader, RestoreInfo
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
 from .write import writer_lock
-from .write.engine import close_all, engine_for, engine_uses_host
+from .write.engine import Engine, close_all, engine_for, engine_uses_host
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +79,8 @@ def committed(store: StoreLike) -> dict[str, list[int]]:
     return out
 
 
-def _reader(store: StoreLike, step: int | None, verify: bool) -> Reader:
-    engine = engine_for(store)
-    steps = committed(store)
-    every = sorted({s for ss in steps.values() for s in ss})
-    if not every:
-        raise SnapshotNotFound(f"no committed snapshot in {engine.config.describe()}")
-    if step is None:
-        step = every[-1]
-    elif step not in every:
-        raise SnapshotNotFound(
-            f"no committed snapshot of step {step} in {engine.config.describe()}"
-        )
+def _reader(engine: Engine, steps: dict[str, list[int]], step: int, verify: bool) -> Reader:
+    """A reader of ``step`` over every tier that lists it (``steps``: ``committed()``)."""
     sources = []
     damaged: list[str] = []
     first: SnapcoreError | None = None
@@ -111,30 +101,98 @@ def _reader(store: StoreLike, step: int | None, verify: bool) -> Reader:
     return reader
 
 
+T = TypeVar("T")
+
+
+def _read(
+    store: StoreLike, step: int | None, verify: bool, use: Callable[[Reader], T]
+) -> tuple[T, Reader, list[str]]:
+    """``use(reader)`` on ``step``, or with ``step=None`` on the newest committed step
+    that is intact in some tier: a step whose manifest, data files or chunks are damaged
+    in every tier that holds it is skipped (logged as a warning) for the next older one.
+    Returns what ``use`` returned, its reader, and the skipped steps ("step N: why")."""
+    engine = engine_for(store)
+    steps = committed(store)
+    every = sorted({s for ss in steps.values() for s in ss})
+    if not every:
+        raise SnapshotNotFound(f"no committed snapshot in {engine.config.describe()}")
+    if step is not None:
+        if step not in every:
+            raise SnapshotNotFound(
+                f"no committed snapshot of step {step} in {engine.config.describe()}"
+            )
+        reader = _reader(engine, steps, step, verify)
+        return use(reader), reader, []
+    skipped: list[str] = []
+    newest: SnapcoreError | None = None
+    for s in reversed(every):
+        try:
+            reader = _reader(engine, steps, s, verify)
+            return use(reader), reader, skipped
+        # SnapshotNotFound: the step went (retention by another process) since the listing
+        except (CorruptSnapshot, SnapshotNotFound) as e:
+            why = str(e) if str(e).startswith(f"step {s}: ") else f"step {s}: {e}"
+            log.warning("%s: skipping %s", engine.config.describe(), why)
+            skipped.append(why)
+            newest = newest or e
+        except SnapcoreError as e:  # e.g. the state does not fit the older step
+            if skipped:
+                e.add_note(
+                    "newer steps were skipped as damaged (the state may hold part of their "
+                    "tensors):\n" + "\n".join(skipped)
+                )
+            raise
+    assert newest is not None
+    if len(skipped) > 1:
+        newest.add_note("older steps are damaged too:\n" + "\n".join(skipped[1:]))
+    raise newest
+
+
 def restore(
-    state: Any, store: StoreLike, *, step: int | None = None, verify: bool = True
+    state: Any,
+    store: StoreLike,
+    *,
+    step: int | None = None,
+    verify: bool = True,
+    strict: bool = True,
 ) -> RestoreInfo:
     """Load a committed snapshot into ``state`` in place (tensors keep device and storage).
 
-    ``step=None`` takes the newest snapshot committed in any tier. Each chunk is read
-    from the fastest tier that holds it intact (host memory, local disk, object storage);
-    ``.tier`` of the result says where the data came from and ``.damaged`` what was read
-    elsewhere. Raises ``SnapshotNotFound`` when there is none, ``CorruptSnapshot`` when
-    no tier has a chunk intact (``verify=False`` skips the hashes), ``StateMismatch``
-    when the state cannot take the snapshot.
+    ``step=None`` takes the newest snapshot committed in any tier that is intact: a newer
+    step damaged in every tier is skipped, with a warning, and listed in ``.skipped``.
+    Each chunk is read from the fastest tier that holds it intact (host memory, local
+    disk, object storage); ``.tier`` of the result says where the data came from,
+    ``.damaged`` what was read elsewhere and ``.bytes`` how many bytes were read.
+
+    The live state is the schema. Every tensor, value and object of ``state`` must be
+    filled from the snapshot: with ``strict=True`` a leaf the snapshot lacks raises
+    ``StateMismatch`` (naming its path) before anything is read; with ``strict=False`` it
+    is left as it is and listed in ``.missing``. What the snapshot holds and the state has
+    no place for is neither read nor added, and is listed in ``.unexpected`` (so
+    ``restore({"model": m}, store)`` reads only the model). A module or optimizer takes a
+    saved state dict, a dict takes a saved object's state dict, and a module's keys match
+    across ``torch.compile`` (``_orig_mod.``) and DDP (``module.``) wrappers.
+
+    Raises ``SnapshotNotFound`` when there is none, ``CorruptSnapshot`` when no intact
+    copy is left (for an explicit ``step``: of that step; ``verify=False`` skips the
+    hashes), ``StateMismatch`` when the state cannot take the snapshot.
     """
     t0 = time.perf_counter()
-    reader = _reader(store, step, verify)
-    n = reader.restore(state)
+    (plan, n), reader, skipped = _read(
+        store, step, verify, lambda reader: reader.restore(state, strict=strict)
+    )
     for d in reader.damaged:
         log.warning("restore of step %d: %s", reader.m.step, d)
     return RestoreInfo(
         step=reader.m.step,
         tier=reader.tier,
-        bytes=reader.m.nbytes,
+        bytes=reader.bytes_read,
         seconds=time.perf_counter() - t0,
         tensors=n,
         damaged=list(reader.damaged),
+        missing=plan.missing,
+        unexpected=plan.unexpected,
+        skipped=skipped,
     )
 
 
@@ -142,9 +200,12 @@ def load(store: StoreLike, *, step: int | None = None, verify: bool = True) -> A
     """Read a committed snapshot as plain Python values and CPU tensors.
 
     Objects that were saved through ``state_dict()`` come back as their state dicts. No
-    model, optimizer or process group is needed.
+    model, optimizer or process group is needed. ``step=None`` takes the newest step
+    that is intact in some tier, as ``restore`` does (skipped steps are logged as
+    warnings).
     """
-    return _reader(store, step, verify).load_tree()
+    tree, _, _ = _read(store, step, verify, Reader.load_tree)
+    return tree
 
 
 def prepare(state: object, store: StoreLike) -> Future[None]:

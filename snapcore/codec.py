@@ -169,9 +169,9 @@ def _corrupt(codec: str, stored: int, got: int | str, raw_length: int) -> Corrup
     )
 
 
-def _zstd_into(view: memoryview, codec: str, address: int, raw_length: int) -> None:
-    """Decompresses the single zstd frame `view` into the raw_length bytes at `address`,
-    never writing outside them."""
+def _check_frame(view: memoryview, codec: str, raw_length: int) -> None:
+    """The zstd frame header of `view` must declare exactly raw_length bytes of content:
+    checked before any buffer is reserved for them."""
     stored = view.nbytes
     try:
         content_size = zstandard.frame_content_size(view)
@@ -183,6 +183,13 @@ def _zstd_into(view: memoryview, codec: str, address: int, raw_length: int) -> N
         raise _corrupt(codec, stored, "an unrecorded number of", raw_length)
     if content_size != raw_length:
         raise _corrupt(codec, stored, content_size, raw_length)
+
+
+def _zstd_into(view: memoryview, codec: str, address: int, raw_length: int) -> None:
+    """Decompresses the single zstd frame `view` into the raw_length bytes at `address`,
+    never writing outside them."""
+    stored = view.nbytes
+    _check_frame(view, codec, raw_length)
     got = 0
     more = False
     try:
@@ -235,6 +242,7 @@ def decode(
     elif codec == "zstd" or element_size == 1 or raw_length < element_size:
         _zstd_into(view, codec, out, raw_length)
     else:
+        _check_frame(view, codec, raw_length)  # before the scratch is sized by raw_length
         scratch = _state.scratch_address(raw_length)
         _zstd_into(view, codec, scratch, raw_length)
         _native.byte_unshuffle(out, scratch, raw_length, element_size, threads=1)

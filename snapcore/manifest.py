@@ -21,11 +21,19 @@ import torch
 
 from . import values
 from .errors import InvalidManifest
+from .tree import decode_float
 
 FORMAT_VERSION = 2
 KIND = "snapcore.snapshot"
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_BYTES = 1 << 62
+# A chunk decodes to at most this many bytes (writers make 64 MiB chunks by default,
+# SNAPCORE_CHUNK_MB allows up to this): with the file sizes and ZSTD_MAX_RATIO it bounds
+# every buffer a reader allocates (docs/format.md, "Allocation").
+MAX_CHUNK_BYTES = 1 << 30
+# A zstd frame cannot decode to more than 32768 times its size: a block holds at most
+# 128 KiB and takes at least 4 bytes (an RLE block: 3 bytes of header, 1 of content).
+ZSTD_MAX_RATIO = 32768
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -65,7 +73,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise TypeError(f"snapcore cannot save tensors of dtype {dtype}") from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileRef:
     name: str
     size: int
@@ -79,7 +87,7 @@ def max_stored_length(raw_length: int) -> int:
     return raw_length + raw_length // 128 + 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """``length`` stored bytes at ``offset`` in ``file``; they decode to ``raw_length``
     bytes whose XXH3-128 is ``xxh3`` (the chunk's content address)."""
@@ -96,14 +104,14 @@ class Chunk:
             object.__setattr__(self, "raw_length", self.length)
 
 
-@dataclass
+@dataclass(slots=True)
 class Blob:
     nbytes: int
     chunks: list[Chunk] = field(default_factory=list)
     element_size: int = 1  # what byte-shuffle groups by
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
@@ -112,7 +120,7 @@ class Piece:
     strides: tuple[int, ...]
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
@@ -127,7 +135,7 @@ class TensorEntry:
         return math.prod(self.shape) * self.torch_dtype.itemsize
 
 
-@dataclass
+@dataclass(slots=True)
 class Manifest:
     step: int
     created_unix: float
@@ -212,13 +220,40 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"invalid JSON number {name}")
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object with each key once: a duplicate key is refused, not resolved by
+    taking the last (readers could otherwise disagree on what a manifest says)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {k[:100]!r} in an object")
+            seen.add(k)
+    return d
+
+
+def _decode_text(data: bytes, where: str) -> str:
+    """The manifest's text: UTF-8 without a byte order mark (docs/format.md); json.loads
+    would otherwise accept UTF-16 and UTF-32 bytes too."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        raise InvalidManifest(
+            f"{where}: not valid JSON: a manifest is UTF-8 with no byte order mark"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidManifest(f"{where}: not valid JSON: not UTF-8 ({e})") from None
+
+
 def parse(data: bytes, *, where: str) -> Manifest:
     """Parse and validate manifest bytes; ``where`` names the file in errors."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise InvalidManifest(f"{where}: manifest of {len(data)} bytes exceeds the 64 MiB cap")
+    text = _decode_text(data, where)
     try:
-        doc = json.loads(data, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        doc = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_object)
+    except (ValueError, RecursionError) as e:
         raise InvalidManifest(f"{where}: not valid JSON: {e}") from None
     if not isinstance(doc, dict):
         raise InvalidManifest(f"{where}: a manifest must be a JSON object")
@@ -304,10 +339,20 @@ def check(m: Manifest, *, where: str) -> None:
                     f"{what} [{c.offset}, {c.offset + c.length}) lies "
                     f"outside {m.files[c.file].name} ({m.files[c.file].size} bytes)"
                 )
+            if c.raw_length > MAX_CHUNK_BYTES:
+                raise InvalidManifest(
+                    f"{what}: raw_length {c.raw_length} exceeds the {MAX_CHUNK_BYTES >> 20} MiB "
+                    "chunk cap"
+                )
             if c.codec == "none" and c.length != c.raw_length:
                 raise InvalidManifest(f"{what}: an uncompressed chunk must store raw_length bytes")
             if c.length > max_stored_length(c.raw_length):
                 raise InvalidManifest(f"{what}: {c.length} stored bytes for {c.raw_length}")
+            if c.raw_length > c.length * ZSTD_MAX_RATIO:
+                raise InvalidManifest(
+                    f"{what} in {m.files[c.file].name}: {c.length} stored bytes cannot decode "
+                    f"to raw_length {c.raw_length} (zstd's ratio is at most {ZSTD_MAX_RATIO})"
+                )
             total += c.raw_length
             if c.length:
                 spans.setdefault(c.file, set()).add((c.offset, c.offset + c.length))
@@ -324,14 +369,20 @@ def check(m: Manifest, *, where: str) -> None:
         if t.dtype not in DTYPES:
             raise InvalidManifest(f"{what}: dtype {t.dtype} is not available in this torch")
         itemsize = t.torch_dtype.itemsize
-        if math.prod(t.shape) * itemsize > MAX_BYTES:
-            raise InvalidManifest(f"{what}: shape {list(t.shape)} is too large")
+        # Each dimension on its own too: [0, 2**70] holds no element, yet no int64 holds it.
+        if (
+            math.prod(d for d in t.shape if d) * itemsize > MAX_BYTES
+            or max(t.shape, default=0) > MAX_BYTES
+        ):
+            raise InvalidManifest(f"{what}: shape {_short(t.shape)} is too large")
         if len(t.pieces) != 1 or any(t.pieces[0].offsets) or t.pieces[0].shape != t.shape:
             # This version's readers accept exactly one piece covering the tensor (format.md).
             raise InvalidManifest(f"{what}: pieces must cover the tensor exactly once")
         for p in t.pieces:
             if not (len(p.offsets) == len(p.shape) == len(p.strides) == len(t.shape)):
                 raise InvalidManifest(f"{what}: piece rank does not match the tensor")
+            if max(p.strides, default=0) > MAX_BYTES or p.byte_offset > MAX_BYTES:
+                raise InvalidManifest(f"{what}: piece strides {_short(p.strides)} are too large")
             if any(o + s > g for o, s, g in zip(p.offsets, p.shape, t.shape, strict=True)):
                 raise InvalidManifest(f"{what}: piece lies outside the tensor")
             if p.blob >= len(m.blobs):
@@ -349,6 +400,11 @@ def check(m: Manifest, *, where: str) -> None:
     _check_tree(m.tree, m.tensors, where)
 
 
+def _short(dims: tuple[int, ...]) -> str:
+    text = str(list(dims))
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def _check_tree(node: dict[str, Any], tensors: list[TensorEntry], where: str) -> None:
     n_tensors = len(tensors)
     stack = [node]
@@ -356,6 +412,13 @@ def _check_tree(node: dict[str, Any], tensors: list[TensorEntry], where: str) ->
         (kind, value), *_ = stack.pop().items()
         if kind == "tensor" and value >= n_tensors:
             raise InvalidManifest(f"{where}: tree references tensor {value} of {n_tensors}")
+        if kind == "float":
+            try:
+                decode_float(value)
+            except (ValueError, OverflowError):
+                raise InvalidManifest(
+                    f"{where}: float node {value[:40]!r} is not a float"
+                ) from None
         if kind == "dict":
             keys = [k for k, _ in value]
             if len(set(map(repr, keys))) != len(keys):

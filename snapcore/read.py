@@ -24,7 +24,7 @@ from . import _native, settings
 from . import manifest as mf
 from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, StateMismatch
 from .planning.layout import contiguous_strides
-from .tree import build, restore_into, tensor_paths
+from .tree import RestorePlan, build, plan_restore, tensor_paths, type_name
 
 TEMP_BATCH_BYTES = 1 << 30  # bounded host memory for blobs that need a temporary buffer
 RUN_BYTES = 64 << 20  # the largest single request when reading from object storage
@@ -33,14 +33,18 @@ RUN_GAP = 1 << 16  # padding a run may read through between two chunks
 
 @dataclass
 class RestoreInfo:
-    """What restore() did: the step, which tier(s) the data came from, what was damaged."""
+    """What restore() did: the step, which tier(s) the data came from, what was damaged,
+    what of the state the snapshot did not fill, and which newer steps were skipped."""
 
     step: int
     tier: str = "local"  # the tiers chunks were read from, fastest first, joined by "+"
-    bytes: int = 0
+    bytes: int = 0  # bytes read from the tiers (as stored: compressed, re-reads included)
     seconds: float = 0.0
     tensors: int = 0
     damaged: list[str] = field(default_factory=list)  # chunks (or manifests) read elsewhere
+    missing: list[str] = field(default_factory=list)  # paths of the state left as they were
+    unexpected: list[str] = field(default_factory=list)  # paths of the snapshot not read
+    skipped: list[str] = field(default_factory=list)  # "step N: why", newer damaged steps
 
 
 class Tier(Protocol):
@@ -94,6 +98,7 @@ class Reader:
         for i, t in enumerate(self.m.tensors):
             self.blob_users.setdefault(t.pieces[0].blob, []).append(i)
         self.used: set[str] = set()
+        self.bytes_read = 0  # from the tiers, as stored
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._blobs: dict[int, torch.Tensor] = {}
@@ -153,12 +158,17 @@ class Reader:
         c = m.blobs[b_i].chunks[j]
         self._check_size(tier, m, b_i, j)
         if c.codec == "none":
-            tier.read_into(m.files[c.file].name, c.offset, c.length, address)
+            self._read(tier, m.files[c.file].name, c.offset, c.length, address)
             self._verify(tier, m, b_i, j, address)
             return
         buf = self._scratch_buffer(c.length)
-        tier.read_into(m.files[c.file].name, c.offset, c.length, buf.data_ptr())
+        self._read(tier, m.files[c.file].name, c.offset, c.length, buf.data_ptr())
         self._decode(tier, m, b_i, j, buf.data_ptr(), address)
+
+    def _read(self, tier: Tier, name: str, offset: int, length: int, address: int) -> None:
+        tier.read_into(name, offset, length, address)
+        with self._lock:
+            self.bytes_read += length
 
     def _decode(self, tier: Tier, m: mf.Manifest, b_i: int, j: int, src: int, address: int) -> None:
         """Chunk ``j`` of blob ``b_i``, stored at ``src``, into ``address``; then verified."""
@@ -269,7 +279,7 @@ class Reader:
             buf = self._scratch_buffer(length, "run")
             name = m.files[first.file].name
             self._check_size(tier, m, run[0][0], run[0][1])
-            tier.read_into(name, start, length, buf.data_ptr())
+            self._read(tier, name, start, length, buf.data_ptr())
         except (OSError, SnapcoreError):
             for job in run:
                 self._read_chunk(*job)
@@ -324,12 +334,18 @@ class Reader:
         self.read_blobs([(b, t.data_ptr()) for b, t in bufs.items()])
         self._blobs.update(bufs)
 
-    def restore(self, state: Any) -> int:
-        """Fill ``state`` in place; returns the number of tensors filled."""
-        targets: dict[int, list[torch.Tensor]] = {}
-        fresh: list[int] = []
+    def restore(self, state: Any, *, strict: bool = True) -> tuple[RestorePlan, int]:
+        """Fill ``state`` in place; returns the plan (what was missing and unexpected) and
+        the number of tensors filled.
 
-        def into(i: int, path: str, target: torch.Tensor) -> torch.Tensor:
+        The whole tree is matched before anything is read, so a mismatch changes nothing.
+        Then the tensors are read (only those the state takes), the state's containers
+        updated, and last each object's ``load_state_dict`` called, innermost first: a
+        damaged chunk found while reading leaves every object's own state untouched.
+        """
+        targets: dict[int, list[torch.Tensor]] = {}
+
+        def into(i: int, path: str, target: torch.Tensor) -> None:
             e = self.m.tensors[i]
             if target.dtype != e.torch_dtype or tuple(target.shape) != e.shape:
                 raise StateMismatch(
@@ -337,19 +353,28 @@ class Reader:
                     f"{mf.dtype_name(target.dtype)}{list(target.shape)}"
                 )
             targets.setdefault(i, []).append(target)
-            return target
 
-        def new(i: int, path: str) -> torch.Tensor:
-            fresh.append(i)
-            return self.tensor(i, path)
-
-        # Tensors with no counterpart in the state are read while the tree is matched.
-        loaders = restore_into(state, self.m.tree, new, into)
+        plan = plan_restore(state, self.m.tree, into)
+        if strict and plan.missing:
+            raise StateMismatch(
+                f"step {self.m.step}: the snapshot holds nothing for {_some(plan.missing)} of "
+                "the state (restore(..., strict=False) leaves them as they are and lists them "
+                "in RestoreInfo.missing)"
+            )
+        self.prefetch(sorted(plan.fresh))
         self._fill(targets)
         with torch.no_grad():
-            for obj, sd in loaders:
-                obj.load_state_dict(sd)
-        return len(targets) + len(fresh)
+            for obj, path, sd in plan.apply(self.tensor):
+                try:
+                    obj.load_state_dict(sd)
+                except SnapcoreError:
+                    raise
+                except Exception as e:
+                    raise StateMismatch(
+                        f"{path or '<root>'}: {type_name(obj)}.load_state_dict() refused the "
+                        f"state of step {self.m.step}: {e}"
+                    ) from e
+        return plan, len(targets) + len(plan.fresh)
 
     def _fill(self, targets: dict[int, list[torch.Tensor]]) -> None:
         direct: list[tuple[int, int]] = []
@@ -446,6 +471,11 @@ def verify_snapshot(tier: Any, step: int, progress: Any = None) -> list[CorruptS
     if progress is not None and not jobs:
         progress(0, 0)
     return damaged
+
+
+def _some(paths: list[str], n: int = 8) -> str:
+    shown = ", ".join(paths[:n])
+    return shown + (f" and {len(paths) - n} more" if len(paths) > n else "")
 
 
 def _same_chunks(a: mf.Manifest, b: mf.Manifest) -> bool:

@@ -48,8 +48,8 @@ def threads() -> int:
 def chunk_bytes() -> int:
     """SNAPCORE_CHUNK_MB: the largest chunk (unit of hashing and parallel reads), in MiB."""
     mb = int(_get("SNAPCORE_CHUNK_MB", "64"))
-    if mb <= 0:
-        raise ValueError("SNAPCORE_CHUNK_MB must be positive")
+    if not 0 < mb <= 1024:  # readers refuse chunks over 1 GiB (manifest.MAX_CHUNK_BYTES)
+        raise ValueError("SNAPCORE_CHUNK_MB must be between 1 and 1024")
     return mb << 20
 
 

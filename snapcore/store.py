@@ -23,7 +23,10 @@ from .errors import InvalidManifest, SnapshotNotFound, StorageError
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step-(\d{1,20})$")
+# Only the names writers make are steps: 12 digits zero-padded, or more without a leading
+# zero (docs/format.md, "Store"). A stray `step-300` is not step 300.
+STEP_DIGITS = r"(?:\d{12}|[1-9]\d{12,19})"
+STEP_DIR = re.compile(rf"^step-({STEP_DIGITS})$")
 MANIFEST = "manifest.json"
 PENDING_SUFFIX = ".pending"
 COLLECT_MARKER = "collect.needed"
@@ -150,6 +153,10 @@ class LocalStore:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
+        except NotADirectoryError:
+            raise StorageError(
+                errno.ENOTDIR, "the store is not a directory", str(self.root)
+            ) from None
         out = []
         for name in names:
             m = STEP_DIR.match(name)
@@ -157,7 +164,10 @@ class LocalStore:
             # A symlink named like a step is not ours: collecting "its" leftovers would
             # delete files outside the store.
             if m and stat.S_ISDIR(_lstat_mode(path)):
-                out.append(SnapshotInfo(int(m.group(1)), path, (path / MANIFEST).is_file()))
+                # Committed means a manifest.json entry exists (format.md): one that is not
+                # a regular file is then refused by read_manifest, not silently skipped.
+                committed = os.path.lexists(path / MANIFEST)
+                out.append(SnapshotInfo(int(m.group(1)), path, committed))
         out.sort(key=lambda s: s.step)
         return out
 
@@ -181,11 +191,9 @@ class LocalStore:
 
     def read_manifest(self, step: int) -> mf.Manifest:
         path = self.manifest_path(step)
-        try:
-            with open(path, "rb") as f:
-                data = f.read(mf.MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
-            raise SnapshotNotFound(f"no committed snapshot of step {step} in {self.root}") from None
+        data = read_regular_file(path, mf.MAX_MANIFEST_BYTES + 1, what="manifest")
+        if data is None:
+            raise SnapshotNotFound(f"no committed snapshot of step {step} in {self.root}")
         m = mf.parse(data, where=str(path))
         if m.step != step:
             raise InvalidManifest(f"{path}: manifest says step {m.step}, directory says {step}")
@@ -334,6 +342,30 @@ class LocalStore:
         with contextlib.suppress(FileNotFoundError):
             (d / MANIFEST).unlink()
             fsync_dir(d)
+
+
+def read_regular_file(path: Path, limit: int, *, what: str) -> bytes | None:
+    """Up to ``limit`` bytes of the regular file at ``path``; None if there is none.
+
+    A symlink is refused (it could lead out of the store), and so is anything but a
+    regular file: a FIFO is opened non-blocking and refused before it is read, so that it
+    cannot hang the reader (docs/format.md, "Store").
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InvalidManifest(f"{path}: the {what} is a symbolic link") from None
+        raise StorageError(e.errno, f"cannot open the {what}: {e.strerror}", str(path)) from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidManifest(f"{path}: the {what} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
 
 
 def _claim_if_dead(path: Path) -> int | None:

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -24,8 +25,8 @@ from typing import Any
 
 from . import _native
 from . import manifest as mf
-from .errors import InvalidManifest, SnapshotNotFound
-from .store import MANIFEST, LocalStore, step_dir_name
+from .errors import CorruptSnapshot, InvalidManifest, SnapshotNotFound
+from .store import MANIFEST, STEP_DIGITS, LocalStore, step_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,23 @@ class LocalTier:
         return self.store.read_manifest(step)
 
     def file_size(self, name: str) -> int | None:
+        """The size of data file ``name``; None if missing. Only regular files are data
+        files: a symlink (even one inside the store), FIFO, device or directory is
+        CorruptSnapshot, found by lstat without opening it (docs/format.md, "Store")."""
         try:
-            return os.stat(self.store.file_path(name)).st_size
+            st = os.lstat(self.root / name)
         except FileNotFoundError:
             return None
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            where = f"{self.describe().rstrip('/')}/{name}"
+            raise CorruptSnapshot(f"data file {where} is {kind}", file=where)
+        self.store.file_path(name)  # and no directory on its way leads out of the store
+        return st.st_size
 
     def read_into(self, name: str, offset: int, length: int, address: int) -> None:
+        if length == 0:
+            return  # nothing to read: the file is not even opened (a FIFO would block)
         _native.read_into(str(self.store.file_path(name)), offset, length, address)
 
     def uncommit(self, step: int) -> None:
@@ -209,8 +221,8 @@ class RemoteStoreTier:
 
     name = "remote"
     PENDING_GRACE_S = 3600.0
-    _MANIFEST = re.compile(r"^step-(\d{1,20})/manifest\.json$")
-    _PENDING = re.compile(r"^step-\d{1,20}/([0-9a-f]+)\.pending$")
+    _MANIFEST = re.compile(rf"^step-({STEP_DIGITS})/manifest\.json$")
+    _PENDING = re.compile(rf"^step-{STEP_DIGITS}/([0-9a-f]+)\.pending$")
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         from .objstore import RemoteTier

@@ -201,92 +201,274 @@ def build(node: Node, tensor: TensorFactory, path: str = "") -> Any:
     raise InvalidManifest(f"{path or '<root>'}: unknown node kind {kind!r}")
 
 
-InPlace = Callable[[int, str, torch.Tensor], torch.Tensor]
+InPlace = Callable[[int, str, torch.Tensor], None]
+Thunk = Callable[[TensorFactory], Any]  # builds a value once the snapshot's tensors are read
+
+# Node kinds that hold structure: everything else is a value, replaced on restore.
+_STRUCTURED = ("tensor", "dict", "list", "tuple", "stateful")
+# The wrappers torch.distributed.checkpoint.state_dict strips from a module's keys:
+# torch.compile's OptimizedModule (``_orig_mod.``) and DDP / DataParallel (``module.``).
+WRAPPER_SEGMENTS = frozenset({"_orig_mod", "module"})
 
 
-Loader = tuple[Any, Any]
+@dataclass
+class RestorePlan:
+    """How a saved tree fills a live state, worked out before a byte is read.
+
+    ``fresh``: the saved tensors built as new tensors (read before ``apply``);
+    ``missing``: paths of the live state the snapshot holds nothing for (left alone);
+    ``unexpected``: paths of the snapshot the live state has no place for (neither read
+    nor added anywhere).
+    """
+
+    fresh: set[int] = field(default_factory=set)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    writes: list[tuple[Any, Any, Thunk]] = field(default_factory=list)
+    loaders: list[tuple[Any, str, Thunk]] = field(default_factory=list)
+
+    def apply(self, tensor: TensorFactory) -> list[tuple[Any, str, Any]]:
+        """Write the values into the state's containers; ``tensor(i, path)`` gives the
+        fresh tensors. Returns the stateful objects (innermost first), each with its path
+        and the state dict to give its ``load_state_dict`` now that the tensors hold
+        their data."""
+        for container, key, value in self.writes:
+            container[key] = value(tensor)
+        return [(obj, path, state(tensor)) for obj, path, state in self.loaders]
 
 
-def restore_into(state: Any, node: Node, fresh: TensorFactory, into: InPlace) -> list[Loader]:
-    """Match a saved tree against a live ``state`` and update its containers in place.
+def plan_restore(state: Any, node: Node, into: InPlace) -> RestorePlan:
+    """Match a saved tree against a live ``state``: the live state is the schema.
 
-    ``into(i, path, target)`` is called for each tensor of the state that the snapshot
-    fills (it returns the tensor to keep there); ``fresh(i, path)`` for saved tensors with
-    no counterpart. Values in mutable containers are replaced. The stateful objects are
-    returned, innermost first, with the state dict to give their ``load_state_dict``
-    once the tensors hold their data.
+    ``into(i, path, target)`` is called for each tensor of the state that saved tensor
+    ``i`` fills in place (it raises when the two do not fit). Nothing is read or changed
+    here; ``RestorePlan.apply`` makes the changes. Raises ``StateMismatch`` for a type
+    change that cannot be honoured.
     """
     if not isinstance(state, dict | list):
         raise StateMismatch("restore() needs a dict (or list) state that it can update in place")
-    loaders: list[Loader] = []
-    _merge_container(state, node, "", fresh, into, loaders)
-    return loaders
+    planner = _Planner(into)
+    planner.live(state, node, "")
+    return planner.plan
 
 
-def _merge(
-    current: Any, node: Node, path: str, fresh: TensorFactory, into: InPlace, loaders: list[Loader]
-) -> Any:
-    """Return the value to put where ``current`` was, filling ``current`` in place if possible."""
+def _const(value: Any) -> Thunk:
+    return lambda _tensor: value
+
+
+def _describe(node: Node) -> str:
     (kind, value), *_ = node.items()
-    if kind == "tensor":
-        if isinstance(current, torch.Tensor):
-            return into(value, path, current)
-        return fresh(value, path)
-    if kind in values.KINDS:  # NumPy arrays, generators, dataclasses... filled in place
-        return values.restore_value(
-            current,
-            node,
-            path,
-            lambda n, p: build(n, fresh, p),
-            lambda c, n, p: _merge(c, n, p, fresh, into, loaders),
-        )
     if kind == "stateful":
-        if not is_stateful(current):
-            raise StateMismatch(
-                f"{path or '<root>'}: the snapshot holds a {value['type']} here but the state "
-                f"has {type_name(current)}"
-            )
-        merged = _merge(current.state_dict(), value["state"], path, fresh, into, loaders)
-        loaders.append((current, merged))
-        return current
-    if kind in ("dict", "list") and isinstance(current, dict | list):
-        _merge_container(current, node, path, fresh, into, loaders)
-        return current
-    if kind == "tuple" and isinstance(current, tuple) and len(current) == len(value):
-        return tuple(
-            _merge(c, v, join_path(path, i), fresh, into, loaders)
-            for i, (c, v) in enumerate(zip(current, value, strict=True))
+        return f"a {value['type']}"
+    if kind == "none":
+        return "None"
+    if kind in _VALUE_NAMES:
+        return f"a {_VALUE_NAMES[kind]}"
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+
+
+# How messages name the node kinds of values.py.
+_VALUE_NAMES = {
+    "ndarray": "numpy.ndarray",
+    "npscalar": "NumPy scalar",
+    "generator": "torch.Generator",
+    "random": "random.Random",
+    "size": "torch.Size",
+    "dataclass": "dataclass",
+}
+
+
+def canonical_key(key: object) -> object:
+    """A module's state-dict key without the segments of wrappers (``_orig_mod``,
+    ``module``), as torch.distributed.checkpoint.state_dict names parameters."""
+    if not isinstance(key, str):
+        return key
+    return ".".join(p for p in key.split(".") if p not in WRAPPER_SEGMENTS)
+
+
+def match_keys(
+    live: list[Any], saved: list[Any], *, normalise: bool
+) -> tuple[dict[Any, Any], list[Any], list[Any]]:
+    """Pair a live dict's keys with a saved dict's: equal keys first, then (``normalise``)
+    keys equal once wrapper segments are dropped, where that is unambiguous on both sides.
+    Returns {live key: saved key}, the live keys left (missing) and the saved keys left
+    (unexpected)."""
+    saved_set = set(saved)
+    pairs = {k: k for k in live if k in saved_set}
+    if normalise and len(pairs) < len(live):
+        taken = set(pairs.values())
+        rest_live = _by_canonical([k for k in live if k not in pairs])
+        rest_saved = _by_canonical([k for k in saved if k not in taken])
+        for c, k in rest_live.items():
+            if c in rest_saved:
+                pairs[k] = rest_saved[c]
+    taken = set(pairs.values())
+    return pairs, [k for k in live if k not in pairs], [k for k in saved if k not in taken]
+
+
+def _by_canonical(keys: list[Any]) -> dict[Any, Any]:
+    """{canonical key: key} for the keys whose canonical form no other key shares."""
+    out: dict[Any, Any] = {}
+    clashes = set()
+    for k in keys:
+        c = canonical_key(k)
+        if c in out:
+            clashes.add(c)
+        out[c] = k
+    return {c: k for c, k in out.items() if c not in clashes}
+
+
+class _Planner:
+    def __init__(self, into: InPlace) -> None:
+        self.into = into
+        self.plan = RestorePlan()
+
+    def mismatch(self, current: Any, node: Node, path: str) -> StateMismatch:
+        return StateMismatch(
+            f"{path or '<root>'}: the snapshot holds {_describe(node)} here but the state "
+            f"has {type_name(current)}"
         )
-    return build(node, fresh, path)
 
+    def fresh(self, node: Node, path: str) -> Thunk:
+        self.plan.fresh.update(tensor_paths(node, path))
+        return lambda tensor: build(node, tensor, path)
 
-def _merge_container(
-    current: dict[Any, Any] | list[Any],
-    node: Node,
-    path: str,
-    fresh: TensorFactory,
-    into: InPlace,
-    loaders: list[Loader],
-) -> None:
-    (kind, value), *_ = node.items()
-    if kind == "dict" and isinstance(current, dict):
-        for k, v in value:
-            p = join_path(path, k)
-            if k in current:
-                current[k] = _merge(current[k], v, p, fresh, into, loaders)
+    def live(self, current: Any, node: Node, path: str) -> Thunk:
+        """A value of the caller's state: its dicts and lists are filled in place, key by
+        key (their keys are the schema); its tensors in place; its objects through
+        ``load_state_dict``; its plain values (None, numbers, strings) are replaced."""
+        (kind, value), *_ = node.items()
+        of_object = kind == "stateful"
+        inner = value["state"] if of_object else node
+        inner_kind, inner_value = next(iter(inner.items()))
+        if isinstance(current, torch.Tensor):
+            if kind != "tensor":
+                raise self.mismatch(current, node, path)
+            self.into(value, path, current)
+            return _const(current)
+        if isinstance(current, dict):
+            # a dict in the state takes a saved object's state dict (a module's: its keys
+            # are normalised as the module's own would be)
+            if inner_kind != "dict":
+                raise self.mismatch(current, node, path)
+            self.live_dict(current, inner_value, path, normalise=of_object)
+            return _const(current)
+        if isinstance(current, list) or type(current) is tuple:  # as flatten() saves them
+            if inner_kind not in ("list", "tuple"):
+                raise self.mismatch(current, node, path)
+            return self.live_sequence(current, inner_value, path)
+        if is_stateful(current):
+            if isinstance(current, torch.nn.Module):
+                if inner_kind != "dict":
+                    raise self.mismatch(current, node, path)
+                state = self.module(current, inner_value, path)
+            elif inner_kind == "dict" or of_object:
+                # An optimizer's or a scheduler's own load_state_dict judges its state
+                # (a fresh optimizer has no per-parameter state yet): it gets the saved
+                # state dict whole, with the live tensors filled in place where they fit.
+                state = self.loose(current.state_dict(), inner, path)
             else:
-                current[k] = build(v, fresh, p)
-        return
-    if kind == "list" and isinstance(current, list):
-        for i, v in enumerate(value):
-            p = join_path(path, i)
-            if i < len(current):
-                current[i] = _merge(current[i], v, p, fresh, into, loaders)
-            else:
-                current.append(build(v, fresh, p))
-        del current[len(value) :]
-        return
-    raise StateMismatch(
-        f"{path or '<root>'}: the snapshot holds a {kind} here but the state has "
-        f"{type(current).__name__}"
-    )
+                raise self.mismatch(current, node, path)
+            self.plan.loaders.append((current, path, state))
+            return _const(current)
+        if kind in values.KINDS and current is not None:
+            return self.value(current, node, path)
+        if current is None or kind not in _STRUCTURED:
+            return self.fresh(node, path)
+        raise self.mismatch(current, node, path)
+
+    def value(self, current: Any, node: Node, path: str) -> Thunk:
+        """A NumPy array, generator, ``random.Random``, dataclass... of the live state:
+        values.restore_value fills it in place (or replaces an immutable one) once the
+        snapshot's tensors are read; its type checks run then too."""
+        self.plan.fresh.update(tensor_paths(node, path))
+
+        def fill(tensor: TensorFactory) -> Any:
+            def merge(c: Any, n: Node, p: str) -> Any:
+                (k, _), *_ = n.items()
+                if k in values.KINDS and c is not None:
+                    return values.restore_value(c, n, p, lambda m, q: build(m, tensor, q), merge)
+                new = build(n, tensor, p)
+                if isinstance(c, torch.Tensor) and isinstance(new, torch.Tensor):
+                    if c.shape != new.shape or c.dtype != new.dtype:
+                        raise StateMismatch(f"{p or '<root>'}: a tensor of another shape/dtype")
+                    with torch.no_grad():
+                        c.copy_(new)
+                    return c
+                return new
+
+            return values.restore_value(
+                current, node, path, lambda m, q: build(m, tensor, q), merge
+            )
+
+        return fill
+
+    def live_dict(
+        self, current: dict[Any, Any], items: list[Any], path: str, *, normalise: bool
+    ) -> None:
+        saved = {k: v for k, v in items}
+        pairs, missing, unexpected = match_keys(list(current), list(saved), normalise=normalise)
+        self.plan.missing.extend(join_path(path, k) for k in missing)
+        self.plan.unexpected.extend(join_path(path, k) for k in unexpected)
+        for k, sk in pairs.items():
+            self.plan.writes.append(
+                (current, k, self.live(current[k], saved[sk], join_path(path, k)))
+            )
+
+    def live_sequence(
+        self, current: list[Any] | tuple[Any, ...], items: list[Node], path: str
+    ) -> Thunk:
+        n = min(len(current), len(items))
+        self.plan.missing.extend(join_path(path, i) for i in range(n, len(current)))
+        self.plan.unexpected.extend(join_path(path, i) for i in range(n, len(items)))
+        values = [self.live(current[i], items[i], join_path(path, i)) for i in range(n)]
+        if isinstance(current, list):
+            self.plan.writes.extend((current, i, v) for i, v in enumerate(values))
+            return _const(current)
+        kept = [_const(v) for v in current[n:]]
+        return lambda tensor: tuple(v(tensor) for v in [*values, *kept])
+
+    def module(self, module: torch.nn.Module, items: list[Any], path: str) -> Thunk:
+        """A module's state dict: its keys are the schema, as for load_state_dict(strict)."""
+        template = module.state_dict()
+        saved = {k: v for k, v in items}
+        pairs, missing, unexpected = match_keys(list(template), list(saved), normalise=True)
+        self.plan.missing.extend(join_path(path, k) for k in missing)
+        self.plan.unexpected.extend(join_path(path, k) for k in unexpected)
+        values = {
+            k: self.loose(template[k], saved[sk], join_path(path, k)) for k, sk in pairs.items()
+        }
+
+        def state(tensor: TensorFactory) -> Any:
+            # the module's own state dict (its _metadata kept), missing keys as they are
+            for k, v in values.items():
+                template[k] = v(tensor)
+            return template
+
+        return state
+
+    def loose(self, current: Any, node: Node, path: str) -> Thunk:
+        """A value inside an object's state dict: the result has the snapshot's shape;
+        live tensors at the same place are filled in place."""
+        (kind, value), *_ = node.items()
+        if kind == "stateful":
+            return self.loose(current, value["state"], path)
+        if kind == "tensor" and isinstance(current, torch.Tensor):
+            self.into(value, path, current)
+            return _const(current)
+        if kind == "dict" and isinstance(current, Mapping):
+            entries = [
+                (k, self.loose(current[k], v, p) if k in current else self.fresh(v, p))
+                for k, v in value
+                for p in [join_path(path, k)]
+            ]
+            return lambda tensor: {k: v(tensor) for k, v in entries}
+        if kind in ("list", "tuple") and isinstance(current, list | tuple):
+            parts = [
+                self.loose(current[i], v, p) if i < len(current) else self.fresh(v, p)
+                for i, v in enumerate(value)
+                for p in [join_path(path, i)]
+            ]
+            kind_of = list if kind == "list" else tuple
+            return lambda tensor: kind_of(v(tensor) for v in parts)
+        return self.fresh(node, path)

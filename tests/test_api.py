@@ -136,9 +136,12 @@ def test_module_optimizer_scheduler_round_trip(tmp_path):
     model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
-    state2 = {"model": model2, "optim": opt2, "sched": sched2, "step": 0, "data": {}}
+    # the live state is the schema: its keys are filled (restore adds none)
+    data2 = {"epoch": 0, "pos": 0}
+    state2 = {"model": model2, "optim": opt2, "sched": sched2, "step": 0, "data": data2}
     info = snapcore.restore(state2, tmp_path)
     assert info.step == 3 and state2["step"] == 3 and state2["data"] == {"epoch": 1, "pos": 17}
+    assert state2["data"] is data2 and info.missing == [] and info.unexpected == []
     for p, q in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(p, q)
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]

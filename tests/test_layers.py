@@ -27,8 +27,7 @@ LAYERS: dict[str, int] = {
     "snapcore.io_types": 1,  # the types the stages pass each other
     "snapcore.planning": 2,
     "snapcore.sharding": 2,
-    "snapcore.remote": 3,  # the object-storage client
-    "snapcore.objstore": 3,
+    "snapcore.objstore": 3,  # the object-storage client
     "snapcore.store": 4,  # tiers
     "snapcore.tiers": 4,
     "snapcore.staging": 5,

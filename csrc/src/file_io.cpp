@@ -224,16 +224,17 @@ void read_into(const std::string& path, std::uint64_t offset, std::size_t nbytes
                std::size_t threads) {
   check_range(offset, nbytes);
   SNAP_EXPECT_ARG(dst != nullptr || nbytes == 0, "read_into: null address");
-  Fd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // O_NONBLOCK: a FIFO put where a data file should be must not block the open; it is
+  // refused below (only regular files are data files). Regular files ignore the flag.
+  Fd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   SYSCALL_CHECK(file.fd, "open for reading", path);
 
   struct stat st {};
   SYSCALL_CHECK(::fstat(file.fd, &st), "fstat", path);
-  if (S_ISREG(st.st_mode)) {
-    const auto size = static_cast<std::uint64_t>(st.st_size);
-    SNAP_EXPECT(size >= offset + nbytes,
-                "truncated: " << path << " has " << size << " bytes, need " << offset + nbytes);
-  }
+  SNAP_EXPECT(S_ISREG(st.st_mode), "not a regular file: " << path);
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  SNAP_EXPECT(size >= offset + nbytes,
+              "truncated: " << path << " has " << size << " bytes, need " << offset + nbytes);
   if (nbytes == 0) {
     return;
   }

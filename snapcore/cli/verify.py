@@ -35,10 +35,12 @@ def run(args: argparse.Namespace) -> int:
             bar = Progress(f"verify step {step} ({name})", enabled=not args.quiet)
             try:
                 damaged = verify_snapshot(st.tiers[name], step, progress=bar.update)
-            except CorruptSnapshot as e:  # a damaged manifest, a missing or truncated file
-                damaged = [e]
-            finally:
-                bar.close()
+            except CorruptSnapshot as e:  # a damaged manifest, a missing or truncated file:
+                bar.close()  # nothing was read, so one line says it all
+                print(clean(f"DAMAGED ({name}): {e}"), file=sys.stderr)
+                bad += 1
+                continue
+            bar.close()
             for e in damaged:
                 print(clean(f"DAMAGED ({name}): {e}"), file=sys.stderr)
             if damaged:

@@ -221,8 +221,9 @@ class Checkpointer:
             self._sigterm.install()
 
     # -- the training loop's calls ---------------------------------------------------------
-    def restore(self, state: Any, *, step: int | None = None) -> int:
-        """Load the newest snapshot (or ``step``) into ``state``; returns the step to run next.
+    def restore(self, state: Any, *, step: int | None = None, strict: bool = True) -> int:
+        """Load the newest intact snapshot (or ``step``) into ``state``; returns the step to
+        run next. ``strict``: as for ``snapcore.restore``.
 
         0 when the store holds nothing. Journals the run's start and the restore; a
         restore after training began in this run is a rollback, which counts as a failure
@@ -230,7 +231,7 @@ class Checkpointer:
         """
         self._begin()
         try:
-            info = api.restore(state, self.store, step=step)
+            info = api.restore(state, self.store, step=step, strict=strict)
         except SnapshotNotFound:
             log.info("nothing to restore in %s: starting at step 0", self.store.describe())
             return 0

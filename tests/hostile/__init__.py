@@ -1,0 +1,1 @@
+"""A corpus of hostile stores (see corpus.py), in the manner of safetensors' attacks/."""
