@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from snapcore.engine import close_all, engine_for
 
 import snapcore
 from snapcore.store import MANIFEST, step_dir_name
 from snapcore.tiers import LocalTier, RemoteStoreTier
+from snapcore.write.engine import close_all, engine_for
 
 
 @pytest.fixture(autouse=True)
