@@ -278,6 +278,20 @@ _VALUE_NAMES = {
 }
 
 
+def _plain(obj: object) -> bool:
+    """A plain value (no tensor, dict or stateful object), or a list/tuple of them."""
+    if isinstance(obj, list) or type(obj) is tuple:
+        return all(_plain(v) for v in obj)
+    return not isinstance(obj, torch.Tensor | Mapping | list | tuple) and not is_stateful(obj)
+
+
+def _plain_node(node: Node) -> bool:
+    (kind, value), *_ = node.items()
+    if kind in ("list", "tuple"):
+        return all(_plain_node(v) for v in value)
+    return kind not in _STRUCTURED
+
+
 def canonical_key(key: object) -> object:
     """A module's state-dict key without the segments of wrappers (``_orig_mod``,
     ``module``), as torch.distributed.checkpoint.state_dict names parameters."""
@@ -356,6 +370,14 @@ class _Planner:
         if isinstance(current, list) or type(current) is tuple:  # as flatten() saves them
             if inner_kind not in ("list", "tuple"):
                 raise self.mismatch(current, node, path)
+            if _plain(current) and _plain_node(inner):
+                # a sequence of plain values is a value (a loss history, an RNG state): it
+                # takes the saved one whole, whatever its length
+                value = self.fresh(inner, path)
+                if isinstance(current, list):
+                    self.plan.writes.append((current, slice(None), value))
+                    return _const(current)
+                return lambda tensor: tuple(value(tensor))
             return self.live_sequence(current, inner_value, path)
         if is_stateful(current):
             if isinstance(current, torch.nn.Module):

@@ -4,6 +4,7 @@ and the fallback to an older step when the newest is damaged in every tier."""
 from __future__ import annotations
 
 import logging
+import random
 import uuid
 from typing import Any
 
@@ -138,8 +139,32 @@ def test_keys_the_state_lacks_are_reported_not_added(tmp_path):
     state: dict[str, Any] = {"a": torch.zeros(2), "nested": {"x": 0}, "l": [0, 0]}
     info = snapcore.restore(state, tmp_path)
     assert set(state) == {"a", "nested", "l"} and state["nested"] == {"x": 1}
-    assert state["l"] == [1, 2] and torch.equal(state["a"], torch.ones(2))
-    assert info.unexpected == ["b", "nested.y", "l.2"] and info.missing == []
+    assert state["l"] == [1, 2, 3] and torch.equal(state["a"], torch.ones(2))  # a value
+    assert info.unexpected == ["b", "nested.y"] and info.missing == []
+
+
+def test_a_list_of_plain_values_takes_the_saved_one_whole(tmp_path):
+    saved_rng = random.Random(7).getstate()
+    snapcore.save(
+        {"history": [0.5, 0.25, [1, "x"]], "short": [1], "rng": saved_rng}, tmp_path, step=1
+    )
+    history: list[Any] = []
+    state = {"history": history, "short": [9, 9, 9], "rng": random.Random(1).getstate()}
+    info = snapcore.restore(state, tmp_path)
+    assert state["history"] is history and history == [0.5, 0.25, [1, "x"]]
+    assert state["short"] == [1] and state["rng"] == saved_rng
+    assert info.missing == [] and info.unexpected == []
+
+
+def test_a_list_holding_tensors_is_matched_index_by_index(tmp_path):
+    snapcore.save({"l": [torch.ones(2), torch.ones(3)]}, tmp_path, step=1)
+    first = torch.zeros(2)
+    state = {"l": [first]}
+    info = snapcore.restore(state, tmp_path)
+    assert state["l"][0] is first and torch.equal(first, torch.ones(2))
+    assert len(state["l"]) == 1 and info.unexpected == ["l.1"]
+    with pytest.raises(snapcore.StateMismatch, match=r"nothing for l\.2"):
+        snapcore.restore({"l": [torch.zeros(2), torch.zeros(3), torch.zeros(1)]}, tmp_path)
 
 
 def test_strict_false_reports_missing_and_unexpected_and_leaves_the_missing_alone(tmp_path):
