@@ -20,7 +20,7 @@ Rows:
     python benchmarks/bench_checkpointer.py --calls 200000 --json out.json
     python benchmarks/bench_checkpointer.py --smoke   # does it run? (tests/test_benchmarks.py)
 
-Never run by the test suite.
+The test suite runs only its --smoke run (tests/test_benchmarks.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ CPU-second of this process, which depends less on them.
     python benchmarks/bench_codec.py --markdown out.md
     python benchmarks/bench_codec.py --smoke          # does it run? (tests/test_benchmarks.py)
 
-Never run by the test suite.
+The test suite runs only its --smoke run (tests/test_benchmarks.py).
 """
 
 from __future__ import annotations

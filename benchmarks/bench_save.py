@@ -24,7 +24,7 @@ changes before each save, as in training: snapcore stores a chunk it already hol
     python benchmarks/bench_save.py --smoke            # does it run? (tests/test_benchmarks.py)
     python benchmarks/bench_save.py --json out.json --markdown out.md
 
-Never run by the test suite.
+The test suite runs only its --smoke run (tests/test_benchmarks.py).
 """
 
 from __future__ import annotations
