@@ -18,14 +18,14 @@ Rows:
 
     python benchmarks/bench_checkpointer.py               # ~10 s
     python benchmarks/bench_checkpointer.py --calls 200000 --json out.json
+    python benchmarks/bench_checkpointer.py --smoke   # does it run? (tests/test_benchmarks.py)
 
-Never run by the test suite.
+The test suite runs only its --smoke run (tests/test_benchmarks.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import common
 import torch
 
 import snapcore
@@ -46,14 +47,7 @@ TARGET_NS = 20_000
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = common.cpu_model(platform.processor() or platform.machine())
     return (
         f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
         f"Python {platform.python_version()}, torch {torch.__version__}"
@@ -90,7 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=1_000_000, help="timed hot-path calls")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny run that only checks the benchmark works (few calls; the target's "
+        "verdict is printed but does not set the exit status)",
+    )
     args = p.parse_args(argv)
+    # timed calls: housekeeping, re-plans per store, snapshots
+    housekeeping_calls, replan_calls, snapshots = 20_000, 100, 200
+    if args.smoke:
+        args.calls, housekeeping_calls, replan_calls, snapshots = 1000, 100, 5, 3
 
     state = {"w": torch.randn(128, 128), "step": 0}
     rows = []
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt._next_check = -math.inf  # white box: force a slow call
             ckpt.step(args.calls + i + 1, state)
 
-        rows.append(summary("step(), housekeeping", timed(housekeeping, 20_000)))
+        rows.append(summary("step(), housekeeping", timed(housekeeping, housekeeping_calls)))
         assert ckpt.stats().snapshots == 1
         ckpt.close(final=False)
 
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             def replan(i: int, c: snapcore.Checkpointer = c) -> None:
                 c._replan(c._clock(), force=True)
 
-            rows.append(summary(f"re-plan, {n} tier(s)", timed(replan, 100)))
+            rows.append(summary(f"re-plan, {n} tier(s)", timed(replan, replan_calls)))
             c.close()
         HostTier(host).release()
 
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             stalls.append(time.perf_counter_ns() - t0)
             due.wait()
 
-        for i in range(200):
+        for i in range(snapshots):
             snap_stall(i)
         rows.append(summary("step(), snapshot due (64 KiB state)", stalls))
         due.close()
@@ -177,10 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{'PASS' if ok else 'FAIL'} (median {hot['median_ns'] / 1000:.2f} us, "
         f"p99 {hot['p99_ns'] / 1000:.2f} us)"
     )
-    if args.json:
-        doc = {"machine": machine(), "rows": [{"name": n, **r} for n, r in rows]}
-        Path(args.json).write_text(json.dumps(doc, indent=1))
-    return 0 if ok else 1
+    doc = {"machine": machine(), "rows": [{"name": n, **r} for n, r in rows]}
+    common.write_figures(args.json, doc)
+    return 0 if ok or args.smoke else 1
 
 
 if __name__ == "__main__":

@@ -20,28 +20,26 @@ CPU-second of this process, which depends less on them.
     python benchmarks/bench_codec.py                  # 256 MB tensors, a few minutes
     python benchmarks/bench_codec.py --size-mb 64     # a quick run
     python benchmarks/bench_codec.py --markdown out.md
+    python benchmarks/bench_codec.py --smoke          # does it run? (tests/test_benchmarks.py)
 
-Never run by the test suite.
+The test suite runs only its --smoke run (tests/test_benchmarks.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import platform
 import shlex
 import sys
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import machine_load
+import common
 import torch
 import zstandard
-from machine_load import Others
 
 from snapcore import _native, codec
 
@@ -71,23 +69,15 @@ class Settings:
     max_wait: float  # ... but for at most this many seconds
 
 
-# -- other processes' load ---------------------------------------------------------------
-def wait_for_quiet(settings: Settings) -> None:
-    machine_load.wait_for_quiet(settings.quiet_cores, settings.max_wait, probe_s=0.5)
-
-
+# -- timings -------------------------------------------------------------------------------
 def best_time(fn: Callable[[], object], settings: Settings) -> tuple[float, float, float]:
     """The shortest wall time of `repeats` calls, each started once the machine is quiet
     (or the wait is over), with this process's CPU time in that call and the cores other
     processes took meanwhile."""
     best = (float("inf"), 0.0, 0.0)
     for _ in range(settings.repeats):
-        wait_for_quiet(settings)
-        with Others() as others:
-            c0, t0 = time.process_time(), time.perf_counter()
-            fn()
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        best = min(best, (wall, cpu, others.cores))
+        t = common.timed(fn)
+        best = min(best, (t.wall_s, t.cpu_s, t.others))
     return best
 
 
@@ -199,9 +189,7 @@ def shuffle_speed(settings: Settings) -> dict[int, tuple[float, float]]:
 
 # -- report --------------------------------------------------------------------------------
 def machine() -> str:
-    cpu = "?"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    cpu = common.cpu_model()
     cores = len(os.sched_getaffinity(0))
     return (
         f"{cores} cores ({cpu}), Python {platform.python_version()}, torch {torch.__version__},"
@@ -250,8 +238,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quiet-cores", type=float, default=0.2)
     parser.add_argument("--max-wait", type=float, default=60.0, help="seconds")
     parser.add_argument("--markdown", help="also write the table to this file")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny run that only checks the benchmark works (4 MB, one repeat, no waiting)",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.size_mb, args.adam_steps, args.repeats, args.max_wait = 4, 1, 1, 0.0
     settings = Settings(args.repeats, args.quiet_cores, args.max_wait)
+    common.set_quiet(args.quiet_cores, args.max_wait, probe_s=0.5)
     command = shlex.join(["python", "benchmarks/bench_codec.py", *(argv or sys.argv[1:])])
 
     print(f"building data: {args.size_mb} MB tensors ...", file=sys.stderr, flush=True)
@@ -269,9 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += measure(name, t.contiguous(), settings)
     text = markdown(rows, shuffle_speed(settings), command)
     print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
+    common.write_figures(None, None, args.markdown, text)
 
 
 if __name__ == "__main__":

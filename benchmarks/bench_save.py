@@ -20,10 +20,11 @@ the state alone, measured right after the state was built. Every element of the 
 changes before each save, as in training: snapcore stores a chunk it already holds once.
 
     python benchmarks/bench_save.py                    # ~4.4 GB state, 6-7 minutes
-    python benchmarks/bench_save.py --size-gb 0.3      # a smoke run, about a minute
+    python benchmarks/bench_save.py --size-gb 0.3      # a small run, about a minute
+    python benchmarks/bench_save.py --smoke            # does it run? (tests/test_benchmarks.py)
     python benchmarks/bench_save.py --json out.json --markdown out.md
 
-Never run by the test suite.
+The test suite runs only its --smoke run (tests/test_benchmarks.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,8 +50,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import machine_load
-from machine_load import CLK_TCK, Others, jiffies
+import common
+from common import CLK_TCK, Others, jiffies, settle, status_bytes
 
 GB = 1e9
 GIB = 1 << 30
@@ -62,32 +62,6 @@ Result = dict[str, Any]
 
 
 # -- memory accounting ------------------------------------------------------------------------
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-QUIET = {"cores": 0.25, "max_wait_s": 2.0}  # set from --quiet-cores / --quiet-wait
-
-
-def settle() -> None:
-    """Wait (a few seconds at most) until other processes leave the CPUs nearly idle."""
-    machine_load.wait_for_quiet(QUIET["cores"], QUIET["max_wait_s"])
-
-
 class Peak:
     """Peak RSS above a baseline (the state alone) during a ``with`` block, and the CPU
     that other processes took meanwhile; it starts once the machine is quiet."""
@@ -101,14 +75,14 @@ class Peak:
     def __enter__(self) -> Peak:
         gc.collect()
         settle()
-        self.reset_ok = _reset_peak()
+        self.reset_ok = common.reset_peak()
         self._others = Others().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._others.__exit__()
         self.others = self._others.cores
-        self.extra = max(0, _status_bytes("VmHWM") - self.baseline)
+        self.extra = max(0, status_bytes("VmHWM") - self.baseline)
 
 
 # -- the state --------------------------------------------------------------------------------
@@ -150,15 +124,9 @@ def build_state(size_gb: float) -> tuple[Any, Any, Result]:
         "layers": layers,
         "width": width,
         "build_s": time.perf_counter() - t0,
-        "baseline_rss": _status_bytes("VmRSS"),
+        "baseline_rss": status_bytes("VmRSS"),
     }
     return model, opt, info
-
-
-def _drop(paths: list[str]) -> bool:
-    from snapcore import _native
-
-    return all(_native.drop_page_cache(p) for p in paths)
 
 
 def _files_under(root: str | Path) -> list[str]:
@@ -191,25 +159,15 @@ def probe_memcpy(address: int, size: int, reps: int = 2) -> float:
     best = 0.0
     for _ in range(reps):
         for nt in (False, True):
-            settle()
-            t0 = time.perf_counter()
-            _native.copy_host([(address + half, address, half)], 0, nontemporal=nt)
-            best = max(best, half / (time.perf_counter() - t0))
+            best = max(best, common.copy_rate(address + half, address, half, nontemporal=nt))
     return best
 
 
 def probe_odirect(path: Path, address: int, size: int, total: int) -> float:
     """Bandwidth of O_DIRECT writes of ``total`` bytes, ``size`` at a time from ``address``
     (the same buffer at successive offsets), fdatasync included."""
-    from snapcore import _native
-
-    settle()
-    t0 = time.perf_counter()
-    with _native.FileWriter(str(path), direct=True) as w:
-        for offset in range(0, total, size):
-            w.write_at(offset, address, min(size, total - offset))
-        w.sync()
-    rate = total / (time.perf_counter() - t0)
+    pieces = [(offset, address, min(size, total - offset)) for offset in range(0, total, size)]
+    rate, _ = common.write_rate(path, pieces, direct=True)
     path.unlink()
     return rate
 
@@ -220,10 +178,6 @@ def probe_cold_read(path: str, tensors: list[Any], streams: int) -> float:
     ``streams`` pieces are in flight at once (1: one sequential stream). Overwrites the
     tensors: only for a state that is restored afterwards.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from snapcore import _native
-
     piece = 64 << 20
     jobs: list[tuple[int, int, int]] = []  # (file offset, bytes, address)
     offset, size = 0, os.path.getsize(path)
@@ -231,13 +185,7 @@ def probe_cold_read(path: str, tensors: list[Any], streams: int) -> float:
         n = min(t.numel() * t.element_size(), size - offset)
         jobs += [(offset + s, min(piece, n - s), t.data_ptr() + s) for s in range(0, n, piece)]
         offset += max(n, 0)
-    _drop([path])
-    settle()
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(streams) as pool:
-        for f in [pool.submit(_native.read_into, path, o, n, a) for o, n, a in jobs]:
-            f.result()
-    return offset / (time.perf_counter() - t0)
+    return common.cold_read_rate(path, jobs, streams=streams)[0]
 
 
 # -- phase: the machine -----------------------------------------------------------------------
@@ -256,22 +204,9 @@ def phase_machine(args: argparse.Namespace, work: Path) -> Result:
     out["prefault_Bps"] = 2 * size / (time.perf_counter() - t)
     out["huge_pages"] = src.huge_pages
 
-    def bw(fn: Callable[[], None], nbytes: int, reps: int) -> list[float]:
-        rates = []
-        for _ in range(reps):
-            settle()
-            t0 = time.perf_counter()
-            fn()
-            rates.append(nbytes / (time.perf_counter() - t0))
-        return rates
-
     ctypes.memset(src.address, 0x5A, size)  # content, so that nothing reads zero pages
-    memcpy = bw(lambda: _native.copy_host([(dst.address, src.address, size)], 0), size, 5)
-    streaming = bw(
-        lambda: _native.copy_host([(dst.address, src.address, size)], 0, nontemporal=True),
-        size,
-        5,
-    )
+    memcpy = [common.copy_rate(dst.address, src.address, size) for _ in range(5)]
+    streaming = [common.copy_rate(dst.address, src.address, size, True) for _ in range(5)]
     out["memcpy_runs_Bps"] = memcpy
     out["memcpy_nt_runs_Bps"] = streaming
     out["memcpy_Bps"] = max(memcpy + streaming)
@@ -279,20 +214,14 @@ def phase_machine(args: argparse.Namespace, work: Path) -> Result:
         torch.frombuffer((ctypes.c_char * size).from_address(arena.address), dtype=torch.uint8)
         for arena in (src, dst)
     ]
-    out["torch_copy_Bps"] = max(bw(lambda: views[1].copy_(views[0]), size, 3))
+    torch_copy = [common.rate(lambda: views[1].copy_(views[0]), size) for _ in range(3)]
+    out["torch_copy_Bps"] = max(torch_copy)
     views.clear()
 
     path = str(work / "probe.bin")
 
     def write(direct: bool) -> tuple[float, bool]:
-        settle()
-        t0 = time.perf_counter()
-        w = _native.FileWriter(path, direct=direct)
-        w.write_at(0, src.address, size)
-        w.write_at(size, dst.address, size)
-        w.sync()
-        w.close()
-        return 2 * size / (time.perf_counter() - t0), w.direct
+        return common.write_rate(path, [(0, src.address, size), (size, dst.address, size)], direct)
 
     direct_runs = []
     for _ in range(2):
@@ -314,12 +243,9 @@ def phase_machine(args: argparse.Namespace, work: Path) -> Result:
     for name, threads in (("cold_read_1t_Bps", 1), ("cold_read_parallel_Bps", 0)):
         rates = []
         for _ in range(2):
-            out["drop_page_cache_ok"] = _drop([path])
-            settle()
-            t0 = time.perf_counter()
-            _native.read_into(path, 0, size, src.address, threads=threads)
-            _native.read_into(path, size, size, dst.address, threads=threads)
-            rates.append(2 * size / (time.perf_counter() - t0))
+            reads = [(0, size, src.address), (size, size, dst.address)]
+            rate, out["drop_page_cache_ok"] = common.cold_read_rate(path, reads, threads=threads)
+            rates.append(rate)
         out[name] = max(rates)
     out["cold_read_Bps"] = max(out["cold_read_1t_Bps"], out["cold_read_parallel_Bps"])
     os.unlink(path)
@@ -378,7 +304,7 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
     probe_arena = _native.Arena(max(page, min(2 * GIB, info["state_bytes"]) // page * page))
     ctypes.memset(probe_arena.address, 0x5A, probe_arena.size)
     gc.collect()
-    info["baseline_rss"] = _status_bytes("VmRSS")  # the state and the probe arena
+    info["baseline_rss"] = status_bytes("VmRSS")  # the state and the probe arena
     store = snapcore_store(work)
     probe_file = work / "odirect-probe.bin"
     runs: list[Result] = []
@@ -393,10 +319,8 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
                 offset = 0  # wrap around: the arena is larger than any cache
             copies.append((probe_arena.address + offset, t.data_ptr(), min(n, probe_arena.size)))
             offset += -(-n // 64) * 64
-        settle()
-        t0 = time.perf_counter()
-        _native.copy_host(copies, 0, nontemporal=True)  # the stores snapcore stages with
-        return time.perf_counter() - t0
+        # the stores snapcore stages with
+        return common.timed(lambda: _native.copy_host(copies, 0, nontemporal=True)).wall_s
 
     def odirect_probe() -> None:
         odirect.append(
@@ -480,10 +404,7 @@ def phase_snapcore(args: argparse.Namespace, work: Path) -> Result:
         dcp_stage()  # allocates its copy
 
         def timed_dcp_stage() -> float:
-            settle()
-            t0 = time.perf_counter()
-            dcp_stage()
-            return time.perf_counter() - t0
+            return common.timed(dcp_stage).wall_s
 
         for i in range(args.duel_rounds):
             step += 1
@@ -538,7 +459,7 @@ def phase_torch_save(args: argparse.Namespace, work: Path) -> Result:
                 "others": peak.others,
             }
         )
-        _drop([str(path)])  # leave no cached pages behind for the next measurement
+        common.drop_page_cache([str(path)])  # leave no cached pages behind for the next measurement
     return {**info, "runs": runs, "file": str(path), "file_bytes": path.stat().st_size}
 
 
@@ -576,7 +497,7 @@ def phase_dcp(args: argparse.Namespace, work: Path) -> Result:
             "others": peak.others,
         }
     ]
-    _drop(_files_under(path))
+    common.drop_page_cache(_files_under(path))
 
     def async_runs(kind: Any, options: Any, extra: dict[str, Any]) -> list[Result]:
         # CPU only: pinned memory and non-blocking copies need an accelerator.
@@ -609,7 +530,7 @@ def phase_dcp(args: argparse.Namespace, work: Path) -> Result:
                         "others": peak.others,
                     }
                 )
-                _drop(_files_under(path))
+                common.drop_page_cache(_files_under(path))
                 shutil.rmtree(path, ignore_errors=True)
         finally:
             stager.close()
@@ -632,7 +553,7 @@ def phase_dcp(args: argparse.Namespace, work: Path) -> Result:
     # private memory would be copied into shared memory on every save.
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            "gloo", init_method=f"tcp://127.0.0.1:{common.free_port()}", rank=0, world_size=1
         )
         out["async_process"] = async_runs(
             AsyncCheckpointerType.PROCESS,
@@ -650,12 +571,6 @@ def phase_dcp(args: argparse.Namespace, work: Path) -> Result:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _daemon_hwm() -> int | None:
     from torch.distributed.checkpoint import _async_process_executor as ape
 
@@ -663,13 +578,9 @@ def _daemon_hwm() -> int | None:
     if proc is None:
         return None
     try:
-        with open(f"/proc/{proc._save_process.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        return status_bytes("VmHWM", proc._save_process.pid)
+    except (OSError, RuntimeError):
         return None
-    return None
 
 
 # -- phase: restore ---------------------------------------------------------------------------
@@ -710,7 +621,7 @@ def phase_restore(args: argparse.Namespace, work: Path) -> Result:
     out: Result = dict(info)
 
     def measure(name: str, files: list[str], fn: Callable[[], object]) -> None:
-        dropped = _drop(files)
+        dropped = common.drop_page_cache(files)
         with Peak(info["baseline_rss"]) as peak:
             t0 = time.perf_counter()
             result = fn()
@@ -990,9 +901,7 @@ def machine_info(work: Path) -> Result:
         except (OSError, subprocess.CalledProcessError):
             return ""
 
-    cpu = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    cpu = common.cpu_model("")
     mem = 0
     with contextlib.suppress(OSError), open("/proc/meminfo") as f:
         mem = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal")), 0)
@@ -1280,13 +1189,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quiet-wait", type=float, default=2.0, help="... but for at most this many seconds"
     )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny run that only checks the benchmark works (~12 MB state, one warm run, "
+        "no waiting for a quiet machine); its figures mean nothing",
+    )
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # child process mode
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.size_gb, args.probe_gb, args.quiet_wait = 0.01, 0.01, 0.0
+        args.repeats, args.dcp_repeats, args.duel_rounds = 1, 0, 1
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    QUIET.update(cores=args.quiet_cores, max_wait_s=args.quiet_wait)
+    common.set_quiet(args.quiet_cores, args.quiet_wait)
     if args.phase:
         work = Path(args.dir)
         result = PHASE_FUNCS[args.phase](args, work)
@@ -1311,10 +1230,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in report["targets"]:
         print(f"{t['status']:4}  {t['target']}: {t['detail']}")
     print(f"total {report['total_s']:.0f}s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    if args.markdown:
-        Path(args.markdown).write_text(text)
+    common.write_figures(args.json, report, args.markdown, text)
     return 0
 
 

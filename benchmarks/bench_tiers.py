@@ -7,17 +7,16 @@ development machine, so the remote figures measure snapcore against that server,
 against S3.
 
     python benchmarks/bench_tiers.py [--size-mb 256] [--json out.json]
+    python benchmarks/bench_tiers.py --smoke       # does it run? (tests/test_benchmarks.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,25 +27,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
 
 import snapcore
-from snapcore import _native
 from snapcore.tiers import HostTier
 from snapcore.write.engine import close_all
 
 OPTIONS = {"key": "testing", "secret": "testing"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
-    port = free_port()
+    port = common.free_port()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -100,8 +93,7 @@ def state_bytes(state: dict[str, Any]) -> int:
 
 
 def drop_cache(root: Path) -> None:
-    for p in root.rglob("*.bin"):
-        _native.drop_page_cache(str(p))
+    common.drop_page_cache([str(p) for p in root.rglob("*.bin")])
 
 
 def timed_restore(state: dict[str, Any], store: snapcore.Store) -> tuple[float, str]:
@@ -246,11 +238,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=256)
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--smoke", action="store_true", help="a tiny run (--size-mb 4) that only checks it works"
+    )
     args = p.parse_args()
+    if args.smoke:
+        args.size_mb = 4
     r = run(args.size_mb)
     print(report(r, args.size_mb))
-    if args.json:
-        args.json.write_text(json.dumps(r, indent=1))
+    common.write_figures(args.json, r)
     return 0
 
 

@@ -13,6 +13,7 @@ runs snapcore's optimiser with the true rate.
 
     python benchmarks/simulate.py            # full run (about a minute on 2 cores)
     python benchmarks/simulate.py --quick    # a few seconds, for the test
+    python benchmarks/simulate.py --smoke    # --quick on one worker (tests/test_benchmarks.py)
     python benchmarks/simulate.py --write-docs   # also update docs/scheduler.md + PNG
 
 Standard library only, plus matplotlib for the plot (imported only when plotting).
@@ -486,9 +487,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small run of a few seconds")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="--quick on one worker")
     ap.add_argument("--write-docs", action="store_true", help="update docs/scheduler.md + PNG")
     ap.add_argument("--docs", default=str(Path(__file__).resolve().parent.parent / "docs"))
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.quick, args.workers = True, 1
 
     t0 = time.perf_counter()
     todo = cases(args.quick)

@@ -1,0 +1,116 @@
+"""Every benchmark runs, at a tiny size (``--smoke``), so that none can rot unnoticed.
+
+Each is run as its users run it, ``python benchmarks/NAME.py``, in a subprocess with a
+time limit, and must exit 0 and report the figures it exists for. Nothing here judges a
+figure's value: on this shared machine speeds say nothing (and a smoke run's sizes are
+far too small to mean anything); only that the benchmark measured what it should.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(script: str, *args: str | Path, timeout: float = 120) -> str:
+    """Run ``benchmarks/script --smoke args``; its stdout, once it exited 0."""
+    cmd = [sys.executable, str(BENCHMARKS / script), "--smoke", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_bench_save(tmp_path: Path) -> None:
+    raw, table = tmp_path / "raw.json", tmp_path / "table.md"
+    out = run("bench_save.py", "--dir", tmp_path, "--json", raw, "--markdown", table, timeout=300)
+    report = json.loads(raw.read_text())
+    phases = ("machine", "snapcore", "torch_save", "dcp", "restore")
+    for phase in phases:
+        assert "error" not in report[phase], report[phase]
+    assert report["machine"]["memcpy_Bps"] > 0 and report["machine"]["odirect_Bps"] > 0
+    assert report["machine"]["cold_read_Bps"] > 0
+    sc = report["snapcore"]
+    assert len(sc["async"]) == 2 and len(sc["save"]) == 2 and len(sc["duel"]) == 1
+    assert all(run["memcpy_Bps"] > 0 for run in sc["async"][1:])
+    assert len(sc["odirect_Bps"]) == 2
+    assert len(report["torch_save"]["runs"]) == 2
+    dcp = report["dcp"]
+    assert len(dcp["save"]) == 1 and len(dcp["async_thread"]) == 1
+    assert len(dcp.get("async_process", [])) == 1, dcp.get("async_process_error")
+    rs = report["restore"]
+    assert [x["streams"] for x in rs["cold_read"]] == [1, 4, 1, 4]
+    for key in ("snapcore_restore_noverify", "snapcore_load", "torch_load", "dcp_load"):
+        assert rs[key]["seconds"] > 0
+    assert rs["snapcore_restore"]["state_matches"]  # each restore got the saved state back
+    # every target was judged (PASS or FAIL: a smoke run's verdicts mean nothing)
+    assert len(report["targets"]) == 7
+    assert all(t["status"] in ("PASS", "FAIL") for t in report["targets"]), report["targets"]
+    text = table.read_text()
+    assert "| machine phase | GB/s |" in text and "| target | measured |" in text
+    assert text in out
+    assert not list(tmp_path.glob("snapcore-bench-*"))  # its work directory is removed
+
+
+def test_bench_codec(tmp_path: Path) -> None:
+    table = tmp_path / "table.md"
+    out = run("bench_codec.py", "--markdown", table)
+    text = table.read_text()
+    assert text in out
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    assert len(rows) == 16  # 4 data x 4 codecs and levels
+    assert {row.split(" | ")[0][2:] for row in rows} == {
+        "weights fp32 (randn*0.02)",
+        "weights bf16",
+        "Adam exp_avg (1 steps)",
+        "Adam exp_avg_sq (1 steps)",
+    }
+    assert {tuple(row.split(" | ")[1:3]) for row in rows} == {
+        ("zstd", "1"),
+        ("zstd", "3"),
+        ("shuffle-zstd", "1"),
+        ("shuffle-zstd", "3"),
+    }
+    assert "byte_shuffle / byte_unshuffle alone" in text
+
+
+def test_bench_tiers(tmp_path: Path) -> None:
+    raw = tmp_path / "raw.json"
+    out = run("bench_tiers.py", "--json", raw)
+    r = json.loads(raw.read_text())
+    assert set(r["durable"]) == {"stall", "host", "local", "remote"}
+    assert set(r["written"]) == {"host", "local", "remote"}
+    assert set(r["restore"]) == {"host", "local (cold)", "local (warm)", "remote"}
+    assert [v["tier"] for v in r["restore"].values()] == ["host", "local", "local", "remote"]
+    codec = r["remote_codec"]
+    assert 0 < codec["written_shuffle_zstd"] < codec["written_none"]
+    inc = r["incremental"]  # (at this size no layer is frozen: nothing to say about reuse)
+    for key in ("full", "incremental"):
+        assert inc[key]["local"] > 0 and inc[key]["remote"] > 0
+    assert "| restore from | seconds | GB/s |" in out
+
+
+def test_bench_checkpointer(tmp_path: Path) -> None:
+    raw = tmp_path / "raw.json"
+    out = run("bench_checkpointer.py", "--json", raw)
+    doc = json.loads(raw.read_text())
+    assert [row["name"] for row in doc["rows"]] == [
+        "empty timed call (timing overhead)",
+        "step(), nothing due",
+        "step(), housekeeping",
+        "re-plan, 1 tier(s)",
+        "re-plan, 3 tier(s)",
+        "step(), snapshot due (64 KiB state)",
+    ]
+    for row in doc["rows"]:
+        assert row["calls"] > 0 and 0 <= row["median_ns"] <= row["max_ns"]
+    assert "target: step() with nothing due under 20 us" in out
+
+
+def test_simulate() -> None:
+    out = run("simulate.py", timeout=60)
+    assert "Checks against the issue's targets:" in out
+    assert out.count("PASS") + out.count("FAIL") >= 4
