@@ -149,6 +149,11 @@ def test_describe_local_plain_and_dtensors(gloo_group: None) -> None:
     plan = plan_save([items], 1)
     assert [w.path for w in plan.writes[0]] == ["a", "b", "c", "step"]
 
+    # a local tensor that is not the shard its placements give (e.g. padded) is refused
+    short = DTensor.from_local(full[:3], mesh1, [Shard(0)], shape=(5, 3), stride=(3, 1))
+    with pytest.raises(UnsupportedState, match=r"local shard of shape \(3, 3\)"):
+        describe_local([short], ["short"])
+
     partial = DTensor.from_local(full, mesh1, [Partial()])
     with pytest.raises(UnsupportedState, match="Partial") as e:
         describe_local([partial], ["p"])
