@@ -1,2 +1,5 @@
 """Planning: where every byte of a snapshot goes. Pure functions of the state's tensors,
-testable with no process group and no I/O."""
+testable with no process group and no I/O.
+
+``layout``: where each tensor's bytes go in a data file. ``global_plan``: the global save
+plan and resharding read plan of issue 10 (a seam, not used by save/restore yet)."""
