@@ -34,7 +34,7 @@ from pathlib import Path
 from snapcore.scheduling.model import (
     CostModel,
     FailureClass,
-    Tier,
+    TierCost,
     daly_interval,
     optimise,
     young_interval,
@@ -69,7 +69,7 @@ WARMUP_FAILURES = 5  # "after the first few failures"
 REPLAN_S = HOUR
 
 MODEL = CostModel(
-    tiers=tuple(Tier(n, PERSIST_S[n], RESTORE_S[n]) for n in TIERS),
+    tiers=tuple(TierCost(n, PERSIST_S[n], RESTORE_S[n]) for n in TIERS),
     stall_s=STALL_S,
     slowdown=SLOWDOWN,
     step_s=STEP_S,

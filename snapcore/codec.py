@@ -29,8 +29,8 @@ import zstandard
 
 from snapcore import _native
 from snapcore.errors import CorruptSnapshot
+from snapcore.manifest import CODECS  # the format names the codecs; this module runs them
 
-CODECS = ("none", "zstd", "shuffle-zstd")  # the same tuple as snapcore.manifest.CODECS
 ELEMENT_SIZES = (1, 2, 4, 8, 16)  # what byte_shuffle groups by: a dtype's itemsize
 DEFAULT_LEVEL = 1  # as good a ratio as 3 on weights and Adam state, 1.4-1.6x faster
 

@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import snapcore
-from snapcore.store import LocalStore
+from snapcore.directory import LocalDirectory
 
 # The task: next-token prediction on sequences drawn from a fixed random Markov chain in
 # which each token has a few possible successors, so the loss falls from log(VOCAB)
@@ -180,7 +180,7 @@ def _train(conn: Connection, store: str | None, steps: int, every: int, resume: 
     start = 0
     if resume:
         assert store is not None
-        snaps = LocalStore(store).snapshots()
+        snaps = LocalDirectory(store).snapshots()
         send(
             "store",
             committed=[s.step for s in snaps if s.committed],
@@ -311,7 +311,7 @@ def _compare(reference: Run, run: Run) -> tuple[int, list[int]]:
     return len(steps), [s for s in steps if run.losses[s] != reference.losses.get(s)]
 
 
-def _stray_files(store: LocalStore) -> list[str]:
+def _stray_files(store: LocalDirectory) -> list[str]:
     """Files in the store that no committed manifest references (none once saves ended)."""
     stray = []
     for snap in store.snapshots():
@@ -423,7 +423,7 @@ def demo(steps: int, every: int, kill_at: int, root: Path) -> bool:
         "  final weights and optimizer state: "
         + ("sha256 equal" if same else f"DIFFERENT ({base.digest} vs {resumed.digest})")
     )
-    stray = _stray_files(LocalStore(store))
+    stray = _stray_files(LocalDirectory(store))
     ok = ok and not stray
     print(
         "  leftovers of the killed snapshot: "

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import xxhash
@@ -24,10 +24,11 @@ from . import _native, settings
 from . import manifest as mf
 from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, StateMismatch
 from .planning.layout import contiguous_strides
+from .tiers import Tier
 from .tree import RestorePlan, build, plan_restore, tensor_paths, type_name
 
 TEMP_BATCH_BYTES = 1 << 30  # bounded host memory for blobs that need a temporary buffer
-RUN_BYTES = 64 << 20  # the largest single request when reading from object storage
+READ_RUN_BYTES = 64 << 20  # the largest single request when reading from object storage
 RUN_GAP = 1 << 16  # padding a run may read through between two chunks
 
 
@@ -45,14 +46,6 @@ class RestoreInfo:
     missing: list[str] = field(default_factory=list)  # paths of the state left as they were
     unexpected: list[str] = field(default_factory=list)  # paths of the snapshot not read
     skipped: list[str] = field(default_factory=list)  # "step N: why", newer damaged steps
-
-
-class Tier(Protocol):
-    name: str
-
-    def describe(self) -> str: ...
-    def file_size(self, name: str) -> int | None: ...
-    def read_into(self, name: str, offset: int, length: int, address: int) -> None: ...
 
 
 class Reader:
@@ -251,7 +244,7 @@ class Reader:
         self, m: mf.Manifest, jobs: list[tuple[int, int, int]]
     ) -> list[list[tuple[int, int, int]]]:
         """Group chunk reads into runs of neighbouring stored ranges of one file, up to
-        RUN_BYTES each: object stores charge per request (moto: ~0.2 s per ranged GET)."""
+        READ_RUN_BYTES each: object stores charge per request (moto: ~0.2 s per ranged GET)."""
         order = sorted(jobs, key=lambda j: (m.blobs[j[0]].chunks[j[1]].file, _chunk(m, j).offset))
         runs: list[list[tuple[int, int, int]]] = []
         for job in order:
@@ -262,7 +255,7 @@ class Reader:
                 if (
                     c.file == first.file
                     and 0 <= c.offset - end <= RUN_GAP
-                    and c.offset + c.length - first.offset <= RUN_BYTES
+                    and c.offset + c.length - first.offset <= READ_RUN_BYTES
                 ):
                     runs[-1].append(job)
                     continue

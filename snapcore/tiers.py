@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from . import _native
 from . import manifest as mf
+from .directory import MANIFEST, STEP_DIGITS, LocalDirectory, step_dir_name
 from .errors import CorruptSnapshot, InvalidManifest, SnapshotNotFound
-from .store import MANIFEST, STEP_DIGITS, LocalStore, step_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class LocalTier:
     name = "local"
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.store = LocalStore(root)
+        self.store = LocalDirectory(root)
 
     @property
     def root(self) -> Path:
@@ -225,9 +225,9 @@ class RemoteStoreTier:
     _PENDING = re.compile(rf"^step-{STEP_DIGITS}/([0-9a-f]+)\.pending$")
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        from .objstore import RemoteTier
+        from .objstore import ObjectStoreClient
 
-        self.rt = RemoteTier(url, dict(storage_options or {}))
+        self.rt = ObjectStoreClient(url, dict(storage_options or {}))
 
     def describe(self) -> str:
         return self.rt.url
@@ -417,7 +417,20 @@ class Store:
         return "Store(" + ", ".join(parts) + ")"
 
 
-Tier = LocalTier | RemoteStoreTier
+class Tier(Protocol):
+    """What every tier is to the code that reads and collects it: host memory, local disk
+    and object storage alike (``HostTier``, ``LocalTier``, ``RemoteStoreTier``)."""
+
+    name: str
+
+    def describe(self) -> str: ...
+    def committed_steps(self) -> list[int]: ...
+    def read_manifest(self, step: int) -> mf.Manifest: ...
+    def file_size(self, name: str) -> int | None: ...
+    def read_into(self, name: str, offset: int, length: int, address: int) -> None: ...
+    def uncommit(self, step: int) -> None: ...
+    def collect(self, *, dry_run: bool = False) -> list[str]: ...
+
 
 # What closes the engine of a store when its ``with`` block ends. The write layer, above
 # this one, registers it when it is imported; before that no store has an engine.

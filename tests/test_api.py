@@ -11,8 +11,8 @@ import torch
 
 import snapcore
 from snapcore import _native
+from snapcore.directory import LocalDirectory
 from snapcore.staging.copy import Stager
-from snapcore.store import LocalStore
 from snapcore.write import engine as engine_mod
 
 CPU_DTYPES = [
@@ -195,7 +195,7 @@ def test_unsupported_leaf_names_its_path(tmp_path, state, path):
         snapcore.save(state, tmp_path, step=1)
     assert e.value.path == path
     assert path in str(e.value)
-    assert LocalStore(tmp_path).committed_steps() == []
+    assert LocalDirectory(tmp_path).committed_steps() == []
 
 
 def test_restore_newest_and_by_step_and_not_found(tmp_path):
@@ -319,7 +319,7 @@ def test_background_failure_surfaces_on_wait_and_next_save(tmp_path, monkeypatch
     monkeypatch.setattr(_native, "FileWriter", real)
     snapcore.save({"x": torch.full((3,), 5.0)}, tmp_path, step=5)
     # the committed snapshots are untouched; the failed ones left nothing behind
-    store = LocalStore(tmp_path)
+    store = LocalDirectory(tmp_path)
     assert store.committed_steps() == [1, 5]
     assert [s.step for s in store.snapshots()] == [1, 5]
     assert torch.equal(snapcore.load(tmp_path, step=1)["x"], torch.ones(3))
@@ -332,7 +332,7 @@ def test_async_saves_in_a_row_reuse_the_arena(tmp_path):
     for h in handles:
         h.wait()
     assert engine_mod.engine_for(tmp_path).arenas[0] is arena
-    assert LocalStore(tmp_path).committed_steps() == [0, 1, 2]
+    assert LocalDirectory(tmp_path).committed_steps() == [0, 1, 2]
 
 
 def test_concurrent_saves_from_threads_are_serialised(tmp_path):
@@ -376,7 +376,7 @@ def test_interrupted_streaming_resave_keeps_the_committed_step(tmp_path, monkeyp
     monkeypatch.setattr(Stager, "copy", real)
     # the interrupt reached the caller: it does not fail the next save as well
     snapcore.save({"x": torch.ones(1)}, tmp_path, step=6)
-    assert LocalStore(tmp_path).committed_steps() == [5, 6]
+    assert LocalDirectory(tmp_path).committed_steps() == [5, 6]
     out = snapcore.load(tmp_path, step=5)
     for k, v in big.items():
         assert same_bits(out[k], v), k
@@ -405,7 +405,7 @@ def test_a_save_that_raised_does_not_poison_the_next(tmp_path, monkeypatch):
     with pytest.raises(snapcore.SnapshotFailed, match="step 4"):
         snapcore.save({"w": torch.full((3,), 5.0)}, tmp_path, step=5)
     snapcore.save({"w": torch.full((3,), 6.0)}, tmp_path, step=6)
-    assert LocalStore(tmp_path).committed_steps() == [3, 6]
+    assert LocalDirectory(tmp_path).committed_steps() == [3, 6]
 
 
 def test_errors_after_a_commit_are_warnings_not_failures(tmp_path, monkeypatch):

@@ -66,9 +66,9 @@ def test_errors_are_one_line_and_nonzero(tmp_path, capsys):
 
 
 def test_gc_removes_leftovers(tmp_path, capsys):
-    from snapcore.store import LocalStore
+    from snapcore.directory import LocalDirectory
 
-    p = LocalStore(tmp_path).begin(4)
+    p = LocalDirectory(tmp_path).begin(4)
     (p.dir / f"data-{p.token}-r0.bin").write_bytes(b"x")
     import os
 

@@ -44,7 +44,7 @@ import torch
 import snapcore
 from snapcore import _native
 from snapcore import store as store_mod
-from snapcore.store import MANIFEST, LocalStore
+from snapcore.directory import MANIFEST, LocalDirectory
 
 FIXED_ELEMS = 1 << 20  # float32, 4 MiB, overwritten in place after each async_save
 MAX_ELEMS = 7 << 18  # the longest tensor of expected_state
@@ -207,11 +207,11 @@ def _arm(phase: str) -> None:
 
         store_mod.Pending.release = release  # type: ignore[method-assign]
     elif phase == "collecting":  # the first file a leftover collection deletes
-        real_collect = store_mod.LocalStore.collect_leftovers
+        real_collect = store_mod.LocalDirectory.collect_leftovers
         real_unlink = os.unlink
         collecting = False
 
-        def collect(self: LocalStore, *args: Any, **kwargs: Any) -> list[Path]:
+        def collect(self: LocalDirectory, *args: Any, **kwargs: Any) -> list[Path]:
             nonlocal collecting
             collecting = True
             try:
@@ -224,7 +224,7 @@ def _arm(phase: str) -> None:
             if collecting:
                 _die()
 
-        store_mod.LocalStore.collect_leftovers = collect  # type: ignore[method-assign]
+        store_mod.LocalDirectory.collect_leftovers = collect  # type: ignore[method-assign]
         os.unlink = unlink
     else:
         raise ValueError(phase)
@@ -405,7 +405,7 @@ def stray_files(store: Path) -> list[str]:
     Chunks are shared between snapshots, so a file counts as referenced when any committed
     manifest names it, whichever step directory holds it.
     """
-    local = LocalStore(store)
+    local = LocalDirectory(store)
     referenced = {MANIFEST}
     for step in local.committed_steps():
         referenced |= {f.name for f in local.read_manifest(step).files}
@@ -428,7 +428,7 @@ def check_after_kill(
     snapshot must hold where not 0.
     """
     gens = gens or {}
-    committed = LocalStore(store).committed_steps()
+    committed = LocalDirectory(store).committed_steps()
     assert committed, "no committed snapshot survived"
     newest = committed[-1]
     if durable is not None:
@@ -474,7 +474,7 @@ def test_random_sigkills_leave_only_whole_snapshots(zygote_proc: Zygote, tmp_pat
     start = 1
     for i in range(RANDOM_KILLS):
         seen = start_and_check_clean(z, store, start, ("sync", "async")[i % 2])
-        local = LocalStore(store)
+        local = LocalDirectory(store)
         for old in local.committed_steps()[:-2]:  # bounded disk; two stay to be re-checked
             local.delete(old)
         z.go()

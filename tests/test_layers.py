@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "snapcore"
 LAYERS: dict[str, int] = {
     "snapcore.errors": 0,
     "snapcore.settings": 0,
+    "snapcore.durable": 0,
     "snapcore._native": 0,
     "snapcore.manifest": 1,  # format
     "snapcore.tree": 1,
@@ -28,7 +29,7 @@ LAYERS: dict[str, int] = {
     "snapcore.planning": 2,
     "snapcore.sharding": 2,
     "snapcore.objstore": 3,  # the object-storage client
-    "snapcore.store": 4,  # tiers
+    "snapcore.directory": 4,  # tiers
     "snapcore.tiers": 4,
     "snapcore.staging": 5,
     "snapcore.write": 6,

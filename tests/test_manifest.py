@@ -12,14 +12,14 @@ import torch
 
 import snapcore
 from snapcore import manifest as mf
-from snapcore.store import LocalStore
+from snapcore.directory import LocalDirectory
 
 
 @pytest.fixture
 def saved(tmp_path):
     state = {"w": torch.arange(12, dtype=torch.float32).view(3, 4), "b": torch.ones(5), "n": 3}
     snapcore.save(state, tmp_path, step=7)
-    path = LocalStore(tmp_path).manifest_path(7)
+    path = LocalDirectory(tmp_path).manifest_path(7)
     return tmp_path, path, json.loads(path.read_bytes())
 
 

@@ -24,7 +24,7 @@ import pytest
 import xxhash
 
 from snapcore.errors import StorageError
-from snapcore.objstore import RemoteError, RemoteTier, is_transient
+from snapcore.objstore import ObjectStoreClient, RemoteError, is_transient
 from snapcore.objstore.connection import Connection
 
 MiB = 1 << 20
@@ -62,8 +62,8 @@ def retry_warnings(caplog: pytest.LogCaptureFixture, op: str | None = None) -> l
 
 
 @pytest.fixture
-def s3_tier(s3_bucket: Any) -> Iterator[RemoteTier]:
-    tier = RemoteTier(
+def s3_tier(s3_bucket: Any) -> Iterator[ObjectStoreClient]:
+    tier = ObjectStoreClient(
         f"{s3_bucket.url}/run", s3_bucket.storage_options, part_bytes=PART, backoff_s=0.05
     )
     yield tier
@@ -71,15 +71,15 @@ def s3_tier(s3_bucket: Any) -> Iterator[RemoteTier]:
 
 
 @pytest.fixture(params=["s3", "memory", "file"])
-def any_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RemoteTier]:
+def any_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStoreClient]:
     """The same tests on each kind of store; part_bytes as small as each allows."""
     if request.param == "s3":
         bucket: Any = request.getfixturevalue("s3_bucket")
-        tier = RemoteTier(f"{bucket.url}/run", bucket.storage_options, part_bytes=PART)
+        tier = ObjectStoreClient(f"{bucket.url}/run", bucket.storage_options, part_bytes=PART)
     elif request.param == "memory":
-        tier = RemoteTier(f"memory://snapcore-{os.urandom(6).hex()}", part_bytes=256 << 10)
+        tier = ObjectStoreClient(f"memory://snapcore-{os.urandom(6).hex()}", part_bytes=256 << 10)
     else:
-        tier = RemoteTier(f"file://{tmp_path}/remote", part_bytes=256 << 10)
+        tier = ObjectStoreClient(f"file://{tmp_path}/remote", part_bytes=256 << 10)
     yield tier
     tier.delete(tier.list())
     tier.close()
@@ -89,7 +89,7 @@ def any_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RemoteT
 
 
 @pytest.mark.parametrize("parts", [0.5, 1, 2, 3.4])
-def test_writer_round_trip(any_tier: RemoteTier, parts: float) -> None:
+def test_writer_round_trip(any_tier: ObjectStoreClient, parts: float) -> None:
     """Objects of less than, exactly, and several parts, written in odd pieces from a buffer
     the caller reuses at once (the writer must have copied it)."""
     data = payload(int(parts * any_tier.part_bytes), seed=1)
@@ -107,7 +107,7 @@ def test_writer_round_trip(any_tier: RemoteTier, parts: float) -> None:
     assert any_tier.list() == ["step-000000000001/data-r0.bin"]  # no temporary left visible
 
 
-def test_s3_single_put_and_multipart(s3_tier: RemoteTier, s3_client: Any) -> None:
+def test_s3_single_put_and_multipart(s3_tier: ObjectStoreClient, s3_client: Any) -> None:
     """Up to one part: a single PUT (plain ETag); beyond: a multipart upload of N parts."""
     for name, n, parts in [("one.bin", PART, None), ("three.bin", 2 * PART + 1, 3)]:
         data = payload(n, seed=n)
@@ -121,7 +121,7 @@ def test_s3_single_put_and_multipart(s3_tier: RemoteTier, s3_client: Any) -> Non
     assert s3_tier.list() == ["one.bin", "three.bin"]
 
 
-def test_empty_object_and_put_bytes(any_tier: RemoteTier) -> None:
+def test_empty_object_and_put_bytes(any_tier: ObjectStoreClient) -> None:
     w = any_tier.open_writer("empty.bin")
     assert w.close() == (0, xxh(b""))
     assert any_tier.size("empty.bin") == 0
@@ -133,7 +133,7 @@ def test_empty_object_and_put_bytes(any_tier: RemoteTier) -> None:
     assert any_tier.read_bytes("step-000000000001/manifest.json") == b"{}"
 
 
-def test_upload_file(any_tier: RemoteTier, tmp_path: Path) -> None:
+def test_upload_file(any_tier: ObjectStoreClient, tmp_path: Path) -> None:
     for n in (0, 1000, 2 * any_tier.part_bytes, 2 * any_tier.part_bytes + 7):
         data = payload(n, seed=n)
         src = tmp_path / f"src-{n}.bin"
@@ -142,7 +142,7 @@ def test_upload_file(any_tier: RemoteTier, tmp_path: Path) -> None:
         assert any_tier.read_bytes(f"up/{n}.bin") == data
 
 
-def test_read_ranges(any_tier: RemoteTier) -> None:
+def test_read_ranges(any_tier: ObjectStoreClient) -> None:
     a, b = payload(3 * MiB, seed=2), payload(100_000, seed=3)
     any_tier.put_bytes("a.bin", a)
     any_tier.put_bytes("d/b.bin", b)
@@ -158,7 +158,7 @@ def test_read_ranges(any_tier: RemoteTier) -> None:
     assert e.value.errno == errno.ENOENT and e.value.name == "missing.bin"
 
 
-def test_list_size_delete(any_tier: RemoteTier) -> None:
+def test_list_size_delete(any_tier: ObjectStoreClient) -> None:
     names = ["step-000000000001/manifest.json", "step-000000000001/data-r0.bin"]
     names += ["step-000000000002/data-r0.bin", "journal.json", "chunks/ab/abcdef"]
     for i, n in enumerate(names):
@@ -182,7 +182,7 @@ def test_list_size_delete(any_tier: RemoteTier) -> None:
     ["../x", "/abs", "a/../b", "a/./b", ".hidden", "a//b", "", "a/", "a/b/c/d/e", "a\\b", "é"],
 )
 def test_escaping_names_are_refused(name: str) -> None:
-    with RemoteTier("memory://snapcore-names") as tier:
+    with ObjectStoreClient("memory://snapcore-names") as tier:
         calls = [
             lambda: tier.open_writer(name),
             lambda: tier.put_bytes(name, b"x"),
@@ -201,7 +201,7 @@ def test_escaping_names_are_refused(name: str) -> None:
         assert tier.list() == []
 
 
-def test_abort_leaves_nothing(any_tier: RemoteTier, s3_client: Any) -> None:
+def test_abort_leaves_nothing(any_tier: ObjectStoreClient, s3_client: Any) -> None:
     w = any_tier.open_writer("aborted.bin")
     w.write(payload(2 * any_tier.part_bytes + 5))
     w.abort()
@@ -222,7 +222,9 @@ def test_complete_retry_finds_the_upload_gone(s3_bucket: Any) -> None:
     the repeat with success; a store that answers NoSuchUpload instead is handled by
     checking the object's ETag (the MD5 of the parts' MD5s). An unknown upload id makes
     the complete fail for good (moto answers it with a 500 where S3 says NoSuchUpload)."""
-    with RemoteTier(s3_bucket.url, s3_bucket.storage_options, part_bytes=PART, retries=0) as tier:
+    with ObjectStoreClient(
+        s3_bucket.url, s3_bucket.storage_options, part_bytes=PART, retries=0
+    ) as tier:
         w = tier.open_writer("done.bin")
         w.write(payload(PART + 1))
         w.close()
@@ -235,7 +237,7 @@ def test_complete_retry_finds_the_upload_gone(s3_bucket: Any) -> None:
         assert e.value.op == "complete_multipart_upload"
 
 
-def test_close_checks_the_size(s3_tier: RemoteTier, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_close_checks_the_size(s3_tier: ObjectStoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A store that holds a different size than was written fails close(), and the object
     is taken away. (The store's answer is faked: moto never loses bytes.)"""
 
@@ -258,7 +260,7 @@ def test_memory_bounded_by_inflight_parts(tmp_path: Path) -> None:
     """A writer holds at most max_inflight + 1 part buffers, whatever the object's size."""
     part, inflight = MiB, 2
     data = payload(24 * MiB)
-    with RemoteTier(f"file://{tmp_path}", part_bytes=part, max_inflight=inflight) as tier:
+    with ObjectStoreClient(f"file://{tmp_path}", part_bytes=part, max_inflight=inflight) as tier:
         tracemalloc.start()
         try:
             w = tier.open_writer("big.bin")
@@ -272,7 +274,7 @@ def test_memory_bounded_by_inflight_parts(tmp_path: Path) -> None:
         assert (tmp_path / "big.bin").read_bytes() == data
 
 
-def test_threads_share_a_tier(any_tier: RemoteTier) -> None:
+def test_threads_share_a_tier(any_tier: ObjectStoreClient) -> None:
     """Blocking methods are thread-safe: writers and readers on several threads at once."""
     errors: list[BaseException] = []
 
@@ -295,7 +297,7 @@ def test_threads_share_a_tier(any_tier: RemoteTier) -> None:
 
 
 def test_close_is_idempotent_and_final(s3_bucket: Any, s3_client: Any) -> None:
-    tier = RemoteTier(s3_bucket.url, s3_bucket.storage_options, part_bytes=PART)
+    tier = ObjectStoreClient(s3_bucket.url, s3_bucket.storage_options, part_bytes=PART)
     w = tier.open_writer("open.bin")
     w.write(payload(PART + 1))  # a multipart upload is under way
     tier.close()
@@ -318,7 +320,7 @@ def test_outage_during_upload_is_retried(
     caplog.set_level(logging.WARNING, logger="snapcore.objstore")
     options = s3_bucket.options_for(s3_restartable.endpoint)
     data = payload(4 * PART + 123, seed=7)
-    tier = RemoteTier(s3_bucket.url, options, part_bytes=PART, retries=8, backoff_s=0.05)
+    tier = ObjectStoreClient(s3_bucket.url, options, part_bytes=PART, retries=8, backoff_s=0.05)
     restart = threading.Timer(0.5, s3_restartable.start)
     try:
         w = tier.open_writer("outage.bin")
@@ -348,7 +350,9 @@ def test_outage_longer_than_retries(
     being retried) and nothing is visible under the name."""
     caplog.set_level(logging.WARNING, logger="snapcore.objstore")
     options = s3_bucket.options_for(s3_restartable.endpoint)
-    tier = RemoteTier(f"{s3_bucket.url}/run", options, part_bytes=PART, retries=2, backoff_s=0.05)
+    tier = ObjectStoreClient(
+        f"{s3_bucket.url}/run", options, part_bytes=PART, retries=2, backoff_s=0.05
+    )
 
     class RestartOnAbortRetry(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -385,7 +389,7 @@ def test_put_with_server_down_tries_retries_plus_one_times(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="snapcore.objstore")
     options = s3_bucket.options_for(s3_restartable.endpoint)
-    with RemoteTier(s3_bucket.url, options, retries=3, backoff_s=0.01) as tier:
+    with ObjectStoreClient(s3_bucket.url, options, retries=3, backoff_s=0.01) as tier:
         s3_restartable.stop()
         with pytest.raises(RemoteError, match="after 4 attempts") as e:
             tier.put_bytes("manifest.json", b"{}")
@@ -525,7 +529,7 @@ def test_upload_through_cut_connections(
     src.write_bytes(data)
     options = s3_bucket.options_for(proxy.endpoint)
     try:
-        with RemoteTier(
+        with ObjectStoreClient(
             s3_bucket.url, options, part_bytes=PART, max_inflight=1, backoff_s=0.05
         ) as tier:
             assert tier.upload_file(str(src), "cut.bin") == (len(data), xxh(data))
@@ -537,7 +541,7 @@ def test_upload_through_cut_connections(
 
 
 def test_download_through_cut_connections(
-    s3_tier: RemoteTier, s3_bucket: Any, s3_port: int, caplog: pytest.LogCaptureFixture
+    s3_tier: ObjectStoreClient, s3_bucket: Any, s3_port: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Responses cut half-way are read again."""
     caplog.set_level(logging.WARNING, logger="snapcore.objstore")
@@ -545,7 +549,7 @@ def test_download_through_cut_connections(
     s3_tier.put_bytes("get.bin", data)
     proxy = CuttingProxy(s3_port, cut=3, after=MiB, direction="down")
     try:
-        with RemoteTier(
+        with ObjectStoreClient(
             f"{s3_bucket.url}/run", s3_bucket.options_for(proxy.endpoint), backoff_s=0.05
         ) as tier:
             assert tier.read_bytes("get.bin") == data
@@ -566,7 +570,9 @@ def test_permanent_errors_fail_fast(
     no backoff waited (with backoff_s=5, a retry would wait at least 2.5 s)."""
     caplog.set_level(logging.WARNING, logger="snapcore.objstore")
     options = s3_bucket.options_for(s3_server)
-    with RemoteTier("s3://no-such-bucket/run", options, part_bytes=PART, backoff_s=5.0) as tier:
+    with ObjectStoreClient(
+        "s3://no-such-bucket/run", options, part_bytes=PART, backoff_s=5.0
+    ) as tier:
         with pytest.raises(RemoteError) as e:
             tier.put_bytes("manifest.json", b"{}")
         assert e.value.errno == errno.ENOENT and e.value.op == "put_object"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import snapcore
-from snapcore.store import MANIFEST, step_dir_name
+from snapcore.directory import MANIFEST, step_dir_name
 from snapcore.tiers import LocalTier, RemoteStoreTier
 from snapcore.write.engine import close_all, engine_for
 

@@ -10,7 +10,7 @@ import pytest
 from snapcore.scheduling.model import (
     CostModel,
     FailureClass,
-    Tier,
+    TierCost,
     daly_interval,
     expected_waste,
     optimise,
@@ -23,8 +23,12 @@ MIN = 60.0
 HOUR = 3600.0
 
 
-def tiers() -> tuple[Tier, ...]:
-    return (Tier("host", 2.0, 190.0), Tier("local", 20.0, 210.0), Tier("remote", 300.0, 300.0))
+def tiers() -> tuple[TierCost, ...]:
+    return (
+        TierCost("host", 2.0, 190.0),
+        TierCost("local", 20.0, 210.0),
+        TierCost("remote", 300.0, 300.0),
+    )
 
 
 def classes(mtbf_s: float, crash_share: float = 63 / 419) -> list[FailureClass]:
@@ -80,7 +84,7 @@ def test_single_tier_matches_direct_series() -> None:
     # One class, one tier: waste = (E[R] + 1/lam - E[D] + O E[D]) / (1/lam + E[R]),
     # with E[D] summed term by term instead of the closed form.
     lam, t, p, r, stall = 1 / 5000, 600.0, 120.0, 200.0, 3.0
-    model = CostModel((Tier("remote", p, r),), stall_s=stall)
+    model = CostModel((TierCost("remote", p, r),), stall_s=stall)
     w = expected_waste(model, [FailureClass("any", lam, REMOTE)], {"remote": t})
     e_d = sum(
         j * t * (math.exp(-lam * (j * t + p)) - math.exp(-lam * ((j + 1) * t + p)))
@@ -96,7 +100,7 @@ def test_single_tier_matches_direct_series() -> None:
 def test_first_order_limit() -> None:
     # Rare failures: waste ~ C/T + lam (T/2 + p + R), the textbook first-order form.
     lam, t, p, r, c = 1e-7, 600.0, 60.0, 100.0, 1.0
-    model = CostModel((Tier("remote", p, r),), stall_s=c)
+    model = CostModel((TierCost("remote", p, r),), stall_s=c)
     w = expected_waste(model, [FailureClass("any", lam, REMOTE)], {"remote": t})
     assert w.total == pytest.approx(c / t + lam * (t / 2 + p + r), rel=1e-4)
 
@@ -104,7 +108,7 @@ def test_first_order_limit() -> None:
 def test_optimum_single_tier_near_young_for_rare_failures() -> None:
     # With stall C, no persist latency and rare failures the optimum is Young's.
     m = 1e7
-    model = CostModel((Tier("remote", 0.0, 0.0),), stall_s=10.0)
+    model = CostModel((TierCost("remote", 0.0, 0.0),), stall_s=10.0)
     plan = optimise(model, [FailureClass("any", 1 / m, REMOTE)])
     assert plan.intervals_s["remote"] == pytest.approx(young_interval(10.0, m), rel=0.01)
 
@@ -114,7 +118,7 @@ def test_optimum_single_tier_near_daly() -> None:
     # Ours with a blocking stall d is the same model to second order, so the two optima
     # agree closely even at M = 6 h with d = 5 min.
     d, m = 5 * MIN, 6 * HOUR
-    model = CostModel((Tier("remote", 0.0, 0.0),), stall_s=d)
+    model = CostModel((TierCost("remote", 0.0, 0.0),), stall_s=d)
     plan = optimise(model, [FailureClass("any", 1 / m, REMOTE)])
     assert plan.intervals_s["remote"] == pytest.approx(daly_interval(d, m) + d, rel=0.05)
 
@@ -159,7 +163,7 @@ def test_crash_only_failures_use_host_memory_only() -> None:
 
 
 def test_no_surviving_tier_is_an_error() -> None:
-    model = CostModel((Tier("host", 1.0, 10.0),), stall_s=1.0)
+    model = CostModel((TierCost("host", 1.0, 10.0),), stall_s=1.0)
     with pytest.raises(ValueError, match="machine"):
         optimise(model, classes(HOUR))
 
@@ -172,7 +176,7 @@ def test_bad_model_inputs() -> None:
     with pytest.raises(ValueError):
         CostModel(tiers(), stall_s=1.0, slowdown=1.0)
     with pytest.raises(ValueError):
-        Tier("x", -1.0, 0.0)
+        TierCost("x", -1.0, 0.0)
     with pytest.raises(ValueError):
         optimise(CostModel(tiers(), stall_s=1.0), classes(HOUR), target=2.0)
     with pytest.raises(ValueError):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import snapcore
-from snapcore.store import LocalStore
+from snapcore.directory import LocalDirectory
 from snapcore.tiers import HostTier, Retention
 from snapcore.write.engine import close_all, engine_for
 
@@ -107,7 +107,7 @@ def test_host_only_snapshot_survives_sigkill_and_restores_without_disk(tmp_path,
         check=False,
     )
     assert r.returncode == -9 and "committed" in r.stdout, r.stderr
-    assert LocalStore(local).committed_steps() == []  # nothing on disk to read from
+    assert LocalDirectory(local).committed_steps() == []  # nothing on disk to read from
     state = state_at(0)
     info = snapcore.restore(state, snapcore.Store(host=host_name, local=local))
     assert info.step == 7 and info.tier == "host"
@@ -179,13 +179,13 @@ def test_retention_keeps_shared_chunks_alive(tmp_path):
     for step in range(1, 6):
         snapcore.save({"frozen": frozen, "x": torch.full((10,), float(step))}, store, step=step)
     snapcore.wait_all(store)  # retention runs after each commit, in the background
-    assert LocalStore(tmp_path).committed_steps() == [4, 5]
+    assert LocalDirectory(tmp_path).committed_steps() == [4, 5]
     # step 1's file holds the frozen chunk that 4 and 5 share: it must still be there
     for step in (4, 5):
         out = snapcore.load(tmp_path, step=step)
         assert torch.equal(out["frozen"], frozen) and out["x"][0] == step
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.bin"))
-    referenced = {f.name for s in (4, 5) for f in LocalStore(tmp_path).read_manifest(s).files}
+    referenced = {f.name for s in (4, 5) for f in LocalDirectory(tmp_path).read_manifest(s).files}
     assert set(files) == referenced  # nothing else was kept
 
 

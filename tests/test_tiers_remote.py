@@ -20,7 +20,7 @@ import torch
 
 import snapcore
 from snapcore import _native
-from snapcore.store import LocalStore
+from snapcore.directory import LocalDirectory
 from snapcore.write.engine import close_all, engine_for
 from tests.conftest import _botocore_client, s3_storage_options
 
@@ -96,7 +96,7 @@ def test_damaged_local_chunk_is_read_from_remote(tmp_path, s3_bucket):
         local=tmp_path, remote=s3_bucket.url, storage_options=s3_bucket.storage_options
     )
     snapcore.save(state_at(5), store, step=5)
-    m = LocalStore(tmp_path).read_manifest(5)
+    m = LocalDirectory(tmp_path).read_manifest(5)
     c = m.blobs[0].chunks[0]
     data = tmp_path / m.files[c.file].name
     raw = bytearray(data.read_bytes())
@@ -217,12 +217,12 @@ def test_full_local_disk_is_a_clear_error_and_loses_nothing(tmp_path, monkeypatc
         cause = e.value.__cause__
         assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
         assert "step 2" in str(e.value)
-        assert LocalStore(disk).committed_steps() == [1]
+        assert LocalDirectory(disk).committed_steps() == [1]
         assert torch.equal(snapcore.load(disk)["x"], torch.ones(1 << 16))
         # the failed snapshot left nothing behind, and a smaller one still fits
-        assert [s.step for s in LocalStore(disk).snapshots()] == [1]
+        assert [s.step for s in LocalDirectory(disk).snapshots()] == [1]
         snapcore.save({"x": torch.full((1 << 16,), 3.0)}, disk, step=3)
-        assert LocalStore(disk).committed_steps() == [1, 3]
+        assert LocalDirectory(disk).committed_steps() == [1, 3]
         close_all()
 
 

@@ -19,7 +19,7 @@ import torch
 
 import snapcore
 from snapcore import values
-from snapcore.store import LocalStore
+from snapcore.directory import LocalDirectory
 
 NP_DTYPES = list(values.NP_DTYPES)
 
@@ -82,7 +82,7 @@ def same_array(a: Any, b: np.ndarray) -> bool:
 
 
 def manifest(root: Any, step: int = 1) -> dict[str, Any]:
-    return json.loads(LocalStore(root).manifest_path(step).read_bytes())
+    return json.loads(LocalDirectory(root).manifest_path(step).read_bytes())
 
 
 def node_of(root: Any, key: str, step: int = 1) -> dict[str, Any]:
@@ -202,7 +202,7 @@ def test_values_that_cannot_be_saved_are_refused_with_their_path(tmp_path, value
         snapcore.save({"opt": {"x": value}}, tmp_path, step=1)
     assert e.value.path == "opt.x"
     assert str(e.value).startswith("opt.x: ") and what in str(e.value)
-    assert LocalStore(tmp_path).committed_steps() == []
+    assert LocalDirectory(tmp_path).committed_steps() == []
 
 
 # -- NumPy scalars, bytes, sizes, paths, enums ----------------------------------------------
@@ -324,7 +324,7 @@ def test_enum_member_or_class_missing_is_a_clear_error(tmp_path):
 
     Local = local_enum()
     snapcore.save({"c": Color.RED, "local": Local.A}, tmp_path, step=1)
-    path = LocalStore(tmp_path).manifest_path(1)
+    path = LocalDirectory(tmp_path).manifest_path(1)
     doc = json.loads(path.read_bytes())
     doc["tree"]["dict"][0][1]["enum"]["name"] = "GREEN\x1b[2J"
     path.write_text(json.dumps(doc))
@@ -535,7 +535,7 @@ def saved_values(tmp_path):
         "d": Frozen(1.0, "x"),
     }
     snapcore.save(state, tmp_path, step=1)
-    path = LocalStore(tmp_path).manifest_path(1)
+    path = LocalDirectory(tmp_path).manifest_path(1)
     return tmp_path, path, json.loads(path.read_bytes())
 
 

@@ -119,21 +119,24 @@ def test_staged_manifest_takes_each_chunk_location_codec_and_stored_length():
     assert m.tensors == layout.entries
 
 
-def test_only_the_builder_sets_world_size_and_rank_files():
-    """Issue 9's rule: a grep for `world_size=` and `rank_files=` in the code that writes
-    finds the one builder (the manifest parser sets them from the JSON it reads)."""
+def test_only_the_builder_makes_a_manifest():
+    """Issue 9's rule: a grep for `world_size=` and `rank_files=` in the writers finds the
+    one builder; and no module but it (and the parser, from the JSON it reads) makes a
+    Manifest."""
     root = Path(__file__).resolve().parents[1] / "snapcore"
-    found = sorted(
+    setters = sorted(
         str(p.relative_to(root))
-        for p in root.rglob("*.py")
+        for p in (root / "write").rglob("*.py")
         if re.search(r"\b(world_size|rank_files)=", p.read_text())
     )
-    assert found == ["manifest.py", "write/manifest_builder.py"]
-    parser = (root / "manifest.py").read_text()
-    assert re.findall(r"\b(world_size|rank_files)=(\S+)", parser) == [
-        ("world_size", 'doc["world_size"],'),
-        ("rank_files", 'doc["rank_files"],'),
-    ]
+    assert setters == ["write/manifest_builder.py"]
+    makers = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if re.search(r"\b(mf\.)?Manifest\(", p.read_text())
+    )
+    assert makers == ["manifest.py", "write/manifest_builder.py"]
+    assert len(re.findall(r"\bManifest\(", (root / "manifest.py").read_text())) == 1
 
 
 # -- write/chunks.py: ChunkIndex ----------------------------------------------------------------

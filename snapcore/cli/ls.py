@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..directory import LocalDirectory
 from ..errors import SnapcoreError
-from ..store import LocalStore
 from .output import clean, human_bytes, when
 from .stores import add_store_args, open_store
 
@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
         every = sorted({s for ss in steps.values() for s in ss})
         incomplete = []
         if st.store.local is not None:
-            snaps = LocalStore(st.store.local).snapshots()
+            snaps = LocalDirectory(st.store.local).snapshots()
             incomplete = [s.step for s in snaps if not s.committed]
         if not every and not incomplete:
             print(f"no snapshots in {clean(st.store.describe())}")

@@ -7,11 +7,11 @@ from the bottom up:
   asynchronous requests (size, ranged read, listing, delete);
 - ``multipart``: writing one object (single PUT, S3 multipart upload, abort, complete
   retry; temporary file and rename elsewhere) and ObjectWriter;
-- ``client``: RemoteTier, the blocking API the engine's threads call.
+- ``client``: ObjectStoreClient, the blocking API the engine's threads call.
 """
 
 from ..errors import RemoteError
-from .client import RemoteTier
+from .client import ObjectStoreClient
 from .connection import check_name
 from .multipart import S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART, ObjectWriter
 from .retry import MAX_BACKOFF_S, RetryPolicy, is_transient
@@ -21,9 +21,9 @@ __all__ = [
     "S3_MAX_PART",
     "S3_MAX_PARTS",
     "S3_MIN_PART",
+    "ObjectStoreClient",
     "ObjectWriter",
     "RemoteError",
-    "RemoteTier",
     "RetryPolicy",
     "check_name",
     "is_transient",

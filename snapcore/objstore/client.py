@@ -1,4 +1,4 @@
-"""RemoteTier: snapshot objects under an fsspec URL (``s3://`` through s3fs, ``file://``,
+"""ObjectStoreClient: snapshot objects under an fsspec URL (``s3://`` through s3fs, ``file://``,
 ``memory://``), read and written through blocking methods.
 
 The engine's threads call plain blocking methods. The I/O runs as coroutines on a private
@@ -47,7 +47,7 @@ async def _aio_close(f: Any) -> None:
     await f.close()
 
 
-class RemoteTier:
+class ObjectStoreClient:
     """Snapshot objects under an fsspec URL, read and written through blocking methods that
     any thread may call at once; the requests run on the tier's own event loop (so they
     must not be called from that loop, and a tier does not survive a fork). close() it
@@ -85,9 +85,9 @@ class RemoteTier:
         self._loop = self._conn.loop
 
     def __repr__(self) -> str:
-        return f"RemoteTier({self.url!r})"
+        return f"ObjectStoreClient({self.url!r})"
 
-    def __enter__(self) -> RemoteTier:
+    def __enter__(self) -> ObjectStoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

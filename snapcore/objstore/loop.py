@@ -62,7 +62,7 @@ class Loop:
         """Run ``coro`` on the loop and wait for it (never from the loop's own thread)."""
         if threading.current_thread() is self.thread:
             coro.close()
-            raise RuntimeError("RemoteTier's blocking methods cannot run on its own loop")
+            raise RuntimeError("ObjectStoreClient's blocking methods cannot run on its own loop")
         fut = self.submit(coro, internal=internal)
         try:
             return fut.result()

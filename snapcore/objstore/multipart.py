@@ -367,7 +367,7 @@ class ObjectWriter:
 
     def free_space(self) -> memoryview:
         """The unfilled end of the current part buffer, for a caller that reads into it
-        (RemoteTier.upload_file) instead of calling write(); then advance()."""
+        (ObjectStoreClient.upload_file) instead of calling write(); then advance()."""
         with self._lock:
             self._check_open()
             return self._free_space_locked()

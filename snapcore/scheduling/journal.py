@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..durable import fsync_dir
 from .rate import MACHINE, PROCESS, RateEstimate, RatePrior, estimate_from_history
 
 if TYPE_CHECKING:
@@ -213,12 +214,9 @@ def _try_flock(fd: int, how: int) -> bool:
 
 
 def _fsync_dir(path: Path) -> None:
+    """Best effort: the journal is never worth failing a run for."""
     with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(path)
 
 
 def held_by_live_writer(path: str | os.PathLike[str]) -> bool:

@@ -26,7 +26,7 @@ DEFAULT_MAX_INTERVAL_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
-class Tier:
+class TierCost:
     """One place a snapshot can be made durable, fastest first (host, local, remote).
 
     ``persist_s`` is the time from the end of the stall until the snapshot is durable in
@@ -73,7 +73,7 @@ class CostModel:
     contention), charged for the persist time of the deepest tier the snapshot goes to.
     """
 
-    tiers: tuple[Tier, ...]
+    tiers: tuple[TierCost, ...]
     stall_s: float
     slowdown: float = 0.0
     step_s: float = 0.0
@@ -92,7 +92,7 @@ class CostModel:
         if not self.step_s >= 0:
             raise ValueError(f"step_s must be >= 0, got {self.step_s}")
 
-    def tier(self, name: str) -> Tier:
+    def tier(self, name: str) -> TierCost:
         for t in self.tiers:
             if t.name == name:
                 return t
@@ -422,7 +422,7 @@ __all__ = [
     "CostModel",
     "FailureClass",
     "Plan",
-    "Tier",
+    "TierCost",
     "Waste",
     "daly_interval",
     "expected_waste",

@@ -21,7 +21,7 @@ from snapcore.scheduling.model import (
     CostModel,
     FailureClass,
     Plan,
-    Tier,
+    TierCost,
     daly_interval,
     expected_waste,
     optimise,
@@ -244,7 +244,7 @@ def _build(args: argparse.Namespace) -> _Setup:
         restart.update(_tier_list(args.restart, "--restart"))
     else:
         restart = dict.fromkeys(TIER_ORDER, parse_duration(args.restart))
-    tiers = tuple(Tier(n, persist[n], restart[n]) for n in TIER_ORDER if n in persist)
+    tiers = tuple(TierCost(n, persist[n], restart[n]) for n in TIER_ORDER if n in persist)
     step = parse_duration(args.step_time) if args.step_time is not None else 0.0
     stall = parse_duration(args.cost)
     model = CostModel(tiers, stall_s=stall, slowdown=args.slowdown, step_s=step)

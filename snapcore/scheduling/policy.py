@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .costs import Costs
-from .model import CostModel, FailureClass, Tier, Waste, optimise
+from .model import CostModel, FailureClass, TierCost, Waste, optimise
 from .rate import MACHINE, PROCESS, SURVIVES, FailureRateLearner, RatePrior, estimate_from_history
 
 MATERIAL_CHANGE = 0.2  # relative change of an input that is worth a new plan
@@ -131,7 +131,7 @@ def make_schedule(
     deepest = tiers[-1]
     model = CostModel(
         tiers=tuple(
-            Tier(t, costs.persist_s[t], costs.restart_s + costs.restore_s[t]) for t in tiers
+            TierCost(t, costs.persist_s[t], costs.restart_s + costs.restore_s[t]) for t in tiers
         ),
         stall_s=costs.stall_s,
         slowdown=costs.slowdown,

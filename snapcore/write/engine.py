@@ -30,7 +30,7 @@ from ..planning.layout import Layout, align_up, plan
 from ..staging.arena import HostArena
 from ..staging.copy import Stager
 from ..staging.handle import SaveHandle, SaveStats
-from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, as_store, on_store_exit
+from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, Tier, as_store, on_store_exit
 from ..tree import flatten
 from . import writer_lock
 from .chunks import ChunkIndex
@@ -83,7 +83,7 @@ class Engine:
         assert self.local is not None
         return self.local.root
 
-    def tier(self, name: str) -> Any:
+    def tier(self, name: str) -> Tier:
         return {"host": self.host, "local": self.local, "remote": self.remote}[name]
 
     def host_readable(self) -> bool:

@@ -15,11 +15,11 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from .. import _native, settings
+from ..directory import Pending
 from ..errors import SnapcoreError
 from ..io_types import Aborted, Location, StagingAborted, Window, WindowItem
 from ..planning.layout import Layout
 from ..staging.handle import SaveHandle
-from ..store import Pending
 from .chunks import Staged, chunk_list, hash_chunks, hash_window
 from .local import LocalWriter, commit_host
 from .manifest_builder import BlobRecord, ChunkRecord, build_manifest, staged_manifest

@@ -21,9 +21,9 @@ from typing import Any
 
 from .. import _native, settings
 from .. import manifest as mf
+from ..directory import Pending
 from ..io_types import ChunkKey, Location
 from ..staging.handle import SaveHandle
-from ..store import Pending
 from ..tiers import HostTier
 from .chunks import Staged
 from .manifest_builder import staged_manifest
@@ -31,7 +31,7 @@ from .manifest_builder import staged_manifest
 log = logging.getLogger(__name__)
 
 PAGE = _native.page_size()
-RUN_BYTES = 256 << 20  # the largest single write of consecutive chunks
+WRITE_RUN_BYTES = 256 << 20  # the largest single write of consecutive chunks
 
 
 def commit_host(host: HostTier, s: Staged, handle: SaveHandle) -> None:
@@ -123,7 +123,7 @@ class LocalWriter:
                     else:
                         flush()
                         run = [pos, off, length]
-                    if run[2] >= RUN_BYTES:
+                    if run[2] >= WRITE_RUN_BYTES:
                         flush()
                     new[key] = (pos, length)
                     stored[k] = length

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import manifest as mf
+from ..directory import step_dir_name
 from ..io_types import Location
-from ..store import step_dir_name
 from .manifest_builder import BlobRecord, ChunkRecord, build_manifest
 
 if TYPE_CHECKING:

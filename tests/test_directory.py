@@ -9,12 +9,12 @@ import sys
 import torch
 
 import snapcore
-from snapcore.store import LocalStore, step_dir_name
+from snapcore.directory import LocalDirectory, step_dir_name
 
 
 def test_uncommitted_snapshot_is_invisible_and_collected(tmp_path):
     snapcore.save({"x": torch.ones(4)}, tmp_path, step=1)
-    store = LocalStore(tmp_path)
+    store = LocalDirectory(tmp_path)
     pending = store.begin(2)  # a writer that "died": data written, no manifest
     (pending.dir / f"data-{pending.token}-r0.bin").write_bytes(b"partial")
     os.close(pending._fd)  # the lock goes away as it would with the process
@@ -28,8 +28,8 @@ def test_uncommitted_snapshot_is_invisible_and_collected(tmp_path):
 
 def test_live_writer_in_another_process_is_left_alone(tmp_path):
     code = (
-        "import sys, time; from snapcore.store import LocalStore\n"
-        f"p = LocalStore({str(tmp_path)!r}).begin(3)\n"
+        "import sys, time; from snapcore.directory import LocalDirectory\n"
+        f"p = LocalDirectory({str(tmp_path)!r}).begin(3)\n"
         "(p.dir / f'data-{p.token}-r0.bin').write_bytes(b'x')\n"
         "print(p.token, flush=True); sys.stdin.read()\n"
     )
@@ -38,7 +38,7 @@ def test_live_writer_in_another_process_is_left_alone(tmp_path):
     ) as child:
         assert child.stdout is not None
         token = child.stdout.readline().strip()
-        store = LocalStore(tmp_path)
+        store = LocalDirectory(tmp_path)
         assert store.collect_leftovers(full=True) == []
         assert (tmp_path / step_dir_name(3) / f"data-{token}-r0.bin").exists()
         child.kill()
@@ -48,7 +48,7 @@ def test_live_writer_in_another_process_is_left_alone(tmp_path):
 
 
 def test_next_save_removes_leftovers(tmp_path):
-    store = LocalStore(tmp_path)
+    store = LocalDirectory(tmp_path)
     pending = store.begin(5)
     (pending.dir / f"data-{pending.token}-r0.bin").write_bytes(b"partial")
     os.close(pending._fd)
@@ -61,7 +61,7 @@ def test_stray_file_in_committed_dir_is_collected_by_full_gc_only(tmp_path):
     snapcore.save({"x": torch.ones(1)}, tmp_path, step=1)
     stray = tmp_path / step_dir_name(1) / "data-000000000000-r0.bin"
     stray.write_bytes(b"old")
-    store = LocalStore(tmp_path)
+    store = LocalDirectory(tmp_path)
     assert store.collect_leftovers() == []  # the cheap per-save pass skips committed dirs
     assert store.collect_leftovers(full=True, dry_run=True) == [stray] and stray.exists()
     assert store.collect_leftovers(full=True) == [stray] and not stray.exists()
@@ -84,5 +84,5 @@ def test_a_symlink_named_like_a_step_is_never_followed(tmp_path):
     store.mkdir()
     (store / "step-000000000009").symlink_to(victim, target_is_directory=True)
     snapcore.save({"x": torch.ones(1)}, store, step=1)
-    assert LocalStore(store).collect_leftovers(full=True) == []
+    assert LocalDirectory(store).collect_leftovers(full=True) == []
     assert (victim / "thesis.tex").read_text() == "years of work"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import manifest as mf
+from .durable import fsync_dir
 from .errors import InvalidManifest, SnapshotNotFound, StorageError
 
 log = logging.getLogger(__name__)
@@ -36,14 +37,6 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:012d}"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass
 class SnapshotInfo:
     step: int
@@ -54,7 +47,7 @@ class SnapshotInfo:
 class Pending:
     """A snapshot being written: its step directory, token and the lock that marks it live."""
 
-    def __init__(self, store: LocalStore, step: int) -> None:
+    def __init__(self, store: LocalDirectory, step: int) -> None:
         self.store = store
         self.step = step
         self.dir = store.root / step_dir_name(step)
@@ -129,14 +122,14 @@ class Pending:
             self._fd = None
 
 
-class LocalStore:
+class LocalDirectory:
     """A directory store. Thread-safe for readers; one writer per step at a time."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).absolute()
 
     def __repr__(self) -> str:
-        return f"LocalStore({str(self.root)!r})"
+        return f"LocalDirectory({str(self.root)!r})"
 
     def ensure(self) -> None:
         try:

@@ -1,0 +1,20 @@
+"""Making a file system change durable: the one fsync of a directory every writer uses.
+
+A leaf with no torch and nothing else of snapcore, so that the run journal (written by
+crash-test children that never import torch) can use it too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so that the entries made in it (a new file, a rename) survive a
+    power loss."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
