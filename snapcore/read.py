@@ -361,6 +361,13 @@ class Reader:
                 "the state (restore(..., strict=False) leaves them as they are and lists them "
                 "in RestoreInfo.missing)"
             )
+        if strict and plan.unexpected_in_modules:
+            raise StateMismatch(
+                f"step {self.m.step}: the snapshot holds {_some(plan.unexpected_in_modules)} "
+                "that the state's modules lack: a model of another shape? (restore(..., "
+                "strict=False) fills what matches and lists the rest in "
+                "RestoreInfo.unexpected)"
+            )
         self.prefetch(sorted(plan.fresh))
         self._fill(targets)
         with torch.no_grad():
