@@ -237,6 +237,7 @@ def _top_validator() -> Callable[[Any], Any]:
     schema = copy.deepcopy(_schema())
     for name in _BIG_ARRAYS:
         schema["properties"][name] = {"type": "array"}
+    schema["properties"]["tree"] = {"type": "object"}  # _check_tree
     return fastjsonschema.compile(schema)
 
 
@@ -269,32 +270,39 @@ _ELEMENT_SIZES = frozenset([1, 2, 4, 8, 16])
 
 
 class _Bad(Exception):
-    """A value of a big array that the schema refuses: ``args`` = (location, message)."""
+    """A value of a big array that the schema refuses: ``args`` = (location, message).
+    The location is built only on failure (``_at``): formatting it for every item would
+    cost more than the checks."""
 
 
-def _keys(obj: Any, keys: frozenset[str], where: str) -> None:
+def _at(prefix: str, e: _Bad) -> _Bad:
+    loc, message = e.args
+    return _Bad(f"{prefix}.{loc}" if loc else prefix, message)
+
+
+def _keys(obj: Any, keys: frozenset[str]) -> None:
     if type(obj) is not dict:
-        raise _Bad(where, "must be object")
+        raise _Bad("", "must be object")
     if obj.keys() != keys:
         extra = sorted(obj.keys() - keys)
         if extra:
-            raise _Bad(where, f"must not contain {str(extra)[:100]} properties")
-        raise _Bad(where, f"must contain {sorted(keys)} properties")
+            raise _Bad("", f"must not contain {str(extra)[:100]} properties")
+        raise _Bad("", f"must contain {sorted(keys)} properties")
 
 
-def _uint(value: Any, where: str) -> int:
+def _uint(value: Any, field: str) -> int:
     # type-exact: the schema's "integer" takes 1.0 (and bool is refused there as here)
     if type(value) is not int or value < 0:
-        raise _Bad(where, "must be an integer >= 0 (not a float or a boolean)")
+        raise _Bad(field, "must be an integer >= 0 (not a float or a boolean)")
     return value
 
 
-def _dims(value: Any, where: str) -> tuple[int, ...]:
+def _dims(value: Any, field: str) -> tuple[int, ...]:
     if type(value) is not list or len(value) > MAX_DIMS:
-        raise _Bad(where, f"must be an array of at most {MAX_DIMS} integers")
+        raise _Bad(field, f"must be an array of at most {MAX_DIMS} integers")
     for d in value:
         if type(d) is not int or d < 0:
-            raise _Bad(where, "must be an array of integers >= 0")
+            raise _Bad(field, "must be an array of integers >= 0")
     return tuple(value)
 
 
@@ -302,50 +310,82 @@ def _build_files(items: list[Any]) -> list[FileRef]:
     name_re = _item_rules()[0]
     out = []
     for i, f in enumerate(items):
-        _keys(f, _FILE_KEYS, f"files[{i}]")
-        name = f["name"]
-        if type(name) is not str or not name_re.fullmatch(name):
-            raise _Bad(f"files[{i}].name", f"must match pattern {name_re.pattern}")
-        out.append(FileRef(name, _uint(f["size"], f"files[{i}].size")))
+        try:
+            _keys(f, _FILE_KEYS)
+            name = f["name"]
+            if type(name) is not str or not name_re.fullmatch(name):
+                raise _Bad("name", f"must match pattern {name_re.pattern}")
+            out.append(FileRef(name, _uint(f["size"], "size")))
+        except _Bad as e:
+            raise _at(f"files[{i}]", e) from None
+    return out
+
+
+def _build_chunks(chunks: Any) -> list[Chunk]:
+    _, xxh3_re, codecs, _ = _item_rules()
+    if type(chunks) is not list:
+        raise _Bad("chunks", "must be array")
+    out = []
+    for c_i, c in enumerate(chunks):
+        try:
+            _keys(c, _CHUNK_KEYS)
+            codec, xxh3 = c["codec"], c["xxh3"]
+            if type(codec) is not str or codec not in codecs:
+                raise _Bad("codec", f"must be one of {sorted(codecs)}")
+            if type(xxh3) is not str or not xxh3_re.fullmatch(xxh3):
+                raise _Bad("xxh3", f"must match pattern {xxh3_re.pattern}")
+            out.append(
+                Chunk(
+                    _uint(c["file"], "file"),
+                    _uint(c["offset"], "offset"),
+                    _uint(c["length"], "length"),
+                    xxh3,
+                    codec,
+                    _uint(c["raw_length"], "raw_length"),
+                )
+            )
+        except _Bad as e:
+            raise _at(f"chunks[{c_i}]", e) from None
     return out
 
 
 def _build_blobs(items: list[Any]) -> list[Blob]:
-    _, xxh3_re, codecs, _ = _item_rules()
     out = []
     n_chunks = 0
     for b_i, b in enumerate(items):
-        what = f"blobs[{b_i}]"
-        _keys(b, _BLOB_KEYS, what)
-        element_size = b["element_size"]
-        if type(element_size) is not int or element_size not in _ELEMENT_SIZES:
-            raise _Bad(f"{what}.element_size", f"must be one of {sorted(_ELEMENT_SIZES)}")
-        chunks = b["chunks"]
-        if type(chunks) is not list:
-            raise _Bad(f"{what}.chunks", "must be array")
+        try:
+            _keys(b, _BLOB_KEYS)
+            element_size = b["element_size"]
+            if type(element_size) is not int or element_size not in _ELEMENT_SIZES:
+                raise _Bad("element_size", f"must be one of {sorted(_ELEMENT_SIZES)}")
+            chunks = _build_chunks(b["chunks"])
+            out.append(Blob(_uint(b["nbytes"], "nbytes"), chunks, element_size))
+        except _Bad as e:
+            raise _at(f"blobs[{b_i}]", e) from None
         n_chunks += len(chunks)
         if n_chunks > MAX_CHUNKS:
-            raise _Bad("blobs", f"must hold at most {MAX_CHUNKS} chunks in all")
-        built = []
-        for c_i, c in enumerate(chunks):
-            at = f"{what}.chunks[{c_i}]"
-            _keys(c, _CHUNK_KEYS, at)
-            codec, xxh3 = c["codec"], c["xxh3"]
-            if type(codec) is not str or codec not in codecs:
-                raise _Bad(f"{at}.codec", f"must be one of {sorted(codecs)}")
-            if type(xxh3) is not str or not xxh3_re.fullmatch(xxh3):
-                raise _Bad(f"{at}.xxh3", f"must match pattern {xxh3_re.pattern}")
-            built.append(
-                Chunk(
-                    _uint(c["file"], f"{at}.file"),
-                    _uint(c["offset"], f"{at}.offset"),
-                    _uint(c["length"], f"{at}.length"),
-                    xxh3,
-                    codec,
-                    _uint(c["raw_length"], f"{at}.raw_length"),
+            raise _Bad("blobs", f"must hold at most {MAX_CHUNKS} chunks in all (docs/format.md)")
+    return out
+
+
+def _build_pieces(pieces: Any) -> list[Piece]:
+    if type(pieces) is not list or not pieces:
+        raise _Bad("pieces", "must be a non-empty array")
+    out = []
+    for p_i, p in enumerate(pieces):
+        try:
+            _keys(p, _PIECE_KEYS)
+            out.append(
+                Piece(
+                    _dims(p["offsets"], "offsets"),
+                    _dims(p["shape"], "shape"),
+                    _uint(p["blob"], "blob"),
+                    _uint(p["byte_offset"], "byte_offset"),
+                    _dims(p["strides"], "strides"),
                 )
             )
-        out.append(Blob(_uint(b["nbytes"], f"{what}.nbytes"), built, element_size))
+        except _Bad as e:
+            raise _at(f"pieces[{p_i}]", e) from None
     return out
 
 
@@ -353,27 +393,14 @@ def _build_tensors(items: list[Any]) -> list[TensorEntry]:
     dtypes = _item_rules()[3]
     out = []
     for t_i, t in enumerate(items):
-        what = f"tensors[{t_i}]"
-        _keys(t, _TENSOR_KEYS, what)
-        dtype, pieces = t["dtype"], t["pieces"]
-        if type(dtype) is not str or dtype not in dtypes:
-            raise _Bad(f"{what}.dtype", "must be one of the schema's dtypes")
-        if type(pieces) is not list or not pieces:
-            raise _Bad(f"{what}.pieces", "must be a non-empty array")
-        built = []
-        for p_i, p in enumerate(pieces):
-            at = f"{what}.pieces[{p_i}]"
-            _keys(p, _PIECE_KEYS, at)
-            built.append(
-                Piece(
-                    _dims(p["offsets"], f"{at}.offsets"),
-                    _dims(p["shape"], f"{at}.shape"),
-                    _uint(p["blob"], f"{at}.blob"),
-                    _uint(p["byte_offset"], f"{at}.byte_offset"),
-                    _dims(p["strides"], f"{at}.strides"),
-                )
-            )
-        out.append(TensorEntry(dtype, _dims(t["shape"], f"{what}.shape"), built))
+        try:
+            _keys(t, _TENSOR_KEYS)
+            dtype = t["dtype"]
+            if type(dtype) is not str or dtype not in dtypes:
+                raise _Bad("dtype", "must be one of the schema's dtypes")
+            out.append(TensorEntry(dtype, _dims(t["shape"], "shape"), _build_pieces(t["pieces"])))
+        except _Bad as e:
+            raise _at(f"tensors[{t_i}]", e) from None
     return out
 
 
@@ -560,38 +587,93 @@ def _short(dims: tuple[int, ...]) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _check_tree(node: dict[str, Any], tensors: list[TensorEntry], where: str) -> None:
+@cache
+def _kind_validator(kind: str) -> Callable[[Any], Any]:
+    """The schema of one node kind's value (``ndarray``, ``random``...), compiled: the
+    rare kinds are checked through the schema file, the common ones by _check_tree."""
+    defs = _schema()["definitions"]
+    return fastjsonschema.compile({"definitions": defs, **defs["node"]["properties"][kind]})
+
+
+@cache
+def _float_re() -> re.Pattern[str]:
+    return re.compile(_schema()["definitions"]["node"]["properties"]["float"]["pattern"])
+
+
+def _check_tree(node: Any, tensors: list[TensorEntry], where: str) -> None:
+    """One walk over the tree: the schema of its nodes, checked by hand (type-exact: a
+    float is not an int) for the common kinds and through the schema for the value
+    kinds of values.py; the node count cap; tensor indices, floats, duplicate keys."""
     n_tensors = len(tensors)
+    float_re = _float_re()
     stack = [node]
     n_nodes = 0
+
+    def bad(message: str) -> InvalidManifest:
+        return InvalidManifest(f"{where}: schema violation at tree: {message}")
+
     while stack:
         n_nodes += 1
         if n_nodes > MAX_TREE_NODES:
             raise InvalidManifest(
                 f"{where}: the tree has more than {MAX_TREE_NODES} nodes (docs/format.md)"
             )
-        (kind, value), *_ = stack.pop().items()
-        if kind in ("tensor", "int") and type(value) is not int:
-            # type-exact: the schema's "integer" takes 1.0 (a float where an int was saved)
-            raise InvalidManifest(f"{where}: {kind} node {str(value)[:40]} is not an integer")
-        if kind == "tensor" and value >= n_tensors:
-            raise InvalidManifest(f"{where}: tree references tensor {value} of {n_tensors}")
-        if kind == "float":
+        node = stack.pop()
+        if type(node) is not dict or len(node) != 1:
+            raise bad("a node must be an object with exactly one property")
+        ((kind, value),) = node.items()
+        if kind == "tensor" or kind == "int":
+            if type(value) is not int:  # type-exact: the schema's "integer" takes 1.0
+                raise bad(f"{kind} node {str(value)[:40]} is not an integer")
+            if kind == "tensor" and not 0 <= value < n_tensors:
+                raise InvalidManifest(f"{where}: tree references tensor {value} of {n_tensors}")
+        elif kind == "dict":
+            if type(value) is not list:
+                raise bad("a dict node holds an array of [key, node] items")
+            keys = []
+            for item in value:
+                if type(item) is not list or len(item) != 2 or type(item[0]) not in (str, int):
+                    raise bad("a dict node's item must be [string or integer key, node]")
+                keys.append(item[0])
+                stack.append(item[1])
+            if len(set(map(repr, keys))) != len(keys):
+                raise InvalidManifest(f"{where}: duplicate keys in a dict node")
+        elif kind == "list" or kind == "tuple":
+            if type(value) is not list:
+                raise bad(f"a {kind} node holds an array of nodes")
+            stack.extend(value)
+        elif kind == "float":
+            if type(value) is not str or not float_re.fullmatch(value):
+                raise bad(f"float node {str(value)[:40]!r} must match {float_re.pattern}")
             try:
                 decode_float(value)
             except (ValueError, OverflowError):
                 raise InvalidManifest(
                     f"{where}: float node {value[:40]!r} is not a float"
                 ) from None
-        if kind == "dict":
-            keys = [k for k, _ in value]
-            if len(set(map(repr, keys))) != len(keys):
-                raise InvalidManifest(f"{where}: duplicate keys in a dict node")
-            stack.extend(v for _, v in value)
-        elif kind in ("list", "tuple"):
-            stack.extend(value)
+        elif kind == "str":
+            if type(value) is not str:
+                raise bad("a str node holds a string")
+        elif kind == "bool":
+            if type(value) is not bool:
+                raise bad("a bool node holds true or false")
+        elif kind == "none":
+            if value is not None:
+                raise bad("a none node holds null")
         elif kind == "stateful":
+            if type(value) is not dict or value.keys() != {"type", "state"}:
+                raise bad("a stateful node holds exactly {type, state}")
+            if type(value["type"]) is not str or len(value["type"]) > 256:
+                raise bad("a stateful node's type is a string of at most 256 characters")
             stack.append(value["state"])
         elif kind in values.KINDS:  # NumPy arrays, bytes, generators...: values.py
+            try:
+                _kind_validator(kind)(value)
+            except fastjsonschema.JsonSchemaValueException as e:
+                raise bad(f"{kind} node: {e.message[:300]}") from None
+            except RecursionError:
+                raise InvalidManifest(f"{where}: the tree is nested too deeply") from None
             values.check(kind, value, tensors, where, MAX_BYTES)
             stack.extend(child for _, child in values.children(kind, value))
+        else:
+            raise bad(f"unknown node kind {kind[:40]!r}")
