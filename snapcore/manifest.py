@@ -591,8 +591,18 @@ def _short(dims: tuple[int, ...]) -> str:
 def _kind_validator(kind: str) -> Callable[[Any], Any]:
     """The schema of one node kind's value (``ndarray``, ``random``...), compiled: the
     rare kinds are checked through the schema file, the common ones by _check_tree."""
-    defs = _schema()["definitions"]
-    return fastjsonschema.compile({"definitions": defs, **defs["node"]["properties"][kind]})
+    schema = _schema()
+    defs = schema["definitions"]
+    # The same $id as the whole schema: its "#/definitions/..." references resolve here
+    # (without one, fastjsonschema would try to fetch the document by its URL).
+    return fastjsonschema.compile(
+        {
+            "$schema": schema["$schema"],
+            "$id": schema["$id"],
+            "definitions": defs,
+            **defs["node"]["properties"][kind],
+        }
+    )
 
 
 @cache
