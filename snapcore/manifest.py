@@ -10,11 +10,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, NoReturn
 
 import fastjsonschema
 import torch
@@ -33,6 +34,13 @@ MAX_CHUNK_BYTES = 1 << 30
 # A zstd frame cannot decode to more than 32768 times its size: a block holds at most
 # 128 KiB and takes at least 4 bytes (an RLE block: 3 bytes of header, 1 of content).
 ZSTD_MAX_RATIO = 32768
+# Containers a manifest may hold, counted in its text before it is parsed (a `{` or `[`
+# inside a string counts too). They bound what json.loads builds and what validation
+# walks: the largest manifest of tensors that fits in 64 MiB holds about 1.4 million
+# objects and 2.7 million arrays (benchmarks/bench_manifest.py).
+MAX_JSON_OBJECTS = 1 << 21
+MAX_JSON_ARRAYS = 1 << 22
+_CONTAINER_CAPS = (("{", MAX_JSON_OBJECTS, "objects"), ("[", MAX_JSON_ARRAYS, "arrays"))
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -63,6 +71,7 @@ DTYPES: dict[str, torch.dtype] = {
     if hasattr(torch, name)
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZES: dict[str, int] = {k: v.itemsize for k, v in DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -208,11 +217,17 @@ class Manifest:
 
 
 @cache
+def schema() -> dict[str, Any]:
+    """The manifest's JSON schema (docs/manifest.schema.json), as a dict."""
+    text = resources.files("snapcore").joinpath("manifest.schema.json").read_text()
+    return dict(json.loads(text))
+
+
+@cache
 def _validator() -> Callable[[Any], Any]:
     # fastjsonschema compiles the schema to Python once: 12x faster than jsonschema on a
     # manifest of 3,000 tensors (0.39 s against 4.7 s), and every read validates.
-    text = resources.files("snapcore").joinpath("manifest.schema.json").read_text()
-    return fastjsonschema.compile(json.loads(text))
+    return fastjsonschema.compile(schema())
 
 
 def _reject_constant(name: str) -> None:
@@ -250,10 +265,19 @@ def parse(data: bytes, *, where: str) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise InvalidManifest(f"{where}: manifest of {len(data)} bytes exceeds the 64 MiB cap")
     text = _decode_text(data, where)
+    for bracket, cap, what in (
+        ("{", MAX_JSON_OBJECTS, "objects"),
+        ("[", MAX_JSON_ARRAYS, "arrays"),
+    ):
+        if text.count(bracket) > cap:
+            raise InvalidManifest(
+                f"{where}: more than {cap} JSON {what} ({bracket!r} counted): over the format's cap"
+            )
     try:
         doc = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_object)
     except (ValueError, RecursionError) as e:
         raise InvalidManifest(f"{where}: not valid JSON: {e}") from None
+    del text
     if not isinstance(doc, dict):
         raise InvalidManifest(f"{where}: a manifest must be a JSON object")
     version = doc.get("format_version")
@@ -262,54 +286,178 @@ def parse(data: bytes, *, where: str) -> Manifest:
             f"{where}: format_version {version!r} is not supported (this snapcore reads "
             f"version {FORMAT_VERSION})"
         )
+    # The three large arrays are checked by _Arrays (the same rules as the schema's, as
+    # code: the compiled schema takes ~14 us per tensor), which builds the Manifest's
+    # entries in their place; the schema checks everything else, the tree included.
+    skeleton = {k: [] if k in _ARRAYS else v for k, v in doc.items()}
     try:
-        _validator()(doc)
+        _validator()(skeleton)
     except RecursionError:
         raise InvalidManifest(f"{where}: the tree is nested too deeply") from None
     except fastjsonschema.JsonSchemaValueException as e:
         loc = e.name.removeprefix("data").lstrip(".") or "<top>"
         raise InvalidManifest(f"{where}: schema violation at {loc}: {e.message[:300]}") from None
+    # JSON Schema's "integer" takes 2.0 too; an index or a count must be an int here.
+    for key in ("step", "world_size"):
+        if type(doc[key]) is not int:
+            _violation(where, key, "must be an integer written without a fraction")
+    for r, idx in enumerate(doc["rank_files"]):
+        if any(type(i) is not int for i in idx):
+            _violation(where, f"rank_files[{r}]", "must hold integers")
+    arrays = _Arrays(where)
     m = Manifest(
         step=doc["step"],
         created_unix=float(doc["created_unix"]),
         writer=doc["writer"],
         world_size=doc["world_size"],
         rank_files=doc["rank_files"],
-        files=[FileRef(f["name"], f["size"]) for f in doc["files"]],
-        blobs=[
-            Blob(
-                b["nbytes"],
-                [
-                    Chunk(
-                        c["file"], c["offset"], c["length"], c["xxh3"], c["codec"], c["raw_length"]
-                    )
-                    for c in b["chunks"]
-                ],
-                b["element_size"],
-            )
-            for b in doc["blobs"]
-        ],
-        tensors=[
-            TensorEntry(
-                t["dtype"],
-                tuple(t["shape"]),
-                [
-                    Piece(
-                        tuple(p["offsets"]),
-                        tuple(p["shape"]),
-                        p["blob"],
-                        p["byte_offset"],
-                        tuple(p["strides"]),
-                    )
-                    for p in t["pieces"]
-                ],
-            )
-            for t in doc["tensors"]
-        ],
+        files=arrays.files(doc["files"]),
+        blobs=arrays.blobs(doc["blobs"]),
+        tensors=arrays.tensors(doc["tensors"]),
         tree=doc["tree"],
     )
+    del doc, skeleton
     check(m, where=where)
     return m
+
+
+_ARRAYS = ("files", "blobs", "tensors")
+_FILE_KEYS = frozenset(("name", "size"))
+_BLOB_KEYS = frozenset(("nbytes", "element_size", "chunks"))
+_CHUNK_KEYS = frozenset(("file", "offset", "length", "raw_length", "codec", "xxh3"))
+_TENSOR_KEYS = frozenset(("dtype", "shape", "pieces"))
+_PIECE_KEYS = frozenset(("offsets", "shape", "blob", "byte_offset", "strides"))
+
+
+def _violation(where: str, loc: str, message: str) -> NoReturn:
+    raise InvalidManifest(f"{where}: schema violation at {loc}: {message}")
+
+
+def _uint(x: object) -> bool:
+    return type(x) is int and x >= 0
+
+
+class _Arrays:
+    """Checks the entries of `files`, `blobs` and `tensors` against the schema's rules for
+    them (its patterns and enums are read from the schema itself) and replaces each with
+    its Manifest object as it goes, so that the JSON and the Manifest are never both
+    whole in memory. Stricter than the schema library in two ways: integers are ints
+    (2.0 is refused) and a pattern must match the whole string (no trailing newline).
+    tests/test_manifest_fuzz.py checks that it refuses all the schema refuses."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        s = schema()
+        files = s["properties"]["files"]["items"]["properties"]
+        blobs = s["properties"]["blobs"]["items"]["properties"]
+        chunk = s["definitions"]["chunk"]["properties"]
+        self.file_name = _pattern(files["name"]["pattern"])
+        self.element_sizes = frozenset(blobs["element_size"]["enum"])
+        self.codecs = frozenset(chunk["codec"]["enum"])
+        self.xxh3 = _pattern(chunk["xxh3"]["pattern"])
+        self.dtypes = frozenset(s["definitions"]["dtype"]["enum"])
+        self.max_dims = s["definitions"]["dims"]["maxItems"]
+
+    def _bad(self, loc: str, message: str) -> NoReturn:
+        _violation(self.where, loc, message)
+
+    def _keys(self, loc: str, obj: object, keys: frozenset[str]) -> None:
+        if type(obj) is not dict:
+            self._bad(loc, "must be an object")
+        if obj.keys() != keys:
+            extra = sorted(obj.keys() - keys)[:3]
+            missing = sorted(keys - obj.keys())
+            self._bad(loc, f"must have exactly {sorted(keys)} (extra {extra}, missing {missing})")
+
+    def _list(self, loc: str, obj: object) -> list[Any]:
+        if type(obj) is not list:
+            self._bad(loc, "must be an array")
+        return obj
+
+    def _dims(self, loc: str, dims: object) -> tuple[int, ...]:
+        if (
+            type(dims) is not list
+            or len(dims) > self.max_dims
+            or not all(type(d) is int and d >= 0 for d in dims)
+        ):
+            self._bad(loc, f"must be an array of at most {self.max_dims} integers >= 0")
+        return tuple(dims)
+
+    def files(self, files: object) -> list[FileRef]:
+        out = self._list("files", files)
+        for i, f in enumerate(out):
+            self._keys(f"files[{i}]", f, _FILE_KEYS)
+            name, size = f["name"], f["size"]
+            if type(name) is not str or not self.file_name(name):
+                self._bad(f"files[{i}].name", "must match the pattern of file names")
+            if not _uint(size):
+                self._bad(f"files[{i}].size", "must be an integer >= 0")
+            out[i] = FileRef(name, size)
+        return out
+
+    def blobs(self, blobs: object) -> list[Blob]:
+        out = self._list("blobs", blobs)
+        for i, b in enumerate(out):
+            self._keys(f"blobs[{i}]", b, _BLOB_KEYS)
+            nbytes, element_size = b["nbytes"], b["element_size"]
+            if not _uint(nbytes):
+                self._bad(f"blobs[{i}].nbytes", "must be an integer >= 0")
+            if type(element_size) is not int or element_size not in self.element_sizes:
+                self._bad(
+                    f"blobs[{i}].element_size", f"must be one of {sorted(self.element_sizes)}"
+                )
+            chunks = self._list(f"blobs[{i}].chunks", b["chunks"])
+            for j, c in enumerate(chunks):
+                chunks[j] = self._chunk(f"blobs[{i}].chunks[{j}]", c)
+            out[i] = Blob(nbytes, chunks, element_size)
+        return out
+
+    def _chunk(self, loc: str, c: Any) -> Chunk:
+        self._keys(loc, c, _CHUNK_KEYS)
+        file, offset, length, raw_length = c["file"], c["offset"], c["length"], c["raw_length"]
+        if not (_uint(file) and _uint(offset) and _uint(length) and _uint(raw_length)):
+            self._bad(loc, "file, offset, length and raw_length must be integers >= 0")
+        codec, xxh3 = c["codec"], c["xxh3"]
+        if type(codec) is not str or codec not in self.codecs:
+            self._bad(f"{loc}.codec", f"must be one of {sorted(self.codecs)}")
+        if type(xxh3) is not str or not self.xxh3(xxh3):
+            self._bad(f"{loc}.xxh3", "must be 32 lowercase hex digits")
+        return Chunk(file, offset, length, xxh3, codec, raw_length)
+
+    def tensors(self, tensors: object) -> list[TensorEntry]:
+        out = self._list("tensors", tensors)
+        for i, t in enumerate(out):
+            loc = f"tensors[{i}]"
+            self._keys(loc, t, _TENSOR_KEYS)
+            dtype = t["dtype"]
+            if type(dtype) is not str or dtype not in self.dtypes:
+                self._bad(f"{loc}.dtype", f"{str(dtype)[:40]!r} is not a dtype of the schema")
+            shape = self._dims(f"{loc}.shape", t["shape"])
+            pieces = self._list(f"{loc}.pieces", t["pieces"])
+            if not pieces:
+                self._bad(f"{loc}.pieces", "must hold at least one piece")
+            for j, p in enumerate(pieces):
+                pieces[j] = self._piece(f"{loc}.pieces[{j}]", p)
+            out[i] = TensorEntry(dtype, shape, pieces)
+        return out
+
+    def _piece(self, loc: str, p: Any) -> Piece:
+        self._keys(loc, p, _PIECE_KEYS)
+        blob, byte_offset = p["blob"], p["byte_offset"]
+        if not (_uint(blob) and _uint(byte_offset)):
+            self._bad(loc, "blob and byte_offset must be integers >= 0")
+        return Piece(
+            self._dims(f"{loc}.offsets", p["offsets"]),
+            self._dims(f"{loc}.shape", p["shape"]),
+            blob,
+            byte_offset,
+            self._dims(f"{loc}.strides", p["strides"]),
+        )
+
+
+def _pattern(pattern: str) -> Callable[[str], object]:
+    """A schema pattern (anchored with ^ and $) as a whole-string match."""
+    return re.compile(pattern).fullmatch
 
 
 def check(m: Manifest, *, where: str) -> None:
@@ -330,28 +478,9 @@ def check(m: Manifest, *, where: str) -> None:
     for b_i, b in enumerate(m.blobs):
         total = 0
         for c_i, c in enumerate(b.chunks):
-            what = f"{where}: blob {b_i} chunk {c_i}"
-            if c.file >= len(m.files):
-                raise InvalidManifest(f"{what} names file {c.file}")
-            if c.offset + c.length > m.files[c.file].size:
-                raise InvalidManifest(
-                    f"{what} [{c.offset}, {c.offset + c.length}) lies "
-                    f"outside {m.files[c.file].name} ({m.files[c.file].size} bytes)"
-                )
-            if c.raw_length > MAX_CHUNK_BYTES:
-                raise InvalidManifest(
-                    f"{what}: raw_length {c.raw_length} exceeds the {MAX_CHUNK_BYTES >> 20} MiB "
-                    "chunk cap"
-                )
-            if c.codec == "none" and c.length != c.raw_length:
-                raise InvalidManifest(f"{what}: an uncompressed chunk must store raw_length bytes")
-            if c.length > max_stored_length(c.raw_length):
-                raise InvalidManifest(f"{what}: {c.length} stored bytes for {c.raw_length}")
-            if c.raw_length > c.length * ZSTD_MAX_RATIO:
-                raise InvalidManifest(
-                    f"{what} in {m.files[c.file].name}: {c.length} stored bytes cannot decode "
-                    f"to raw_length {c.raw_length} (zstd's ratio is at most {ZSTD_MAX_RATIO})"
-                )
+            problem = _chunk_problem(c, m.files)
+            if problem:
+                raise InvalidManifest(f"{where}: blob {b_i} chunk {c_i}{problem}")
             total += c.raw_length
             if c.length:
                 spans.setdefault(c.file, set()).add((c.offset, c.offset + c.length))
@@ -364,39 +493,66 @@ def check(m: Manifest, *, where: str) -> None:
             if start < end:
                 raise InvalidManifest(f"{where}: overlapping chunks in {m.files[file].name}")
     for t_i, t in enumerate(m.tensors):
-        what = f"{where}: tensor {t_i}"
-        if t.dtype not in DTYPES:
-            raise InvalidManifest(f"{what}: dtype {t.dtype} is not available in this torch")
-        itemsize = t.torch_dtype.itemsize
-        # Each dimension on its own too: [0, 2**70] holds no element, yet no int64 holds it.
-        if (
-            math.prod(d for d in t.shape if d) * itemsize > MAX_BYTES
-            or max(t.shape, default=0) > MAX_BYTES
-        ):
-            raise InvalidManifest(f"{what}: shape {_short(t.shape)} is too large")
-        if len(t.pieces) != 1 or any(t.pieces[0].offsets) or t.pieces[0].shape != t.shape:
-            # This version's readers accept exactly one piece covering the tensor (format.md).
-            raise InvalidManifest(f"{what}: pieces must cover the tensor exactly once")
-        for p in t.pieces:
-            if not (len(p.offsets) == len(p.shape) == len(p.strides) == len(t.shape)):
-                raise InvalidManifest(f"{what}: piece rank does not match the tensor")
-            if max(p.strides, default=0) > MAX_BYTES or p.byte_offset > MAX_BYTES:
-                raise InvalidManifest(f"{what}: piece strides {_short(p.strides)} are too large")
-            if any(o + s > g for o, s, g in zip(p.offsets, p.shape, t.shape, strict=True)):
-                raise InvalidManifest(f"{what}: piece lies outside the tensor")
-            if p.blob >= len(m.blobs):
-                raise InvalidManifest(f"{what}: piece names blob {p.blob}")
-            if math.prod(p.shape):
-                last = sum((s - 1) * st for s, st in zip(p.shape, p.strides, strict=True))
-                end = p.byte_offset + (last + 1) * itemsize
-                if end > m.blobs[p.blob].nbytes:
-                    raise InvalidManifest(
-                        f"{what}: piece addresses byte {end} of blob {p.blob} "
-                        f"({m.blobs[p.blob].nbytes} bytes)"
-                    )
-            if p.byte_offset % itemsize:
-                raise InvalidManifest(f"{what}: byte_offset is not a multiple of the item size")
+        problem = _tensor_problem(t, m.blobs)
+        if problem:
+            raise InvalidManifest(f"{where}: tensor {t_i}{problem}")
     _check_tree(m.tree, len(m.tensors), where)
+
+
+def _chunk_problem(c: Chunk, files: list[FileRef]) -> str | None:
+    """What is wrong with chunk ``c`` (the rest of a message), or None."""
+    if c.file >= len(files):
+        return f" names file {c.file}"
+    f = files[c.file]
+    if c.offset + c.length > f.size:
+        return f" [{c.offset}, {c.offset + c.length}) lies outside {f.name} ({f.size} bytes)"
+    if c.raw_length > MAX_CHUNK_BYTES:
+        return f": raw_length {c.raw_length} exceeds the {MAX_CHUNK_BYTES >> 20} MiB chunk cap"
+    if c.codec == "none" and c.length != c.raw_length:
+        return ": an uncompressed chunk must store raw_length bytes"
+    if c.length > max_stored_length(c.raw_length):
+        return f": {c.length} stored bytes for {c.raw_length}"
+    if c.raw_length > c.length * ZSTD_MAX_RATIO:
+        return (
+            f" in {f.name}: {c.length} stored bytes cannot decode to raw_length "
+            f"{c.raw_length} (zstd's ratio is at most {ZSTD_MAX_RATIO})"
+        )
+    return None
+
+
+def _tensor_problem(t: TensorEntry, blobs: list[Blob]) -> str | None:
+    """What is wrong with tensor entry ``t`` (the rest of a message), or None."""
+    itemsize = ITEMSIZES.get(t.dtype)
+    if itemsize is None:
+        return f": dtype {t.dtype} is not available in this torch"
+    # Each dimension on its own too: [0, 2**70] holds no element, yet no int64 holds it.
+    if (
+        math.prod(d for d in t.shape if d) * itemsize > MAX_BYTES
+        or max(t.shape, default=0) > MAX_BYTES
+    ):
+        return f": shape {_short(t.shape)} is too large"
+    if len(t.pieces) != 1 or any(t.pieces[0].offsets) or t.pieces[0].shape != t.shape:
+        # This version's readers accept exactly one piece covering the tensor (format.md).
+        return ": pieces must cover the tensor exactly once"
+    for p in t.pieces:
+        if not (len(p.offsets) == len(p.shape) == len(p.strides) == len(t.shape)):
+            return ": piece rank does not match the tensor"
+        if max(p.strides, default=0) > MAX_BYTES or p.byte_offset > MAX_BYTES:
+            return f": piece strides {_short(p.strides)} are too large"
+        if any(o + s > g for o, s, g in zip(p.offsets, p.shape, t.shape, strict=True)):
+            return ": piece lies outside the tensor"
+        if p.blob >= len(blobs):
+            return f": piece names blob {p.blob}"
+        if math.prod(p.shape):
+            last = sum((s - 1) * st for s, st in zip(p.shape, p.strides, strict=True))
+            end = p.byte_offset + (last + 1) * itemsize
+            if end > blobs[p.blob].nbytes:
+                return (
+                    f": piece addresses byte {end} of blob {p.blob} ({blobs[p.blob].nbytes} bytes)"
+                )
+        if p.byte_offset % itemsize:
+            return ": byte_offset is not a multiple of the item size"
+    return None
 
 
 def _short(dims: tuple[int, ...]) -> str:
@@ -408,8 +564,11 @@ def _check_tree(node: dict[str, Any], n_tensors: int, where: str) -> None:
     stack = [node]
     while stack:
         (kind, value), *_ = stack.pop().items()
-        if kind == "tensor" and value >= n_tensors:
-            raise InvalidManifest(f"{where}: tree references tensor {value} of {n_tensors}")
+        # JSON Schema's "integer" takes 2.0: an index, an int or a key must be an int here
+        if kind == "tensor" and (type(value) is not int or value >= n_tensors):
+            raise InvalidManifest(f"{where}: tree references tensor {value!r} of {n_tensors}")
+        if kind == "int" and type(value) is not int:
+            raise InvalidManifest(f"{where}: int node {value!r} is not an integer")
         if kind == "float":
             try:
                 decode_float(value)
@@ -419,6 +578,8 @@ def _check_tree(node: dict[str, Any], n_tensors: int, where: str) -> None:
                 ) from None
         if kind == "dict":
             keys = [k for k, _ in value]
+            if any(type(k) is float for k in keys):
+                raise InvalidManifest(f"{where}: a dict node has a key that is not an integer")
             if len(set(map(repr, keys))) != len(keys):
                 raise InvalidManifest(f"{where}: duplicate keys in a dict node")
             stack.extend(v for _, v in value)

@@ -5,9 +5,11 @@ InvalidManifest; never another exception. Brief and deterministic (derandomize) 
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
+import fastjsonschema
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -76,7 +78,7 @@ VALID: dict[str, Any] = {
 VALID_BYTES = json.dumps(VALID).encode()
 
 # JSON values a hostile writer might put anywhere: huge, negative, wrong-typed, nested.
-HOSTILE = [0, 1, -1, 1 << 61, 1 << 63, 1 << 70, 10**400, 2**62 + 1, 1e300, -0.0, 0.5]
+HOSTILE = [0, 1, -1, 1 << 61, 1 << 63, 1 << 70, 10**400, 2**62 + 1, 1e300, -0.0, 0.5, 0.0, 1.0]
 HOSTILE += ["0xp", "0x1p99999", "-0x1p-1080", "nan", "inf", "float32", "zstd", "../x", ""]
 SCALARS = st.one_of(
     st.sampled_from(HOSTILE),
@@ -161,7 +163,13 @@ def _parse_or_refuse(data: bytes) -> None:
         m = mf.parse(data, where="fuzz")
     except InvalidManifest:
         return
-    build(m.tree, lambda i, path: i)  # what load() does with the tree: no bad value left
+    # What a reader then does with it: index tensors, blobs and files, build the tree.
+    for b in m.blobs:
+        for c in b.chunks:
+            assert m.files[c.file].size >= c.offset + c.length
+    for t in m.tensors:
+        assert m.blobs[t.pieces[0].blob].nbytes >= 0
+    build(m.tree, lambda i, path: m.tensors[i])
 
 
 def test_the_seed_manifest_is_valid():
@@ -180,6 +188,11 @@ def _with(**fields: Any) -> bytes:
 @example(_with(created_unix=10**400))
 @example(_with(tree={"float": "0xp"}))
 @example(_with(tree={"float": "0x1p99999"}))
+@example(_with(tree={"tensor": 0.0}))  # JSON Schema's "integer" takes 0.0: a float index
+@example(_with(tree={"int": 2.0}))
+@example(_with(tree={"dict": [[1.0, {"none": None}]]}))
+@example(_with(step=7.0))
+@example(_with(rank_files=[[0.0]]))
 def test_structural_mutations_parse_or_raise_invalid_manifest(data):
     _parse_or_refuse(data)
 
@@ -188,3 +201,107 @@ def test_structural_mutations_parse_or_raise_invalid_manifest(data):
 @given(bytewise())
 def test_byte_mutations_parse_or_raise_invalid_manifest(data):
     _parse_or_refuse(data)
+
+
+# -- the large arrays' checks (manifest._Arrays) against the schema --------------------------
+SCHEMA = fastjsonschema.compile(mf.schema())
+ARRAYS = ("files", "blobs", "tensors")
+
+
+@st.composite
+def array_mutations(draw: st.DrawFn) -> dict[str, Any]:
+    """The valid document with one or two values inside files, blobs or tensors changed."""
+    doc = json.loads(VALID_BYTES)
+    for _ in range(draw(st.integers(1, 2))):
+        tops = [a for a in ARRAYS if a in doc]
+        slots = [(doc, a) for a in tops]
+        slots += [s for a in tops if isinstance(doc[a], dict | list) for s in _slots(doc[a], [])]
+        target, key = slots[draw(st.integers(0, len(slots) - 1))]
+        action = draw(st.sampled_from(["retype"] * 3 + ["replace", "delete", "add"]))
+        if action == "retype":
+            old = target[key]
+            kind = str if isinstance(old, str) else (int, float) if _number(old) else object
+            same = [v for v in HOSTILE if isinstance(v, kind) and not isinstance(v, bool)]
+            target[key] = draw(st.sampled_from(same)) if same else draw(JSON)
+        elif action == "replace":
+            target[key] = draw(JSON)
+        elif action == "delete":
+            del target[key]
+        elif target is doc:  # only the arrays change
+            target[key] = []
+        elif isinstance(target, dict):
+            target[draw(st.sampled_from(["x", "name", "chunks", "shape"]))] = draw(JSON)
+        else:
+            target.insert(key, draw(JSON))
+    return doc
+
+
+def _edit(dotted: str, value: Any) -> dict[str, Any]:
+    """The valid document with one value (at a dotted path) set."""
+    doc = json.loads(VALID_BYTES)
+    *head, last = dotted.split(".")
+    obj: Any = doc
+    for k in head:
+        obj = obj[int(k)] if isinstance(obj, list) else obj[k]
+    obj[int(last) if isinstance(obj, list) else last] = value
+    return doc
+
+
+def _lenient_spot(value: Any) -> bool:
+    """Whether ``value`` holds what the schema library lets through and _Arrays does not:
+    an integral float where an integer is due, or a string ending in a newline (Python's
+    `$` matches before one)."""
+    if isinstance(value, float):
+        return value.is_integer()
+    if isinstance(value, str):
+        return value.endswith("\n")
+    if isinstance(value, dict):
+        return any(_lenient_spot(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_lenient_spot(v) for v in value)
+    return False
+
+
+def _schema_accepts(doc: dict[str, Any]) -> bool:
+    try:
+        SCHEMA(doc)
+    except fastjsonschema.JsonSchemaValueException:
+        return False
+    return True
+
+
+def _arrays_accept(doc: dict[str, Any]) -> bool:
+    arrays = mf._Arrays("fuzz")
+    doc = copy.deepcopy(doc)
+    try:
+        arrays.files(doc.get("files"))
+        arrays.blobs(doc.get("blobs"))
+        arrays.tensors(doc.get("tensors"))
+    except InvalidManifest:
+        return False
+    return True
+
+
+@FUZZ
+@given(array_mutations())
+@example({**VALID, "files": [{"name": "a.bin\n", "size": 1}]})
+@example({**VALID, "blobs": [{"nbytes": 48.0, "element_size": 4, "chunks": []}]})
+@example(_edit("blobs.0.chunks.0.codec", "zstd2"))
+@example(_edit("blobs.0.chunks.0.xxh3", "0" * 31 + "G"))
+@example(_edit("blobs.0.element_size", 3))
+@example(_edit("blobs.0.chunks.0.extra", 1))
+@example(_edit("tensors.0.dtype", "object"))
+@example(_edit("tensors.0.shape", [1] * 65))
+@example(_edit("tensors.0.pieces", []))
+@example(_edit("tensors.0.pieces.0.strides", [-1, 1]))
+@example(_edit("files.0.name", "../x"))
+@example(_edit("files.0.size", True))
+def test_the_array_checks_agree_with_the_schema(doc):
+    """parse() checks files, blobs and tensors by code instead of the compiled schema (for
+    speed): it must refuse everything the schema refuses, and accept everything the schema
+    accepts but for integral floats and trailing newlines (refused on purpose)."""
+    schema_ok, arrays_ok = _schema_accepts(doc), _arrays_accept(doc)
+    if not schema_ok:
+        assert not arrays_ok
+    elif not arrays_ok:
+        assert any(_lenient_spot(doc.get(a)) for a in ARRAYS)
