@@ -185,6 +185,20 @@ def _check_frame(view: memoryview, codec: str, raw_length: int) -> None:
         raise _corrupt(codec, stored, content_size, raw_length)
 
 
+def check_header(data: bytes | memoryview, *, codec: str, raw_length: int) -> None:
+    """Raises CorruptSnapshot unless the stored chunk `data` declares `raw_length` decoded
+    bytes: a zstd frame header with exactly that content size (``none``: that many bytes).
+    What a reader checks before it reserves memory for the decoded chunk; decode() checks
+    it again."""
+    _check_codec(codec, 1)
+    view = _bytes_view(data)
+    if codec == "none":
+        if view.nbytes != raw_length:
+            raise _corrupt(codec, view.nbytes, view.nbytes, raw_length)
+    else:
+        _check_frame(view, codec, raw_length)
+
+
 def _zstd_into(view: memoryview, codec: str, address: int, raw_length: int) -> None:
     """Decompresses the single zstd frame `view` into the raw_length bytes at `address`,
     never writing outside them."""
@@ -248,4 +262,4 @@ def decode(
         _native.byte_unshuffle(out, scratch, raw_length, element_size, threads=1)
 
 
-__all__ = ["CODECS", "ELEMENT_SIZES", "decode", "encode", "release_scratch"]
+__all__ = ["CODECS", "ELEMENT_SIZES", "check_header", "decode", "encode", "release_scratch"]

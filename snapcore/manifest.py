@@ -7,9 +7,11 @@ allocated.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -209,11 +211,197 @@ class Manifest:
 
 
 @cache
-def _validator() -> Callable[[Any], Any]:
-    # fastjsonschema compiles the schema to Python once: 12x faster than jsonschema on a
-    # manifest of 3,000 tensors (0.39 s against 4.7 s), and every read validates.
+def _schema() -> dict[str, Any]:
     text = resources.files("snapcore").joinpath("manifest.schema.json").read_text()
-    return fastjsonschema.compile(json.loads(text))
+    return json.loads(text)
+
+
+@cache
+def _validator() -> Callable[[Any], Any]:
+    """The whole schema, compiled (tests compare the fast path below against it)."""
+    # fastjsonschema compiles the schema to Python once: 12x faster than jsonschema on a
+    # manifest of 3,000 tensors (0.39 s against 4.7 s).
+    return fastjsonschema.compile(_schema())
+
+
+# The arrays whose items parse() checks by hand (_build_files, _build_blobs,
+# _build_tensors) instead of through the compiled schema: they hold all but a few of a
+# large manifest's objects, and checking them while building the dataclasses takes one
+# pass instead of two.
+_BIG_ARRAYS = ("files", "blobs", "tensors")
+
+
+@cache
+def _top_validator() -> Callable[[Any], Any]:
+    """The schema with the items of the big arrays left to the hand-written checks."""
+    schema = copy.deepcopy(_schema())
+    for name in _BIG_ARRAYS:
+        schema["properties"][name] = {"type": "array"}
+    schema["properties"]["tree"] = {"type": "object"}  # _check_tree
+    return fastjsonschema.compile(schema)
+
+
+@cache
+def _item_rules() -> tuple[re.Pattern[str], re.Pattern[str], frozenset[str], frozenset[str]]:
+    """What the schema says of the big arrays' strings: the file name and hash patterns,
+    the codecs, the dtypes (taken from the schema file, which stays the contract)."""
+    schema = _schema()
+    defs = schema["definitions"]
+    name = schema["properties"]["files"]["items"]["properties"]["name"]["pattern"]
+    xxh3 = defs["chunk"]["properties"]["xxh3"]["pattern"]
+    codecs = frozenset(defs["chunk"]["properties"]["codec"]["enum"])
+    return re.compile(name), re.compile(xxh3), codecs, frozenset(defs["dtype"]["enum"])
+
+
+# Caps on the counts (docs/format.md, "Caps"): checked right after JSON decoding, before
+# anything is validated or built, so that the work of a parse is bounded by them.
+MAX_FILES = 1 << 16
+MAX_BLOBS = 1 << 19
+MAX_CHUNKS = 1 << 20
+MAX_TENSORS = 1 << 19
+MAX_TREE_NODES = 1 << 22
+MAX_DIMS = 64
+_FILE_KEYS = frozenset(["name", "size"])
+_BLOB_KEYS = frozenset(["nbytes", "element_size", "chunks"])
+_CHUNK_KEYS = frozenset(["file", "offset", "length", "raw_length", "codec", "xxh3"])
+_TENSOR_KEYS = frozenset(["dtype", "shape", "pieces"])
+_PIECE_KEYS = frozenset(["offsets", "shape", "blob", "byte_offset", "strides"])
+_ELEMENT_SIZES = frozenset([1, 2, 4, 8, 16])
+
+
+class _Bad(Exception):
+    """A value of a big array that the schema refuses: ``args`` = (location, message).
+    The location is built only on failure (``_at``): formatting it for every item would
+    cost more than the checks."""
+
+
+def _at(prefix: str, e: _Bad) -> _Bad:
+    loc, message = e.args
+    return _Bad(f"{prefix}.{loc}" if loc else prefix, message)
+
+
+def _keys(obj: Any, keys: frozenset[str]) -> None:
+    if type(obj) is not dict:
+        raise _Bad("", "must be object")
+    if obj.keys() != keys:
+        extra = sorted(obj.keys() - keys)
+        if extra:
+            raise _Bad("", f"must not contain {str(extra)[:100]} properties")
+        raise _Bad("", f"must contain {sorted(keys)} properties")
+
+
+def _uint(value: Any, field: str) -> int:
+    # type-exact: the schema's "integer" takes 1.0 (and bool is refused there as here)
+    if type(value) is not int or value < 0:
+        raise _Bad(field, "must be an integer >= 0 (not a float or a boolean)")
+    return value
+
+
+def _dims(value: Any, field: str) -> tuple[int, ...]:
+    if type(value) is not list or len(value) > MAX_DIMS:
+        raise _Bad(field, f"must be an array of at most {MAX_DIMS} integers")
+    for d in value:
+        if type(d) is not int or d < 0:
+            raise _Bad(field, "must be an array of integers >= 0")
+    return tuple(value)
+
+
+def _build_files(items: list[Any]) -> list[FileRef]:
+    name_re = _item_rules()[0]
+    out = []
+    for i, f in enumerate(items):
+        try:
+            _keys(f, _FILE_KEYS)
+            name = f["name"]
+            if type(name) is not str or not name_re.fullmatch(name):
+                raise _Bad("name", f"must match pattern {name_re.pattern}")
+            out.append(FileRef(name, _uint(f["size"], "size")))
+        except _Bad as e:
+            raise _at(f"files[{i}]", e) from None
+    return out
+
+
+def _build_chunks(chunks: Any) -> list[Chunk]:
+    _, xxh3_re, codecs, _ = _item_rules()
+    if type(chunks) is not list:
+        raise _Bad("chunks", "must be array")
+    out = []
+    for c_i, c in enumerate(chunks):
+        try:
+            _keys(c, _CHUNK_KEYS)
+            codec, xxh3 = c["codec"], c["xxh3"]
+            if type(codec) is not str or codec not in codecs:
+                raise _Bad("codec", f"must be one of {sorted(codecs)}")
+            if type(xxh3) is not str or not xxh3_re.fullmatch(xxh3):
+                raise _Bad("xxh3", f"must match pattern {xxh3_re.pattern}")
+            out.append(
+                Chunk(
+                    _uint(c["file"], "file"),
+                    _uint(c["offset"], "offset"),
+                    _uint(c["length"], "length"),
+                    xxh3,
+                    codec,
+                    _uint(c["raw_length"], "raw_length"),
+                )
+            )
+        except _Bad as e:
+            raise _at(f"chunks[{c_i}]", e) from None
+    return out
+
+
+def _build_blobs(items: list[Any]) -> list[Blob]:
+    out = []
+    n_chunks = 0
+    for b_i, b in enumerate(items):
+        try:
+            _keys(b, _BLOB_KEYS)
+            element_size = b["element_size"]
+            if type(element_size) is not int or element_size not in _ELEMENT_SIZES:
+                raise _Bad("element_size", f"must be one of {sorted(_ELEMENT_SIZES)}")
+            chunks = _build_chunks(b["chunks"])
+            out.append(Blob(_uint(b["nbytes"], "nbytes"), chunks, element_size))
+        except _Bad as e:
+            raise _at(f"blobs[{b_i}]", e) from None
+        n_chunks += len(chunks)
+        if n_chunks > MAX_CHUNKS:
+            raise _Bad("blobs", f"must hold at most {MAX_CHUNKS} chunks in all (docs/format.md)")
+    return out
+
+
+def _build_pieces(pieces: Any) -> list[Piece]:
+    if type(pieces) is not list or not pieces:
+        raise _Bad("pieces", "must be a non-empty array")
+    out = []
+    for p_i, p in enumerate(pieces):
+        try:
+            _keys(p, _PIECE_KEYS)
+            out.append(
+                Piece(
+                    _dims(p["offsets"], "offsets"),
+                    _dims(p["shape"], "shape"),
+                    _uint(p["blob"], "blob"),
+                    _uint(p["byte_offset"], "byte_offset"),
+                    _dims(p["strides"], "strides"),
+                )
+            )
+        except _Bad as e:
+            raise _at(f"pieces[{p_i}]", e) from None
+    return out
+
+
+def _build_tensors(items: list[Any]) -> list[TensorEntry]:
+    dtypes = _item_rules()[3]
+    out = []
+    for t_i, t in enumerate(items):
+        try:
+            _keys(t, _TENSOR_KEYS)
+            dtype = t["dtype"]
+            if type(dtype) is not str or dtype not in dtypes:
+                raise _Bad("dtype", "must be one of the schema's dtypes")
+            out.append(TensorEntry(dtype, _dims(t["shape"], "shape"), _build_pieces(t["pieces"])))
+        except _Bad as e:
+            raise _at(f"tensors[{t_i}]", e) from None
+    return out
 
 
 def _reject_constant(name: str) -> None:
@@ -246,6 +434,15 @@ def _decode_text(data: bytes, where: str) -> str:
         raise InvalidManifest(f"{where}: not valid JSON: not UTF-8 ({e})") from None
 
 
+def _check_caps(doc: dict[str, Any], where: str) -> None:
+    for name, cap in (("files", MAX_FILES), ("blobs", MAX_BLOBS), ("tensors", MAX_TENSORS)):
+        items = doc.get(name)
+        if type(items) is list and len(items) > cap:
+            raise InvalidManifest(
+                f"{where}: {len(items)} {name} exceed the cap of {cap} (docs/format.md)"
+            )
+
+
 def parse(data: bytes, *, where: str) -> Manifest:
     """Parse and validate manifest bytes; ``where`` names the file in errors."""
     if len(data) > MAX_MANIFEST_BYTES:
@@ -263,50 +460,35 @@ def parse(data: bytes, *, where: str) -> Manifest:
             f"{where}: format_version {version!r} is not supported (this snapcore reads "
             f"version {FORMAT_VERSION})"
         )
+    _check_caps(doc, where)
     try:
-        _validator()(doc)
+        _top_validator()(doc)
     except RecursionError:
         raise InvalidManifest(f"{where}: the tree is nested too deeply") from None
     except fastjsonschema.JsonSchemaValueException as e:
         loc = e.name.removeprefix("data").lstrip(".") or "<top>"
         raise InvalidManifest(f"{where}: schema violation at {loc}: {e.message[:300]}") from None
+    for name in ("step", "world_size"):
+        if type(doc[name]) is not int:
+            raise InvalidManifest(f"{where}: schema violation at {name}: must be an integer")
+    if any(type(i) is not int for idx in doc["rank_files"] for i in idx):
+        raise InvalidManifest(f"{where}: schema violation at rank_files: must hold integers")
+    try:
+        files = _build_files(doc["files"])
+        blobs = _build_blobs(doc["blobs"])
+        tensors = _build_tensors(doc["tensors"])
+    except _Bad as e:
+        loc, message = e.args
+        raise InvalidManifest(f"{where}: schema violation at {loc}: {message}") from None
     m = Manifest(
         step=doc["step"],
         created_unix=float(doc["created_unix"]),
         writer=doc["writer"],
         world_size=doc["world_size"],
         rank_files=doc["rank_files"],
-        files=[FileRef(f["name"], f["size"]) for f in doc["files"]],
-        blobs=[
-            Blob(
-                b["nbytes"],
-                [
-                    Chunk(
-                        c["file"], c["offset"], c["length"], c["xxh3"], c["codec"], c["raw_length"]
-                    )
-                    for c in b["chunks"]
-                ],
-                b["element_size"],
-            )
-            for b in doc["blobs"]
-        ],
-        tensors=[
-            TensorEntry(
-                t["dtype"],
-                tuple(t["shape"]),
-                [
-                    Piece(
-                        tuple(p["offsets"]),
-                        tuple(p["shape"]),
-                        p["blob"],
-                        p["byte_offset"],
-                        tuple(p["strides"]),
-                    )
-                    for p in t["pieces"]
-                ],
-            )
-            for t in doc["tensors"]
-        ],
+        files=files,
+        blobs=blobs,
+        tensors=tensors,
         tree=doc["tree"],
     )
     check(m, where=where)
@@ -405,29 +587,103 @@ def _short(dims: tuple[int, ...]) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _check_tree(node: dict[str, Any], tensors: list[TensorEntry], where: str) -> None:
+@cache
+def _kind_validator(kind: str) -> Callable[[Any], Any]:
+    """The schema of one node kind's value (``ndarray``, ``random``...), compiled: the
+    rare kinds are checked through the schema file, the common ones by _check_tree."""
+    schema = _schema()
+    defs = schema["definitions"]
+    # The same $id as the whole schema: its "#/definitions/..." references resolve here
+    # (without one, fastjsonschema would try to fetch the document by its URL).
+    return fastjsonschema.compile(
+        {
+            "$schema": schema["$schema"],
+            "$id": schema["$id"],
+            "definitions": defs,
+            **defs["node"]["properties"][kind],
+        }
+    )
+
+
+@cache
+def _float_re() -> re.Pattern[str]:
+    return re.compile(_schema()["definitions"]["node"]["properties"]["float"]["pattern"])
+
+
+def _check_tree(node: Any, tensors: list[TensorEntry], where: str) -> None:
+    """One walk over the tree: the schema of its nodes, checked by hand (type-exact: a
+    float is not an int) for the common kinds and through the schema for the value
+    kinds of values.py; the node count cap; tensor indices, floats, duplicate keys."""
     n_tensors = len(tensors)
+    float_re = _float_re()
     stack = [node]
+    n_nodes = 0
+
+    def bad(message: str) -> InvalidManifest:
+        return InvalidManifest(f"{where}: schema violation at tree: {message}")
+
     while stack:
-        (kind, value), *_ = stack.pop().items()
-        if kind == "tensor" and value >= n_tensors:
-            raise InvalidManifest(f"{where}: tree references tensor {value} of {n_tensors}")
-        if kind == "float":
+        n_nodes += 1
+        if n_nodes > MAX_TREE_NODES:
+            raise InvalidManifest(
+                f"{where}: the tree has more than {MAX_TREE_NODES} nodes (docs/format.md)"
+            )
+        node = stack.pop()
+        if type(node) is not dict or len(node) != 1:
+            raise bad("a node must be an object with exactly one property")
+        ((kind, value),) = node.items()
+        if kind == "tensor" or kind == "int":
+            if type(value) is not int:  # type-exact: the schema's "integer" takes 1.0
+                raise bad(f"{kind} node {str(value)[:40]} is not an integer")
+            if kind == "tensor" and not 0 <= value < n_tensors:
+                raise InvalidManifest(f"{where}: tree references tensor {value} of {n_tensors}")
+        elif kind == "dict":
+            if type(value) is not list:
+                raise bad("a dict node holds an array of [key, node] items")
+            keys = []
+            for item in value:
+                if type(item) is not list or len(item) != 2 or type(item[0]) not in (str, int):
+                    raise bad("a dict node's item must be [string or integer key, node]")
+                keys.append(item[0])
+                stack.append(item[1])
+            if len(set(map(repr, keys))) != len(keys):
+                raise InvalidManifest(f"{where}: duplicate keys in a dict node")
+        elif kind == "list" or kind == "tuple":
+            if type(value) is not list:
+                raise bad(f"a {kind} node holds an array of nodes")
+            stack.extend(value)
+        elif kind == "float":
+            if type(value) is not str or not float_re.fullmatch(value):
+                raise bad(f"float node {str(value)[:40]!r} must match {float_re.pattern}")
             try:
                 decode_float(value)
             except (ValueError, OverflowError):
                 raise InvalidManifest(
                     f"{where}: float node {value[:40]!r} is not a float"
                 ) from None
-        if kind == "dict":
-            keys = [k for k, _ in value]
-            if len(set(map(repr, keys))) != len(keys):
-                raise InvalidManifest(f"{where}: duplicate keys in a dict node")
-            stack.extend(v for _, v in value)
-        elif kind in ("list", "tuple"):
-            stack.extend(value)
+        elif kind == "str":
+            if type(value) is not str:
+                raise bad("a str node holds a string")
+        elif kind == "bool":
+            if type(value) is not bool:
+                raise bad("a bool node holds true or false")
+        elif kind == "none":
+            if value is not None:
+                raise bad("a none node holds null")
         elif kind == "stateful":
+            if type(value) is not dict or value.keys() != {"type", "state"}:
+                raise bad("a stateful node holds exactly {type, state}")
+            if type(value["type"]) is not str or len(value["type"]) > 256:
+                raise bad("a stateful node's type is a string of at most 256 characters")
             stack.append(value["state"])
         elif kind in values.KINDS:  # NumPy arrays, bytes, generators...: values.py
+            try:
+                _kind_validator(kind)(value)
+            except fastjsonschema.JsonSchemaValueException as e:
+                raise bad(f"{kind} node: {e.message[:300]}") from None
+            except RecursionError:
+                raise InvalidManifest(f"{where}: the tree is nested too deeply") from None
             values.check(kind, value, tensors, where, MAX_BYTES)
             stack.extend(child for _, child in values.children(kind, value))
+        else:
+            raise bad(f"unknown node kind {kind[:40]!r}")

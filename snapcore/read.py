@@ -48,6 +48,15 @@ class RestoreInfo:
     skipped: list[str] = field(default_factory=list)  # "step N: why", newer damaged steps
 
 
+# Where a chunk is decoded to: an address, or a function that gives one for a number of
+# bytes, called only once the chunk's stored form has passed its header check.
+Address = int | Callable[[int], int]
+
+
+def _resolve(address: Address, nbytes: int) -> int:
+    return address if isinstance(address, int) else address(nbytes)
+
+
 class Reader:
     """Reads one snapshot from the tiers that hold it, fastest first.
 
@@ -105,7 +114,7 @@ class Reader:
         )
 
     # -- chunk reads ------------------------------------------------------------------------
-    def _read_chunk(self, b_i: int, j: int, address: int) -> None:
+    def _read_chunk(self, b_i: int, j: int, address: Address) -> None:
         first: CorruptSnapshot | None = None
         for k, (tier, m) in enumerate(self.sources):
             try:
@@ -147,12 +156,13 @@ class Reader:
         c = m.blobs[b_i].chunks[j]
         self._check_file(tier, m, c.file, m.files[c.file])
 
-    def _read_from(self, tier: Tier, m: mf.Manifest, b_i: int, j: int, address: int) -> None:
+    def _read_from(self, tier: Tier, m: mf.Manifest, b_i: int, j: int, address: Address) -> None:
         c = m.blobs[b_i].chunks[j]
         self._check_size(tier, m, b_i, j)
         if c.codec == "none":
-            self._read(tier, m.files[c.file].name, c.offset, c.length, address)
-            self._verify(tier, m, b_i, j, address)
+            out = _resolve(address, c.raw_length)
+            self._read(tier, m.files[c.file].name, c.offset, c.length, out)
+            self._verify(tier, m, b_i, j, out)
             return
         buf = self._scratch_buffer(c.length)
         self._read(tier, m.files[c.file].name, c.offset, c.length, buf.data_ptr())
@@ -163,22 +173,30 @@ class Reader:
         with self._lock:
             self.bytes_read += length
 
-    def _decode(self, tier: Tier, m: mf.Manifest, b_i: int, j: int, src: int, address: int) -> None:
-        """Chunk ``j`` of blob ``b_i``, stored at ``src``, into ``address``; then verified."""
-        c = m.blobs[b_i].chunks[j]
-        if c.codec == "none":
-            ctypes.memmove(address, src, c.length)
-        else:
-            from . import codec
+    def _decode(
+        self, tier: Tier, m: mf.Manifest, b_i: int, j: int, src: int, address: Address
+    ) -> None:
+        """Chunk ``j`` of blob ``b_i``, stored at ``src``, into ``address``; then verified.
 
+        The stored form's header is checked before ``address`` is resolved: a frame that
+        does not declare the chunk's raw_length gets no buffer of that size."""
+        from . import codec
+
+        c = m.blobs[b_i].chunks[j]
+        stored = memoryview((ctypes.c_char * c.length).from_address(src)).cast("B")
+        codec.check_header(stored, codec=c.codec, raw_length=c.raw_length)
+        out = _resolve(address, c.raw_length)
+        if c.codec == "none":
+            ctypes.memmove(out, src, c.length)
+        else:
             codec.decode(
-                memoryview((ctypes.c_char * c.length).from_address(src)).cast("B"),
+                stored,
                 codec=c.codec,
                 element_size=m.blobs[b_i].element_size,
                 raw_length=c.raw_length,
-                out=address,
+                out=out,
             )
-        self._verify(tier, m, b_i, j, address)
+        self._verify(tier, m, b_i, j, out)
 
     def _verify(self, tier: Tier, m: mf.Manifest, b_i: int, j: int, address: int) -> None:
         c = m.blobs[b_i].chunks[j]
@@ -354,6 +372,13 @@ class Reader:
                 "the state (restore(..., strict=False) leaves them as they are and lists them "
                 "in RestoreInfo.missing)"
             )
+        if strict and plan.unexpected_in_modules:
+            raise StateMismatch(
+                f"step {self.m.step}: the snapshot holds {_some(plan.unexpected_in_modules)} "
+                "that the state's modules lack: a model of another shape? (restore(..., "
+                "strict=False) fills what matches and lists the rest in "
+                "RestoreInfo.unexpected)"
+            )
         self.prefetch(sorted(plan.fresh))
         self._fill(targets)
         with torch.no_grad():
@@ -425,7 +450,8 @@ class Reader:
 def verify_snapshot(tier: Any, step: int, progress: Any = None) -> list[CorruptSnapshot]:
     """Read and hash every chunk of a committed snapshot; return what is damaged.
 
-    Memory stays bounded: each worker reuses one buffer of the largest chunk's size.
+    Memory stays bounded: each worker reuses one buffer, grown to the largest chunk it has
+    decoded, and only once that chunk's stored form has declared its size.
     ``progress(done_bytes, total_bytes)`` is called as chunks complete.
     """
     m = tier.read_manifest(step)
@@ -434,10 +460,19 @@ def verify_snapshot(tier: Any, step: int, progress: Any = None) -> list[CorruptS
         (b_i, j) for b_i, b in enumerate(m.blobs) for j, c in enumerate(b.chunks) if c.raw_length
     ]
     total = sum(m.blobs[b].chunks[j].raw_length for b, j in jobs)
-    biggest = max((m.blobs[b].chunks[j].raw_length for b, j in jobs), default=0)
     threads = max(1, min(settings.threads(), len(jobs)))
-    buffers = [torch.empty(biggest, dtype=torch.uint8) for _ in range(threads)]
+    # Each worker's buffer grows to the largest chunk it has decoded, once the chunk's
+    # stored form has declared that size (docs/format.md, "Allocation").
+    buffers: list[torch.Tensor | None] = [None] * threads
     free = list(range(threads))
+
+    def buffer(k: int, nbytes: int) -> int:
+        buf = buffers[k]
+        if buf is None or buf.numel() < nbytes:
+            buffers[k] = None  # free the smaller one first
+            buf = buffers[k] = _alloc(nbytes, False, m.step)
+        return buf.data_ptr()
+
     lock = threading.Lock()
     damaged: list[CorruptSnapshot] = []
     done = 0
@@ -447,7 +482,7 @@ def verify_snapshot(tier: Any, step: int, progress: Any = None) -> list[CorruptS
         with lock:
             k = free.pop()
         try:
-            reader._read_chunk(b_i, j, buffers[k].data_ptr())
+            reader._read_chunk(b_i, j, partial(buffer, k))
         except CorruptSnapshot as e:
             with lock:
                 damaged.append(e)

@@ -218,12 +218,15 @@ class RestorePlan:
     ``fresh``: the saved tensors built as new tensors (read before ``apply``);
     ``missing``: paths of the live state the snapshot holds nothing for (left alone);
     ``unexpected``: paths of the snapshot the live state has no place for (neither read
-    nor added anywhere).
+    nor added anywhere); ``unexpected_in_modules``: those of them inside a module's state
+    dict (a model of another shape, which strict restore refuses, as
+    ``load_state_dict(strict=True)`` does).
     """
 
     fresh: set[int] = field(default_factory=set)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    unexpected_in_modules: list[str] = field(default_factory=list)
     writes: list[tuple[Any, Any, Thunk]] = field(default_factory=list)
     loaders: list[tuple[Any, str, Thunk]] = field(default_factory=list)
 
@@ -457,6 +460,7 @@ class _Planner:
         pairs, missing, unexpected = match_keys(list(template), list(saved), normalise=True)
         self.plan.missing.extend(join_path(path, k) for k in missing)
         self.plan.unexpected.extend(join_path(path, k) for k in unexpected)
+        self.plan.unexpected_in_modules.extend(join_path(path, k) for k in unexpected)
         values = {
             k: self.loose(template[k], saved[sk], join_path(path, k)) for k, sk in pairs.items()
         }

@@ -164,6 +164,25 @@ def test_shuffle_decode_checks_the_frame_before_reserving_raw_length():
     assert codec._state.scratch is None
 
 
+def test_verify_reserves_no_buffer_for_a_size_the_frame_does_not_declare(tmp_path, monkeypatch):
+    """`snapcore verify` sized its buffers by the largest raw_length claimed, before reading
+    anything; now a chunk's buffer comes after its frame header has declared that size."""
+    root = tmp_path / "store"
+    BY_NAME["frame-size-mismatch"].build(root)
+    claimed = max(c.raw_length for b in LocalTier(root).read_manifest(STEP).blobs for c in b.chunks)
+    sizes: list[int] = []
+    empty = torch.empty
+
+    def recording_empty(*size: Any, **kwargs: Any) -> torch.Tensor:
+        sizes.append(int(size[0]) if size and isinstance(size[0], int) else -1)
+        return empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    damaged = _verify(root)
+    assert damaged and "decodes to" in str(damaged[0])
+    assert sizes and max(sizes) < claimed
+
+
 def test_zero_length_read_does_not_open_the_file(tmp_path):
     root = tmp_path / "store"
     (root / "d").mkdir(parents=True)

@@ -107,6 +107,28 @@ HOSTILE: dict[str, tuple[Mutation, str]] = {
     ),
     "bad-hash": (lambda d: json.dumps(_set(d, "blobs.0.chunks.0.xxh3", "zz")).encode(), "schema"),
     "too-big": (lambda d: b" " * (mf.MAX_MANIFEST_BYTES + 1), "64 MiB cap"),
+    # JSON Schema's "integer" takes 0.0: an index that is a float must not get through
+    "float-blob-index": (
+        lambda d: json.dumps(_set(d, "tensors.0.pieces.0.blob", 0.0)).encode(),
+        "schema violation at tensors[0].pieces[0]",
+    ),
+    "float-file-index": (
+        lambda d: json.dumps(_set(d, "blobs.0.chunks.0.file", 0.0)).encode(),
+        "schema violation at blobs[0].chunks[0]",
+    ),
+    "float-tensor-index": (
+        lambda d: json.dumps(_set(d, "tree", {"tensor": 0.0})).encode(),
+        "tensor node 0.0 is not an integer",
+    ),
+    "float-int-node": (
+        lambda d: json.dumps(_set(d, "tree", {"int": 3.0})).encode(),
+        "int node 3.0",
+    ),
+    "float-shape": (
+        lambda d: json.dumps(_set(d, "tensors.0.shape", [3.0, 4])).encode(),
+        "schema violation at tensors[0].shape",
+    ),
+    "float-step": (lambda d: json.dumps(_set(d, "step", 7.0)).encode(), "at step"),
 }
 
 

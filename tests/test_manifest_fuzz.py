@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import fastjsonschema
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -188,3 +190,160 @@ def test_structural_mutations_parse_or_raise_invalid_manifest(data):
 @given(bytewise())
 def test_byte_mutations_parse_or_raise_invalid_manifest(data):
     _parse_or_refuse(data)
+
+
+# parse() checks the files, blobs, tensors arrays and the tree by hand, not through the
+# compiled schema (speed: docs/benchmarks.md); the schema file stays the contract. The
+# hand-written checks must never be laxer than the schema: whatever parse() accepts, the
+# whole schema accepts too.
+@FUZZ
+@given(structural())
+def test_what_parse_accepts_the_whole_schema_accepts(data):
+    try:
+        mf.parse(data, where="fuzz")
+    except InvalidManifest:
+        return
+    mf._validator()(json.loads(data))  # raises JsonSchemaValueException if laxer
+
+
+def _mutated(path: str, value: Any) -> dict[str, Any]:
+    doc = json.loads(VALID_BYTES)
+    *head, last = path.split(".")
+    obj: Any = doc
+    for k in head:
+        obj = obj[int(k)] if isinstance(obj, list) else obj[k]
+    if value is _DELETE:
+        del obj[int(last) if isinstance(obj, list) else last]
+    elif isinstance(obj, list):
+        obj[int(last)] = value
+    else:
+        obj[last] = value
+    return doc
+
+
+_DELETE = object()
+_FILE = "files.0"
+_CHUNK = "blobs.1.chunks.0"
+_PIECE = "tensors.1.pieces.0"
+# (path, value): one value the hand-written checks refuse, in each array and the tree.
+REFUSED = [
+    (f"{_FILE}.size", True),
+    (f"{_FILE}.size", -1),
+    (f"{_FILE}.size", "256"),
+    (f"{_FILE}.name", 5),
+    (f"{_FILE}.name", "a/../b"),
+    (f"{_FILE}.name", "x\n"),
+    (f"{_FILE}.extra", 1),
+    (f"{_FILE}.size", _DELETE),
+    (_FILE, [1, 2]),
+    ("files", {"name": "x"}),
+    ("blobs.0.nbytes", False),
+    ("blobs.0.element_size", True),
+    ("blobs.0.element_size", 3),
+    ("blobs.0.chunks", {}),
+    ("blobs.0.extra", None),
+    ("blobs.0.chunks", _DELETE),
+    (f"{_CHUNK}.offset", -1),
+    (f"{_CHUNK}.file", True),
+    (f"{_CHUNK}.length", "40"),
+    (f"{_CHUNK}.codec", "gzip"),
+    (f"{_CHUNK}.codec", None),
+    (f"{_CHUNK}.xxh3", "0" * 31),
+    (f"{_CHUNK}.xxh3", "0" * 32 + "\n"),
+    (f"{_CHUNK}.xxh3", "A" * 32),
+    (f"{_CHUNK}.raw_length", _DELETE),
+    (f"{_CHUNK}.extra", 0),
+    ("tensors.0.dtype", "object"),
+    ("tensors.0.dtype", 1),
+    ("tensors.0.shape", [3, -4]),
+    ("tensors.0.shape", [3, True]),
+    ("tensors.0.shape", "34"),
+    ("tensors.0.shape", [1] * 65),
+    ("tensors.0.pieces", []),
+    ("tensors.0.pieces", None),
+    ("tensors.0.extra", []),
+    ("tensors.0.shape", _DELETE),
+    (f"{_PIECE}.blob", -1),
+    (f"{_PIECE}.byte_offset", False),
+    (f"{_PIECE}.strides", [1, 2, "x"]),
+    (f"{_PIECE}.offsets", None),
+    (f"{_PIECE}.extra", 1),
+    (f"{_PIECE}.strides", _DELETE),
+    ("tree", {"int": True}),
+    ("tree", {"int": "1"}),
+    ("tree", {"tensor": -1}),
+    ("tree", {"str": 1}),
+    ("tree", {"bool": 0}),
+    ("tree", {"none": 0}),
+    ("tree", {"float": 0.5}),
+    ("tree", {"float": "0x1p1\n"}),
+    ("tree", {"list": {}}),
+    ("tree", {"dict": [["a"]]}),
+    ("tree", {"dict": [[True, {"none": None}]]}),
+    ("tree", {"dict": [[1.5, {"none": None}]]}),
+    ("tree", {"stateful": {"type": "x", "state": {"none": None}, "extra": 1}}),
+    ("tree", {"stateful": {"type": "x" * 257, "state": {"none": None}}}),
+    ("tree", {"int": 1, "str": "a"}),
+    ("tree", {}),
+    ("tree", {"pickle": "x"}),
+    ("tree", {"size": [1, 2.5]}),
+    ("tree", {"bytes": {"b64": "!!"}}),
+    ("tree", {"list": [{"list": [{"random": {"version": 2}}]}]}),
+    ("step", True),
+    ("world_size", "1"),
+    ("rank_files", [[-1]]),
+]
+# The schema's "integer" takes a float with no fraction (1.0): these parsed before, and
+# some then raised TypeError (a blob index of 0.0); parse() refuses them, type-exact.
+FLOAT_FOR_INT = [
+    (f"{_FILE}.size", 256.0),
+    ("blobs.0.nbytes", 48.0),
+    ("blobs.0.element_size", 4.0),
+    (f"{_CHUNK}.offset", 64.0),
+    ("tensors.0.shape", [3.0, 4]),
+    (f"{_PIECE}.blob", 1.0),
+    (f"{_PIECE}.strides", [1.0]),
+    ("tree", {"tensor": 0.0}),
+    ("tree", {"int": 1.0}),
+    ("tree", {"dict": [[1.0, {"none": None}]]}),
+    ("step", 7.0),
+    ("world_size", 1.0),
+    ("rank_files", [[0.0]]),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "schema_refuses"),
+    [(p, v, True) for p, v in REFUSED] + [(p, v, False) for p, v in FLOAT_FOR_INT],
+)
+def test_hand_written_checks_refuse_what_they_must(path, value, schema_refuses):
+    doc = _mutated(path, value)
+    with pytest.raises(InvalidManifest, match="fuzz: "):
+        mf.parse(json.dumps(doc).encode(), where="fuzz")
+    if schema_refuses:  # the schema refuses it too: the two agree
+        with pytest.raises(fastjsonschema.JsonSchemaValueException):
+            mf._validator()(doc)
+    else:  # the schema alone would take it
+        mf._validator()(doc)
+
+
+def test_float_for_int_names_where():
+    doc = _mutated(f"{_PIECE}.blob", 0.0)
+    with pytest.raises(InvalidManifest, match=r"tensors\[1\]\.pieces\[0\]\.blob: must be an int"):
+        mf.parse(json.dumps(doc).encode(), where="fuzz")
+
+
+@pytest.mark.parametrize(
+    ("cap", "value", "message"),
+    [
+        ("MAX_FILES", 0, "1 files exceed the cap of 0"),
+        ("MAX_BLOBS", 1, "2 blobs exceed the cap of 1"),
+        ("MAX_TENSORS", 1, "2 tensors exceed the cap of 1"),
+        ("MAX_CHUNKS", 1, "at most 1 chunks in all"),
+        ("MAX_TREE_NODES", 5, "more than 5 nodes"),
+    ],
+)
+def test_count_caps_are_enforced(monkeypatch, cap, value, message):
+    monkeypatch.setattr(mf, cap, value)
+    with pytest.raises(InvalidManifest, match=message):
+        mf.parse(VALID_BYTES, where="fuzz")

@@ -398,3 +398,19 @@ def test_an_older_step_the_state_does_not_fit_raises_naming_the_skipped_one(tmp_
     with pytest.raises(snapcore.StateMismatch, match=r"step 1: .* nothing for b") as e:
         snapcore.restore({"a": torch.zeros(2), "b": torch.zeros(2)}, tmp_path)
     assert any("step 2: " in note for note in e.value.__notes__)
+
+
+def test_a_module_the_snapshot_holds_more_layers_for_is_refused_under_strict(tmp_path):
+    """Like load_state_dict(strict=True): extra keys inside a module mean a model of another
+    shape. Extra top-level keys stay a partial restore (test_a_partial_restore_...)."""
+    torch.manual_seed(0)
+    big = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    snapcore.save({"model": big}, tmp_path, step=1)
+    small = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    before = [p.detach().clone() for p in small.parameters()]
+    with pytest.raises(snapcore.StateMismatch, match=r"model\.2\.weight.*another shape"):
+        snapcore.restore({"model": small}, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(before, small.parameters(), strict=True))
+    info = snapcore.restore({"model": small}, tmp_path, strict=False)
+    assert sorted(info.unexpected) == ["model.2.bias", "model.2.weight"]
+    assert torch.equal(small[1].weight, big[1].weight)
