@@ -18,9 +18,9 @@ Rows:
 
     python benchmarks/bench_checkpointer.py               # ~10 s
     python benchmarks/bench_checkpointer.py --calls 200000 --json out.json
-    python benchmarks/bench_checkpointer.py --smoke   # does it run? (tests/test_benchmarks.py)
+    python benchmarks/bench_checkpointer.py --smoke   # does it run? (test_benchmarks.py)
 
-The test suite runs only its --smoke run (tests/test_benchmarks.py).
+The test suite runs only its --smoke run (tests/integration/test_benchmarks.py).
 """
 
 from __future__ import annotations

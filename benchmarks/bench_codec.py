@@ -20,9 +20,9 @@ CPU-second of this process, which depends less on them.
     python benchmarks/bench_codec.py                  # 256 MB tensors, a few minutes
     python benchmarks/bench_codec.py --size-mb 64     # a quick run
     python benchmarks/bench_codec.py --markdown out.md
-    python benchmarks/bench_codec.py --smoke          # does it run? (tests/test_benchmarks.py)
+    python benchmarks/bench_codec.py --smoke          # does it run? (test_benchmarks.py)
 
-The test suite runs only its --smoke run (tests/test_benchmarks.py).
+The test suite runs only its --smoke run (tests/integration/test_benchmarks.py).
 """
 
 from __future__ import annotations

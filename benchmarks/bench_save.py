@@ -21,10 +21,10 @@ changes before each save, as in training: snapcore stores a chunk it already hol
 
     python benchmarks/bench_save.py                    # ~4.4 GB state, 6-7 minutes
     python benchmarks/bench_save.py --size-gb 0.3      # a small run, about a minute
-    python benchmarks/bench_save.py --smoke            # does it run? (tests/test_benchmarks.py)
+    python benchmarks/bench_save.py --smoke            # does it run? (test_benchmarks.py)
     python benchmarks/bench_save.py --json out.json --markdown out.md
 
-The test suite runs only its --smoke run (tests/test_benchmarks.py).
+The test suite runs only its --smoke run (tests/integration/test_benchmarks.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ development machine, so the remote figures measure snapcore against that server,
 against S3.
 
     python benchmarks/bench_tiers.py [--size-mb 256] [--json out.json]
-    python benchmarks/bench_tiers.py --smoke       # does it run? (tests/test_benchmarks.py)
+    python benchmarks/bench_tiers.py --smoke       # does it run? (test_benchmarks.py)
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ runs snapcore's optimiser with the true rate.
 
     python benchmarks/simulate.py            # full run (about a minute on 2 cores)
     python benchmarks/simulate.py --quick    # a few seconds, for the test
-    python benchmarks/simulate.py --smoke    # --quick on one worker (tests/test_benchmarks.py)
+    python benchmarks/simulate.py --smoke    # --quick on one worker (test_benchmarks.py)
     python benchmarks/simulate.py --write-docs   # also update docs/scheduler.md + PNG
 
 Standard library only, plus matplotlib for the plot (imported only when plotting).

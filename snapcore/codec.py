@@ -12,7 +12,7 @@ GIL: byte_shuffle and byte_unshuffle (the binding drops it), ZstdCompressor.comp
 ZstdDecompressionReader.readinto (python-zstandard 0.25's C backend runs
 ZSTD_compressStream2 and ZSTD_decompressStream between Py_BEGIN_ALLOW_THREADS and
 Py_END_ALLOW_THREADS, c-ext/compressor.c and c-ext/decompressionreader.c; its cffi backend
-releases the GIL in every C call), and copy_host. tests/test_codec.py checks it.
+releases the GIL in every C call), and copy_host. tests/unit/test_codec.py checks it.
 
 Memory per thread that has run a shuffle-zstd call: one scratch buffer as large as the
 largest chunk it handled (64 MiB for snapcore's chunks), kept for the next call and freed

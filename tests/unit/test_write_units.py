@@ -123,7 +123,7 @@ def test_only_the_builder_makes_a_manifest():
     """Issue 9's rule: a grep for `world_size=` and `rank_files=` in the writers finds the
     one builder; and no module but it (and the parser, from the JSON it reads) makes a
     Manifest."""
-    root = Path(__file__).resolve().parents[1] / "snapcore"
+    root = Path(__file__).resolve().parents[2] / "snapcore"
     setters = sorted(
         str(p.relative_to(root))
         for p in (root / "write").rglob("*.py")

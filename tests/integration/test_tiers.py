@@ -103,7 +103,7 @@ def test_host_only_snapshot_survives_sigkill_and_restores_without_disk(tmp_path,
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
         check=False,
     )
     assert r.returncode == -9 and "committed" in r.stdout, r.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "snapcore"
+ROOT = Path(__file__).resolve().parents[2] / "snapcore"
 
 # Lowest first. A module may import modules of its own layer or below.
 LAYERS: dict[str, int] = {

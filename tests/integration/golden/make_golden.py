@@ -1,14 +1,15 @@
-"""Write the golden format-2 stores under tests/golden/ (issue 10: format 2 stays readable).
+"""Write the golden format-2 stores under tests/integration/golden/ (issue 10: format 2
+stays readable).
 
 Run ONCE, with the snapcore release that writes format 2, and commit the output::
 
-    .venv/bin/python tests/golden/make_golden.py
+    .venv/bin/python tests/integration/golden/make_golden.py
 
 Do not run it again after the format changes: the point of the committed stores is that
 they were written by the old writer. The script refuses to overwrite existing stores
 unless given ``--force``.
 
-Each case ``tests/golden/<case>/`` holds:
+Each case ``tests/integration/golden/<case>/`` holds:
 
 - ``store/``: a snapcore store (local tier) with one or more committed steps;
 - ``expected/step-<N>.json`` + ``expected/step-<N>/<i>.bin``: what ``snapcore.load`` of
@@ -18,8 +19,8 @@ Each case ``tests/golden/<case>/`` holds:
 
 Content is deterministic (fixed seeds, CPU only). What varies between runs: the
 manifests' ``created_unix`` and ``writer`` fields and the random token in data file names.
-The builders below are also used by tests/test_golden.py to make a fresh live state of the
-same structure (another seed) to restore into.
+The builders below are also used by tests/integration/test_golden.py to make a fresh live
+state of the same structure (another seed) to restore into.
 """
 
 from __future__ import annotations

@@ -197,6 +197,6 @@ def test_symlink_out_of_the_store_is_refused(saved, tmp_path_factory):
 def test_schema_in_docs_is_the_shipped_one():
     from pathlib import Path
 
-    docs = Path(__file__).parents[1] / "docs" / "manifest.schema.json"
+    docs = Path(__file__).parents[2] / "docs" / "manifest.schema.json"
     shipped = Path(mf.__file__).with_name("manifest.schema.json")
     assert docs.resolve() == shipped.resolve()

@@ -4,11 +4,11 @@ Every case is built from a small valid snapshot (a generator rather than checked
 files, since FIFOs and symlinks out of the store cannot be checked in), then one thing
 is made hostile. ``expect`` is the snapcore error class restore, load and verify must
 raise (``None``: they must succeed with step ``ok_step``), ``match`` a fragment of its
-message. tests/test_hostile.py runs every case through the API and the CLI.
+message. tests/integration/test_hostile.py runs every case through the API and the CLI.
 
 Write the whole corpus to a directory (to try it on another reader, say):
 
-    python tests/hostile/corpus.py OUTDIR
+    python tests/integration/hostile/corpus.py OUTDIR
 """
 
 from __future__ import annotations
@@ -258,5 +258,5 @@ def write_corpus(out: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python tests/hostile/corpus.py OUTDIR")
+        sys.exit("usage: python tests/integration/hostile/corpus.py OUTDIR")
     write_corpus(Path(sys.argv[1]))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "simulate.py"
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "simulate.py"
 
 
 @pytest.fixture(scope="module")

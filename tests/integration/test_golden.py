@@ -1,7 +1,7 @@
 """Snapshots written by the format-2 release stay readable, bit for bit (issue 10).
 
-The stores under tests/golden/ were written once by tests/golden/make_golden.py and are
-committed; next to each is what it must load as, in raw little-endian bytes + JSON (no
+The stores under tests/integration/golden/ were written once by make_golden.py there and
+are committed; next to each is what it must load as, in raw little-endian bytes + JSON (no
 pickle, no snapcore), so these tests do not trust the reader they test. Each store is
 copied to a temporary directory first: opening a store may write to it (writer lock,
 housekeeping), and the committed files must stay as they are.

@@ -1,5 +1,5 @@
-"""Every store of the hostile corpus (tests/hostile/corpus.py) gives a snapcore error, or
-a one-line message and a non-zero exit from the CLI: no Python error, no traceback, no
+"""Every store of the hostile corpus (tests/integration/hostile/corpus.py) gives a snapcore
+error, or a one-line message and a non-zero exit from the CLI: no Python error, no traceback, no
 hang, nothing read from outside the store."""
 
 from __future__ import annotations

@@ -504,7 +504,7 @@ def test_stub_matches_module(tmp_path):
     ruff = shutil.which("ruff") or shutil.which("ruff", path=os.path.dirname(sys.executable))
     if ruff is None:
         pytest.skip("ruff is not installed")
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "_native.pyi"
     subprocess.run(
         [sys.executable, "-m", "nanobind.stubgen", "-q", "-m", "snapcore._native", "-o", out],
@@ -602,7 +602,7 @@ def fake_driver_dir(tmp_path_factory):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build the fake CUDA driver")
-    source = Path(__file__).resolve().parent.parent / "csrc" / "testing" / "fake_libcuda.c"
+    source = Path(__file__).resolve().parents[2] / "csrc" / "testing" / "fake_libcuda.c"
     out = tmp_path_factory.mktemp("fake-cuda")
     subprocess.run(
         [cc, "-shared", "-fPIC", "-O1", "-o", out / "libcuda.so.1", source, "-lpthread"],
