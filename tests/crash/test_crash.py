@@ -43,7 +43,7 @@ import torch
 
 import snapcore
 from snapcore import _native
-from snapcore import store as store_mod
+from snapcore import directory as store_mod
 from snapcore.directory import MANIFEST, LocalDirectory
 
 FIXED_ELEMS = 1 << 20  # float32, 4 MiB, overwritten in place after each async_save
