@@ -92,7 +92,7 @@ def test_host_only_snapshot_survives_sigkill_and_restores_without_disk(tmp_path,
     code = textwrap.dedent(
         f"""
         import os, signal, torch, snapcore
-        from tests.test_tiers import state_at
+        from tests.integration.test_tiers import state_at
         store = snapcore.Store(host={host_name!r}, local={str(local)!r})
         snapcore.save(state_at(7), store, step=7, tiers=["host"])
         print("committed", flush=True)
