@@ -112,7 +112,13 @@ class LocalTier:
             kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
             where = f"{self.describe().rstrip('/')}/{name}"
             raise CorruptSnapshot(f"data file {where} is {kind}", file=where)
-        self.store.file_path(name)  # and no directory on its way leads out of the store
+        # No directory on its way may be a link either: out of the store is InvalidManifest
+        # (file_path), a link inside it CorruptSnapshot like a linked file.
+        if self.store.file_path(name) != self.root.resolve() / name:
+            where = f"{self.describe().rstrip('/')}/{name}"
+            raise CorruptSnapshot(
+                f"data file {where} is reached through a symbolic link", file=where
+            )
         return st.st_size
 
     def read_into(self, name: str, offset: int, length: int, address: int) -> None:

@@ -173,6 +173,14 @@ def _data_symlink(outside: bool) -> Callable[[Path], None]:
     return build
 
 
+def _data_dir_symlink(root: Path) -> None:
+    """A data file named through a directory that is a symlink inside the store."""
+    doc = _base(root)
+    (root / "linked").symlink_to(root / STEP_DIR, target_is_directory=True)
+    doc["files"][0]["name"] = "linked/" + doc["files"][0]["name"].rsplit("/", 1)[1]
+    _write(root, doc)
+
+
 # -- values Python itself would choke on -----------------------------------------------------
 def _tree_float(text: str) -> Callable[[dict[str, Any]], None]:
     def mutate(doc: dict[str, Any]) -> None:
@@ -234,6 +242,7 @@ CASES: list[Case] = [
     Case("manifest-symlink-in", _manifest_symlink(False), InvalidManifest, "symbolic link"),
     Case("data-symlink-out", _data_symlink(True), CorruptSnapshot, "symbolic link"),
     Case("data-symlink-in", _data_symlink(False), CorruptSnapshot, "symbolic link"),
+    Case("data-dir-symlink-in", _data_dir_symlink, CorruptSnapshot, "through a symbolic link"),
     Case("float-0xp", _edit(_tree_float("0xp")), InvalidManifest, "float"),
     Case("float-overflow", _edit(_tree_float("0x1p99999")), InvalidManifest, "float"),
     Case("shape-zero-overflow", _edit(_shape_zero_overflow), InvalidManifest, "too large"),
