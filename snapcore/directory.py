@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import manifest as mf
+from .assemble import read_sharded
 from .durable import fsync_dir
 from .errors import InvalidManifest, SnapshotNotFound, StorageError
 
@@ -187,10 +188,24 @@ class LocalDirectory:
         data = read_regular_file(path, mf.MAX_MANIFEST_BYTES + 1, what="manifest")
         if data is None:
             raise SnapshotNotFound(f"no committed snapshot of step {step} in {self.root}")
-        m = mf.parse(data, where=str(path))
+        doc = mf.parse_any(data, where=str(path))
+        if doc.step != step:
+            raise InvalidManifest(f"{path}: manifest says step {doc.step}, directory says {step}")
+        if isinstance(doc, mf.Index):
+            return read_sharded(doc, self._read_part, where=str(path))
+        m = doc
         if m.step != step:
             raise InvalidManifest(f"{path}: manifest says step {m.step}, directory says {step}")
         return m
+
+    def _read_part(self, name: str, size: int) -> bytes:
+        path = self.file_path(name)
+        if path != self.root.resolve() / name:
+            raise InvalidManifest(f"{self.root}/{name}: a part reached through a symbolic link")
+        data = read_regular_file(path, size + 1, what="part")
+        if data is None:
+            raise InvalidManifest(f"{self.root}/{name}: the part is missing")
+        return data
 
     def file_path(self, name: str) -> Path:
         """Path of a data file named by a manifest; never outside the store."""
@@ -216,7 +231,8 @@ class LocalDirectory:
         names: set[str] = set()
         for step in self.committed_steps():
             try:
-                names |= {f.name for f in self.read_manifest(step).files}
+                m = self.read_manifest(step)
+                names |= {f.name for f in m.files} | set(m.part_files)
             except (InvalidManifest, SnapshotNotFound) as e:
                 log.warning("not collecting garbage in %s: %s", self.root, e)
                 return None

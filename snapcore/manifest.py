@@ -25,8 +25,11 @@ from . import values
 from .errors import InvalidManifest
 from .tree import decode_float
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 2  # what a single process writes
+SHARDED_VERSION = 3  # a sharded snapshot: an index (manifest.json) and one part per rank
 KIND = "snapcore.snapshot"
+PART_KIND = "snapcore.part"
+MAX_PARTS = 1 << 20  # ranks of one sharded snapshot
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_BYTES = 1 << 62
 # A chunk decodes to at most this many bytes (writers make 64 MiB chunks by default,
@@ -137,6 +140,55 @@ class TensorEntry:
         return math.prod(self.shape) * self.torch_dtype.itemsize
 
 
+@dataclass(frozen=True, slots=True)
+class PartInfo:
+    """What a part of a sharded snapshot says of itself: the rank that wrote it, the
+    save plan it followed, that rank's structure fingerprint, and for each of its tensors
+    the global key (a tensor of the job's state) or ``None`` (a rank-local tensor)."""
+
+    rank: int
+    plan: str
+    structure: str
+    keys: tuple[str | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PartRef:
+    """A part named by a sharded snapshot's index: its file, exact size and xxh3."""
+
+    rank: int
+    name: str
+    size: int
+    xxh3: str
+
+
+@dataclass(slots=True)
+class Index:
+    """``manifest.json`` of a sharded snapshot (format 3): which parts make the step."""
+
+    step: int
+    created_unix: float
+    writer: dict[str, Any]
+    world_size: int
+    plan: str
+    parts: list[PartRef]
+
+    def dumps(self) -> bytes:
+        doc = {
+            "format_version": SHARDED_VERSION,
+            "kind": KIND,
+            "step": self.step,
+            "created_unix": self.created_unix,
+            "writer": self.writer,
+            "world_size": self.world_size,
+            "plan": self.plan,
+            "parts": [
+                {"rank": p.rank, "name": p.name, "size": p.size, "xxh3": p.xxh3} for p in self.parts
+            ],
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
 @dataclass(slots=True)
 class Manifest:
     step: int
@@ -148,6 +200,12 @@ class Manifest:
     blobs: list[Blob]
     tensors: list[TensorEntry]
     tree: dict[str, Any]
+    # A part of a sharded snapshot (format 3) carries these; see docs/format.md.
+    part: PartInfo | None = None
+    # A sharded snapshot assembled from its parts (snapcore.assemble): every rank's tree
+    # (indices into ``tensors``) and the part files, which garbage collection must keep.
+    rank_trees: list[dict[str, Any]] | None = None
+    part_files: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -159,9 +217,20 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     def to_json(self) -> dict[str, Any]:
+        if self.rank_trees is not None:
+            raise ValueError("an assembled sharded snapshot is not written as one manifest")
+        head: dict[str, Any] = {"format_version": FORMAT_VERSION, "kind": KIND}
+        if self.part is not None:
+            head = {
+                "format_version": SHARDED_VERSION,
+                "kind": PART_KIND,
+                "rank": self.part.rank,
+                "plan": self.part.plan,
+                "structure": self.part.structure,
+                "keys": list(self.part.keys),
+            }
         return {
-            "format_version": FORMAT_VERSION,
-            "kind": KIND,
+            **head,
             "step": self.step,
             "created_unix": self.created_unix,
             "writer": self.writer,
@@ -368,8 +437,8 @@ def _build_blobs(items: list[Any]) -> list[Blob]:
     return out
 
 
-def _build_pieces(pieces: Any) -> list[Piece]:
-    if type(pieces) is not list or not pieces:
+def _build_pieces(pieces: Any, partial: bool = False) -> list[Piece]:
+    if type(pieces) is not list or not (pieces or partial):
         raise _Bad("pieces", "must be a non-empty array")
     out = []
     for p_i, p in enumerate(pieces):
@@ -389,7 +458,7 @@ def _build_pieces(pieces: Any) -> list[Piece]:
     return out
 
 
-def _build_tensors(items: list[Any]) -> list[TensorEntry]:
+def _build_tensors(items: list[Any], partial: bool = False) -> list[TensorEntry]:
     dtypes = _item_rules()[3]
     out = []
     for t_i, t in enumerate(items):
@@ -398,7 +467,9 @@ def _build_tensors(items: list[Any]) -> list[TensorEntry]:
             dtype = t["dtype"]
             if type(dtype) is not str or dtype not in dtypes:
                 raise _Bad("dtype", "must be one of the schema's dtypes")
-            out.append(TensorEntry(dtype, _dims(t["shape"], "shape"), _build_pieces(t["pieces"])))
+            out.append(
+                TensorEntry(dtype, _dims(t["shape"], "shape"), _build_pieces(t["pieces"], partial))
+            )
         except _Bad as e:
             raise _at(f"tensors[{t_i}]", e) from None
     return out
@@ -443,8 +514,7 @@ def _check_caps(doc: dict[str, Any], where: str) -> None:
             )
 
 
-def parse(data: bytes, *, where: str) -> Manifest:
-    """Parse and validate manifest bytes; ``where`` names the file in errors."""
+def _load(data: bytes, where: str) -> dict[str, Any]:
     if len(data) > MAX_MANIFEST_BYTES:
         raise InvalidManifest(f"{where}: manifest of {len(data)} bytes exceeds the 64 MiB cap")
     text = _decode_text(data, where)
@@ -454,12 +524,120 @@ def parse(data: bytes, *, where: str) -> Manifest:
         raise InvalidManifest(f"{where}: not valid JSON: {e}") from None
     if not isinstance(doc, dict):
         raise InvalidManifest(f"{where}: a manifest must be a JSON object")
+    return doc
+
+
+def parse(data: bytes, *, where: str) -> Manifest:
+    """Parse and validate manifest bytes; ``where`` names the file in errors."""
+    doc = _load(data, where)
     version = doc.get("format_version")
     if version != FORMAT_VERSION:
         raise InvalidManifest(
-            f"{where}: format_version {version!r} is not supported (this snapcore reads "
-            f"version {FORMAT_VERSION})"
+            f"{where}: format_version {version!r} is not supported here (a single "
+            f"manifest is version {FORMAT_VERSION}; a sharded snapshot's index is read "
+            "with parse_any)"
         )
+    return _parse_doc(doc, where, None)
+
+
+def parse_any(data: bytes, *, where: str) -> Manifest | Index:
+    """A ``manifest.json``: a whole snapshot (version 2) or a sharded snapshot's index
+    (version 3, whose parts are read with ``parse_part``)."""
+    doc = _load(data, where)
+    version = doc.get("format_version")
+    if version == FORMAT_VERSION:
+        return _parse_doc(doc, where, None)
+    if version == SHARDED_VERSION and doc.get("kind") == KIND:
+        return _parse_index(doc, where)
+    raise InvalidManifest(
+        f"{where}: format_version {version!r} is not supported (this snapcore reads "
+        f"versions {FORMAT_VERSION} and {SHARDED_VERSION})"
+    )
+
+
+def parse_part(data: bytes, *, where: str) -> Manifest:
+    """A part of a sharded snapshot (version 3, kind ``snapcore.part``): a manifest of
+    the bytes one rank wrote, whose tensors hold global shapes and the pieces that rank
+    wrote (possibly none), and a key per tensor."""
+    doc = _load(data, where)
+    if doc.get("format_version") != SHARDED_VERSION or doc.get("kind") != PART_KIND:
+        raise InvalidManifest(f"{where}: not a part of a sharded snapshot (format 3)")
+    extra = {}
+    for name in ("rank", "plan", "structure", "keys"):
+        if name not in doc:
+            raise InvalidManifest(f"{where}: schema violation at <top>: {name} is missing")
+        extra[name] = doc.pop(name)
+    rank, keys = extra["rank"], extra["keys"]
+    if type(rank) is not int or not 0 <= rank < MAX_PARTS:
+        raise InvalidManifest(f"{where}: schema violation at rank: must be an integer")
+    for name in ("plan", "structure"):
+        if not isinstance(extra[name], str) or not _HEX64.fullmatch(extra[name]):
+            raise InvalidManifest(f"{where}: schema violation at {name}: not a fingerprint")
+    if type(keys) is not list or any(k is not None and type(k) is not str for k in keys):
+        raise InvalidManifest(f"{where}: schema violation at keys: strings or nulls")
+    if any(k is not None and len(k) > 4096 for k in keys):
+        raise InvalidManifest(f"{where}: schema violation at keys: a key is too long")
+    doc["format_version"], doc["kind"] = FORMAT_VERSION, KIND
+    info = PartInfo(rank, extra["plan"], extra["structure"], tuple(keys))
+    m = _parse_doc(doc, where, info)
+    if len(keys) != len(m.tensors):
+        raise InvalidManifest(f"{where}: {len(keys)} keys for {len(m.tensors)} tensors")
+    return m
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_INDEX_KEYS = frozenset(
+    ["format_version", "kind", "step", "created_unix", "writer", "world_size", "plan", "parts"]
+)
+_PART_REF_KEYS = frozenset(["rank", "name", "size", "xxh3"])
+
+
+def _parse_index(doc: dict[str, Any], where: str) -> Index:
+    try:
+        _keys(doc, _INDEX_KEYS)
+        step = _uint(doc["step"], "step")
+        world = _uint(doc["world_size"], "world_size")
+        if not 1 <= world <= MAX_PARTS:
+            raise _Bad("world_size", f"must be 1 to {MAX_PARTS}")
+        created = doc["created_unix"]
+        if type(created) not in (int, float) or not 0 <= created <= 32503680000:
+            raise _Bad("created_unix", "must be a number from 0 to 32503680000")
+        if not isinstance(doc["writer"], dict):
+            raise _Bad("writer", "must be an object")
+        if not isinstance(doc["plan"], str) or not _HEX64.fullmatch(doc["plan"]):
+            raise _Bad("plan", "not a fingerprint")
+        parts = doc["parts"]
+        if type(parts) is not list or len(parts) != world:
+            raise _Bad("parts", f"must list one part per rank ({world})")
+        refs = []
+        for i, p in enumerate(parts):
+            try:
+                _keys(p, _PART_REF_KEYS)
+                if _uint(p["rank"], "rank") != i:
+                    raise _Bad("rank", f"must be {i} (parts are in rank order)")
+                name = p["name"]
+                if type(name) is not str or not _item_rules()[0].fullmatch(name):
+                    raise _Bad("name", "not a file name of the store")
+                if name.count("/") != 1 or name.split("/")[0] != f"step-{step:012d}":
+                    raise _Bad("name", "must lie in the step's directory")
+                size = _uint(p["size"], "size")
+                if size > MAX_MANIFEST_BYTES:
+                    raise _Bad("size", "exceeds the 64 MiB cap of a manifest")
+                if type(p["xxh3"]) is not str or not _HEX32.fullmatch(p["xxh3"]):
+                    raise _Bad("xxh3", "must be 32 lowercase hex digits")
+                refs.append(PartRef(i, name, size, p["xxh3"]))
+            except _Bad as e:
+                raise _at(f"parts[{i}]", e) from None
+    except _Bad as e:
+        loc, message = e.args
+        raise InvalidManifest(f"{where}: schema violation at {loc}: {message}") from None
+    if len({r.name for r in refs}) != len(refs):
+        raise InvalidManifest(f"{where}: two parts name the same file")
+    return Index(step, float(created), doc["writer"], world, doc["plan"], refs)
+
+
+def _parse_doc(doc: dict[str, Any], where: str, part: PartInfo | None) -> Manifest:
     _check_caps(doc, where)
     try:
         _top_validator()(doc)
@@ -476,7 +654,7 @@ def parse(data: bytes, *, where: str) -> Manifest:
     try:
         files = _build_files(doc["files"])
         blobs = _build_blobs(doc["blobs"])
-        tensors = _build_tensors(doc["tensors"])
+        tensors = _build_tensors(doc["tensors"], partial=part is not None)
     except _Bad as e:
         loc, message = e.args
         raise InvalidManifest(f"{where}: schema violation at {loc}: {message}") from None
@@ -490,6 +668,7 @@ def parse(data: bytes, *, where: str) -> Manifest:
         blobs=blobs,
         tensors=tensors,
         tree=doc["tree"],
+        part=part,
     )
     check(m, where=where)
     return m
@@ -557,8 +736,12 @@ def check(m: Manifest, *, where: str) -> None:
             or max(t.shape, default=0) > MAX_BYTES
         ):
             raise InvalidManifest(f"{what}: shape {_short(t.shape)} is too large")
-        if len(t.pieces) != 1 or any(t.pieces[0].offsets) or t.pieces[0].shape != t.shape:
-            # This version's readers accept exactly one piece covering the tensor (format.md).
+        if m.part is None and (
+            len(t.pieces) != 1 or any(t.pieces[0].offsets) or t.pieces[0].shape != t.shape
+        ):
+            # A whole snapshot's tensor is one piece covering it; a part holds the pieces
+            # one rank wrote, and the assembled snapshot must cover each tensor exactly
+            # once (snapcore.assemble checks).
             raise InvalidManifest(f"{what}: pieces must cover the tensor exactly once")
         for p in t.pieces:
             if not (len(p.offsets) == len(p.shape) == len(p.strides) == len(t.shape)):

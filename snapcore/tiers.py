@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from . import _native
 from . import manifest as mf
+from .assemble import read_sharded
 from .directory import MANIFEST, STEP_DIGITS, LocalDirectory, step_dir_name
 from .errors import CorruptSnapshot, InvalidManifest, SnapshotNotFound
 
@@ -257,10 +258,21 @@ class RemoteStoreTier:
             raise SnapshotNotFound(f"no committed snapshot of step {step} in {self.rt.url}")
         if size > mf.MAX_MANIFEST_BYTES:
             raise InvalidManifest(f"{where}: manifest of {size} bytes exceeds the 64 MiB cap")
-        m = mf.parse(self.rt.read_bytes(name), where=where)
-        if m.step != step:
-            raise InvalidManifest(f"{where}: manifest says step {m.step}, path says {step}")
-        return m
+        doc = mf.parse_any(self.rt.read_bytes(name), where=where)
+        if doc.step != step:
+            raise InvalidManifest(f"{where}: manifest says step {doc.step}, path says {step}")
+        if isinstance(doc, mf.Index):
+            return read_sharded(doc, self._read_part, where=where)
+        return doc
+
+    def _read_part(self, name: str, size: int) -> bytes:
+        got = self.rt.size(name)
+        if got is None:
+            raise InvalidManifest(f"{self.rt.url.rstrip('/')}/{name}: the part is missing")
+        if got != size:
+            where = f"{self.rt.url.rstrip('/')}/{name}"
+            raise InvalidManifest(f"{where}: part of {got} bytes, the index says {size}")
+        return self.rt.read_bytes(name)
 
     def file_size(self, name: str) -> int | None:
         return self.rt.size(name)
@@ -300,7 +312,8 @@ class RemoteStoreTier:
         referenced: set[str] = set()
         for step in self.committed_steps():
             try:
-                referenced |= {f.name for f in self.read_manifest(step).files}
+                m = self.read_manifest(step)
+                referenced |= {f.name for f in m.files} | set(m.part_files)
             except (InvalidManifest, SnapshotNotFound):
                 return []
         live: set[str] = set()

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "snapcore.io_types": 1,  # the types the stages pass each other
     "snapcore.planning": 2,
     "snapcore.sharding": 2,
+    "snapcore.assemble": 2,  # a sharded snapshot's parts into one manifest
     "snapcore.objstore": 3,  # the object-storage client
     "snapcore.directory": 4,  # tiers
     "snapcore.tiers": 4,

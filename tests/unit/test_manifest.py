@@ -47,8 +47,8 @@ HOSTILE: dict[str, tuple[Mutation, str]] = {
         "not valid JSON",
     ),
     "future-version": (
-        lambda d: json.dumps(_set(d, "format_version", 3)).encode(),
-        "format_version 3",
+        lambda d: json.dumps(_set(d, "format_version", 4)).encode(),
+        "format_version 4",
     ),
     "extra-field": (lambda d: json.dumps({**d, "exec": "rm -rf /"}).encode(), "schema violation"),
     "escaping-name": (

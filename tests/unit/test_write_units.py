@@ -121,8 +121,8 @@ def test_staged_manifest_takes_each_chunk_location_codec_and_stored_length():
 
 def test_only_the_builder_makes_a_manifest():
     """Issue 9's rule: a grep for `world_size=` and `rank_files=` in the writers finds the
-    one builder; and no module but it (and the parser, from the JSON it reads) makes a
-    Manifest."""
+    one builder; and no module but it (and the readers: the parser, from the JSON it
+    reads, and the assembler of a sharded snapshot's parts) makes a Manifest."""
     root = Path(__file__).resolve().parents[2] / "snapcore"
     setters = sorted(
         str(p.relative_to(root))
@@ -135,7 +135,7 @@ def test_only_the_builder_makes_a_manifest():
         for p in root.rglob("*.py")
         if re.search(r"\b(mf\.)?Manifest\(", p.read_text())
     )
-    assert makers == ["manifest.py", "write/manifest_builder.py"]
+    assert makers == ["assemble.py", "manifest.py", "write/manifest_builder.py"]
     assert len(re.findall(r"\bManifest\(", (root / "manifest.py").read_text())) == 1
 
 

@@ -1,0 +1,153 @@
+"""A sharded snapshot (format 3) assembled from its index and parts into one manifest.
+
+``manifest.json`` of a sharded step is an index naming one part per rank; each part is a
+manifest of what its rank wrote: its files and blobs, and its tensors with their global
+shapes and the pieces that rank wrote (docs/format.md, "Sharded snapshots"). ``merge``
+turns them into one ``Manifest`` the reader uses like any other: the parts' files and
+blobs one after another, a tensor of the job's state (a global key) one entry whose pieces
+come from every part, a rank-local tensor one entry per rank. Each rank's tree is kept
+(``rank_trees``, indices into the merged tensors); ``tree`` is rank 0's.
+
+Pure: bytes in, a manifest out; the callers (the tiers) read the files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+
+from . import manifest as mf
+from .errors import InvalidManifest
+from .sharding import Box, BoxIndex
+
+__all__ = ["differing_paths", "merge", "read_sharded"]
+
+
+def read_sharded(index: mf.Index, read: Callable[[str, int], bytes], *, where: str) -> mf.Manifest:
+    """Read and check every part the index names (``read(name, size)`` returns the
+    file's bytes, at most ``size + 1``), then merge them."""
+    parts = []
+    for ref in index.parts:
+        data = read(ref.name, ref.size)
+        at = f"{where.rsplit('/', 2)[0]}/{ref.name}"
+        if len(data) != ref.size:
+            raise InvalidManifest(f"{at}: part of {len(data)} bytes, the index says {ref.size}")
+        got = xxhash.xxh3_128_hexdigest(data)
+        if got != ref.xxh3:
+            raise InvalidManifest(f"{at}: part's xxh3 is {got}, the index says {ref.xxh3}")
+        part = mf.parse_part(data, where=at)
+        if part.step != index.step or part.part is None or part.part.rank != ref.rank:
+            raise InvalidManifest(f"{at}: not rank {ref.rank}'s part of step {index.step}")
+        if part.part.plan != index.plan or part.world_size != index.world_size:
+            raise InvalidManifest(f"{at}: a part of another save plan or world size")
+        parts.append(part)
+    return merge(index, parts, where=where)
+
+
+def merge(index: mf.Index, parts: list[mf.Manifest], *, where: str) -> mf.Manifest:
+    """One manifest of the whole sharded step (see the module docstring). Raises
+    ``InvalidManifest`` when ranks disagree on a tensor's dtype or shape, or when the
+    pieces of a tensor do not tile it exactly once."""
+    files: list[mf.FileRef] = []
+    blobs: list[mf.Blob] = []
+    tensors: list[mf.TensorEntry] = []
+    by_key: dict[str, int] = {}
+    rank_files: list[list[int]] = []
+    trees: list[dict[str, Any]] = []
+    for part in parts:
+        assert part.part is not None
+        f0, b0 = len(files), len(blobs)
+        files.extend(part.files)
+        rank_files.append(list(range(f0, len(files))))
+        for b in part.blobs:
+            chunks = [
+                mf.Chunk(c.file + f0, c.offset, c.length, c.xxh3, c.codec, c.raw_length)
+                for c in b.chunks
+            ]
+            blobs.append(mf.Blob(b.nbytes, chunks, b.element_size))
+        remap: list[int] = []
+        for key, t in zip(part.part.keys, part.tensors, strict=True):
+            pieces = [
+                mf.Piece(p.offsets, p.shape, p.blob + b0, p.byte_offset, p.strides)
+                for p in t.pieces
+            ]
+            i = by_key.get(key) if key is not None else None
+            if i is None:
+                i = len(tensors)
+                tensors.append(mf.TensorEntry(t.dtype, t.shape, pieces))
+                if key is not None:
+                    by_key[key] = i
+            else:
+                e = tensors[i]
+                if (e.dtype, e.shape) != (t.dtype, t.shape):
+                    raise InvalidManifest(
+                        f"{where}: {key}: rank {part.part.rank} saved {t.dtype}{list(t.shape)}, "
+                        f"another rank {e.dtype}{list(e.shape)}"
+                    )
+                e.pieces.extend(pieces)
+            remap.append(i)
+        trees.append(_renumber(part.tree, remap))
+    keyed = {i: key for key, i in by_key.items()}
+    for i, t in enumerate(tensors):
+        _check_tiling(t, keyed.get(i, f"<rank-local tensor {i}>"), where)
+    m = mf.Manifest(
+        step=index.step,
+        created_unix=index.created_unix,
+        writer=index.writer,
+        world_size=index.world_size,
+        rank_files=rank_files,
+        files=files,
+        blobs=blobs,
+        tensors=tensors,
+        tree=trees[0],
+        rank_trees=trees,
+        part_files=[ref.name for ref in index.parts],
+    )
+    names_seen = [f.name for f in files]
+    if len(set(names_seen)) != len(names_seen):
+        raise InvalidManifest(f"{where}: two parts name the same data file")
+    return m
+
+
+def _check_tiling(t: mf.TensorEntry, key: str, where: str) -> None:
+    whole = Box((0,) * len(t.shape), t.shape)
+    boxes = [Box(p.offsets, p.shape) for p in t.pieces if all(p.shape)]
+    if sum(b.numel() for b in boxes) != whole.numel():
+        raise InvalidManifest(
+            f"{where}: {key}: the parts' pieces hold {sum(b.numel() for b in boxes)} of the "
+            f"{whole.numel()} elements of shape {list(t.shape)}"
+        )
+    try:
+        index = BoxIndex(boxes)
+        for i, b in enumerate(boxes):
+            if any(j != i for j, _ in index.overlaps(b)):
+                raise InvalidManifest(f"{where}: {key}: two saved pieces overlap")
+    except ValueError as e:
+        raise InvalidManifest(f"{where}: {key}: {e}") from None
+
+
+def _renumber(node: Any, remap: list[int]) -> Any:
+    """A part's tree with tensor references (``{"tensor": i}``, also inside value nodes)
+    pointing into the merged tensors. The tree was validated: every index is in range."""
+    if isinstance(node, dict):
+        if len(node) == 1 and type(node.get("tensor")) is int:
+            return {"tensor": remap[node["tensor"]]}
+        return {k: _renumber(v, remap) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_renumber(v, remap) for v in node]
+    return node
+
+
+def differing_paths(
+    m: mf.Manifest, paths_of: Callable[[dict[str, Any]], dict[str, Any]]
+) -> list[str]:
+    """The paths whose saved value differs between the ranks of a sharded snapshot:
+    rank-local values. ``paths_of(tree)`` maps each leaf path of a tree to a comparable
+    signature (a value node, or a tensor's content hashes)."""
+    if not m.rank_trees or len(m.rank_trees) < 2:
+        return []
+    sigs = [paths_of(t) for t in m.rank_trees]
+    keys = set().union(*sigs)
+    return sorted(k for k in keys if any(s.get(k) != sigs[0].get(k) for s in sigs[1:]))
