@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -11,10 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .distributed.job import Job, all_gather_bytes
+from .distributed.job import current as current_job
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StoreInUse
 from .read import Reader, RestoreInfo
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
+from .tree import RestorePlan
 from .write import writer_lock
 from .write.engine import Engine, close_all, engine_for, engine_uses_host
 
@@ -104,6 +108,28 @@ def _reader(engine: Engine, steps: dict[str, list[int]], step: int, verify: bool
 T = TypeVar("T")
 
 
+def _agreed_step(engine: Engine, steps: dict[str, list[int]], job: Job) -> int:
+    """Under torch.distributed: the newest step every rank can open (its index and parts
+    read, its data files present in some tier it reaches). A collective on snapcore's
+    group per step tried, at restore time only."""
+    every = sorted({s for ss in steps.values() for s in ss}, reverse=True)
+    heard = [json.loads(b) for b in all_gather_bytes(job, json.dumps(every).encode())]
+    common = sorted(set.intersection(*(set(h) for h in heard)), reverse=True)
+    for s in common:
+        try:
+            _reader(engine, steps, s, verify=False)
+            ok = b"1"
+        except (CorruptSnapshot, SnapshotNotFound) as e:
+            log.warning("%s: step %d cannot be read here: %s", engine.config.describe(), s, e)
+            ok = b"0"
+        if all(v == b"1" for v in all_gather_bytes(job, ok)):
+            return s
+    raise SnapshotNotFound(
+        f"no step of {engine.config.describe()} is committed and readable on every rank "
+        f"(steps here: {every[:8]})"
+    )
+
+
 def _read(
     store: StoreLike, step: int | None, verify: bool, use: Callable[[Reader], T]
 ) -> tuple[T, Reader, list[str]]:
@@ -113,6 +139,9 @@ def _read(
     Returns what ``use`` returned, its reader, and the skipped steps ("step N: why")."""
     engine = engine_for(store)
     steps = committed(store)
+    job = current_job()
+    if job is not None and step is None:  # every rank takes the same step
+        step = _agreed_step(engine, steps, job)
     every = sorted({s for ss in steps.values() for s in ss})
     if not every:
         raise SnapshotNotFound(f"no committed snapshot in {engine.config.describe()}")
@@ -155,6 +184,7 @@ def restore(
     step: int | None = None,
     verify: bool = True,
     strict: bool = True,
+    rank_local: str = "error",
 ) -> RestoreInfo:
     """Load a committed snapshot into ``state`` in place (tensors keep device and storage).
 
@@ -173,14 +203,29 @@ def restore(
     saved state dict, a dict takes a saved object's state dict, and a module's keys match
     across ``torch.compile`` (``_orig_mod.``) and DDP (``module.``) wrappers.
 
+    Under torch.distributed every rank takes the same step (the newest every rank can
+    read) and reads only the bytes of its own shards, whatever world size and sharding
+    saved it; DTensors are filled shard by shard. A snapshot saved by as many ranks gives
+    each rank its own rank-local values (``snapcore.RNGState``,
+    ``snapcore.distributed.RankLocal``); restored by another number of ranks, values the
+    ranks saved differently raise ``StateMismatch`` naming them, unless ``rank_local=
+    "keep"``, which leaves the state's own (docs/distributed.md).
+
     Raises ``SnapshotNotFound`` when there is none, ``CorruptSnapshot`` when no intact
     copy is left (for an explicit ``step``: of that step; ``verify=False`` skips the
     hashes), ``StateMismatch`` when the state cannot take the snapshot.
     """
+    if rank_local not in ("error", "keep"):
+        raise ValueError(f"rank_local must be 'error' or 'keep', not {rank_local!r}")
     t0 = time.perf_counter()
-    (plan, n), reader, skipped = _read(
-        store, step, verify, lambda reader: reader.restore(state, strict=strict)
-    )
+    job = current_job()
+    rank, world = (job.rank, job.world_size) if job is not None else (0, 1)
+
+    def use(reader: Reader) -> tuple[RestorePlan, int]:
+        reader.select(rank, world, rank_local)
+        return reader.restore(state, strict=strict)
+
+    (plan, n), reader, skipped = _read(store, step, verify, use)
     for d in reader.damaged:
         log.warning("restore of step %d: %s", reader.m.step, d)
     return RestoreInfo(
@@ -196,15 +241,27 @@ def restore(
     )
 
 
-def load(store: StoreLike, *, step: int | None = None, verify: bool = True) -> Any:
+def load(
+    store: StoreLike, *, step: int | None = None, verify: bool = True, rank: int | None = None
+) -> Any:
     """Read a committed snapshot as plain Python values and CPU tensors.
 
     Objects that were saved through ``state_dict()`` come back as their state dicts. No
     model, optimizer or process group is needed. ``step=None`` takes the newest step
     that is intact in some tier, as ``restore`` does (skipped steps are logged as
-    warnings).
+    warnings). A sharded snapshot comes back with full tensors, assembled from every
+    rank's shards, and the rank-local values of rank ``rank`` (default 0; when ranks
+    saved different ones and no ``rank`` is given, a warning names them).
     """
-    tree, _, _ = _read(store, step, verify, Reader.load_tree)
+
+    def use(reader: Reader) -> Any:
+        if rank is None:
+            reader.select(None, 1)
+        else:
+            reader.select_rank_tree(rank)
+        return reader.load_tree()
+
+    tree, _, _ = _read(store, step, verify, use)
     return tree
 
 

@@ -13,6 +13,7 @@ Pure: bytes in, a manifest out; the callers (the tiers) read the files.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from . import manifest as mf
 from .errors import InvalidManifest
 from .sharding import Box, BoxIndex
 
-__all__ = ["differing_paths", "merge", "read_sharded"]
+__all__ = ["differing_paths", "leaf_signatures", "merge", "read_sharded", "without"]
 
 
 def read_sharded(index: mf.Index, read: Callable[[str, int], bytes], *, where: str) -> mf.Manifest:
@@ -140,14 +141,58 @@ def _renumber(node: Any, remap: list[int]) -> Any:
     return node
 
 
-def differing_paths(
-    m: mf.Manifest, paths_of: Callable[[dict[str, Any]], dict[str, Any]]
-) -> list[str]:
-    """The paths whose saved value differs between the ranks of a sharded snapshot:
-    rank-local values. ``paths_of(tree)`` maps each leaf path of a tree to a comparable
-    signature (a value node, or a tensor's content hashes)."""
+def differing_paths(m: mf.Manifest) -> list[str]:
+    """The paths whose saved value differs between the ranks of a sharded snapshot: its
+    rank-local values (``leaf_signatures``)."""
     if not m.rank_trees or len(m.rank_trees) < 2:
         return []
-    sigs = [paths_of(t) for t in m.rank_trees]
+    sigs = [leaf_signatures(m, t) for t in m.rank_trees]
     keys = set().union(*sigs)
     return sorted(k for k in keys if any(s.get(k) != sigs[0].get(k) for s in sigs[1:]))
+
+
+def leaf_signatures(m: mf.Manifest, tree: dict[str, Any]) -> dict[str, str]:
+    """Each leaf of ``tree`` (a dict entry that is not itself a dict or stateful object)
+    by path, with a signature that is equal when two ranks saved the same value: the
+    node itself, with every tensor reference replaced by the tensor's dtype, shape and
+    the hashes of its chunks (rank-local tensors of equal content compare equal)."""
+    out: dict[str, str] = {}
+
+    def content(node: Any) -> Any:
+        if isinstance(node, dict):
+            if len(node) == 1 and type(node.get("tensor")) is int:
+                t = m.tensors[node["tensor"]]
+                hashes = [c.xxh3 for p in t.pieces for c in m.blobs[p.blob].chunks]
+                return {"tensor": [t.dtype, list(t.shape), hashes]}
+            return {k: content(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [content(v) for v in node]
+        return node
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        (kind, value), *_ = node.items()
+        if kind == "dict":
+            for key, child in value:
+                walk(child, f"{path}.{key}" if path else str(key))
+        elif kind == "stateful":
+            walk(value["state"], path)
+        else:
+            out[path] = json.dumps(content(node), sort_keys=True)
+
+    walk(tree, "")
+    return out
+
+
+def without(tree: dict[str, Any], paths: set[str], path: str = "") -> dict[str, Any]:
+    """``tree`` with the dict entries at ``paths`` left out."""
+    (kind, value), *_ = tree.items()
+    if kind == "dict":
+        items = []
+        for key, child in value:
+            p = f"{path}.{key}" if path else str(key)
+            if p not in paths:
+                items.append([key, without(child, paths, p)])
+        return {"dict": items}
+    if kind == "stateful":
+        return {"stateful": {**value, "state": without(value["state"], paths, path)}}
+    return tree

@@ -38,6 +38,11 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:012d}"
 
 
+def part_file_name(step: int, rank: int, token: str) -> str:
+    """The store-relative name of a rank's part of a sharded step (docs/format.md)."""
+    return f"{step_dir_name(step)}/part-{rank:05d}-{token}.json"
+
+
 @dataclass
 class SnapshotInfo:
     step: int
@@ -83,10 +88,19 @@ class Pending:
         suffix = f"-{index}" if index else ""
         return f"{step_dir_name(self.step)}/data-{self.token}-r{rank}{suffix}.bin"
 
-    def commit(self, m: mf.Manifest) -> None:
+    def commit(self, m: mf.Manifest | mf.Index) -> None:
         """Write the manifest last and atomically: tmp file, fsync, rename, fsync dir."""
-        tmp = self.dir / f"{MANIFEST}.{self.token}.tmp"
-        data = m.dumps()
+        tmp = self._write_tmp(MANIFEST, m.dumps())
+        if (self.dir / MANIFEST).exists():  # a re-save: the old files need a full collection
+            (self.dir / COLLECT_MARKER).touch()
+            fsync_dir(self.dir)
+        os.replace(tmp, self.dir / MANIFEST)
+        self.committed = True  # visible now: from here on nothing may abort it
+        fsync_dir(self.dir)
+        self.release()
+
+    def _write_tmp(self, name: str, data: bytes) -> Path:
+        tmp = self.dir / f"{name}.{self.token}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view = memoryview(data)
@@ -95,12 +109,20 @@ class Pending:
             os.fsync(fd)
         finally:
             os.close(fd)
-        if (self.dir / MANIFEST).exists():  # a re-save: the old files need a full collection
-            (self.dir / COLLECT_MARKER).touch()
-            fsync_dir(self.dir)
-        os.replace(tmp, self.dir / MANIFEST)
-        self.committed = True  # visible now: from here on nothing may abort it
+        return tmp
+
+    def write_part(self, rank: int, data: bytes) -> str:
+        """Write this rank's part of a sharded step durably (not a commit: the step is
+        committed by its index); returns its store-relative name."""
+        name = part_file_name(self.step, rank, self.token)
+        tmp = self._write_tmp(name.rsplit("/", 1)[1], data)
+        os.replace(tmp, self.store.root / name)
         fsync_dir(self.dir)
+        return name
+
+    def settle(self) -> None:
+        """This rank's part is in a step another rank committed: done, lock dropped."""
+        self.committed = True
         self.release()
 
     def abort(self) -> None:

@@ -150,6 +150,7 @@ class PartInfo:
     plan: str
     structure: str
     keys: tuple[str | None, ...]
+    world_size: int  # the job's (the part manifest's ``world_size``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -578,7 +579,8 @@ def parse_part(data: bytes, *, where: str) -> Manifest:
     if any(k is not None and len(k) > 4096 for k in keys):
         raise InvalidManifest(f"{where}: schema violation at keys: a key is too long")
     doc["format_version"], doc["kind"] = FORMAT_VERSION, KIND
-    info = PartInfo(rank, extra["plan"], extra["structure"], tuple(keys))
+    world = doc.get("world_size")
+    info = PartInfo(rank, extra["plan"], extra["structure"], tuple(keys), world)
     m = _parse_doc(doc, where, info)
     if len(keys) != len(m.tensors):
         raise InvalidManifest(f"{where}: {len(keys)} keys for {len(m.tensors)} tensors")

@@ -9,6 +9,7 @@ and the hash release the GIL, so workers run in parallel.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -22,10 +23,15 @@ import xxhash
 
 from . import _native, settings
 from . import manifest as mf
-from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, StateMismatch
+from .assemble import differing_paths, without
+from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound, StateMismatch
+from .planning.global_plan import SavedPiece, describe_local, plan_read
 from .planning.layout import contiguous_strides
+from .sharding import Box
 from .tiers import Tier
-from .tree import RestorePlan, build, plan_restore, tensor_paths, type_name
+from .tree import RestorePlan, build, is_dtensor, plan_restore, tensor_paths, type_name
+
+log = logging.getLogger(__name__)
 
 TEMP_BATCH_BYTES = 1 << 30  # bounded host memory for blobs that need a temporary buffer
 READ_RUN_BYTES = 64 << 20  # the largest single request when reading from object storage
@@ -94,11 +100,17 @@ class Reader:
         ref = usable[0][1]
         self.sources = [(t, m) for t, m in usable if m is ref or _same_chunks(ref, m)]
         self.m = ref
+        self.tree = ref.tree  # the tree restored or loaded: of this rank, when sharded
+        self.dropped: set[str] = set()  # rank-local values left out (select)
         self.verify = verify
         self.paths = tensor_paths(self.m.tree)
         self.blob_users: dict[int, list[int]] = {}
         for i, t in enumerate(self.m.tensors):
-            self.blob_users.setdefault(t.pieces[0].blob, []).append(i)
+            for p in t.pieces:
+                self.blob_users.setdefault(p.blob, []).append(i)
+        # Blobs read chunk by chunk (the pieces of a sharded tensor a box needs): the
+        # buffer, and which of its chunks hold data.
+        self._partial: dict[int, tuple[torch.Tensor, set[int]]] = {}
         self.used: set[str] = set()
         self.bytes_read = 0  # from the tiers, as stored
         self._lock = threading.Lock()
@@ -242,7 +254,10 @@ class Reader:
 
     def read_blobs(self, targets: list[tuple[int, int]]) -> None:
         """Read blobs into memory: ``targets`` are (blob index, destination address)."""
-        jobs = [job for b_i, addr in targets for job in self._chunk_jobs(b_i, addr)]
+        self.read_chunks([job for b_i, addr in targets for job in self._chunk_jobs(b_i, addr)])
+
+    def read_chunks(self, jobs: list[tuple[int, int, int]]) -> None:
+        """Read chunks in parallel: ``jobs`` are (blob, chunk, destination address)."""
         if not jobs:
             return
         tasks: list[Callable[[], None]] = [partial(self._read_chunk, *job) for job in jobs]
@@ -327,20 +342,148 @@ class Reader:
         usable = blob[: blob.numel() // size * size].view(dtype)
         return usable.as_strided(e.shape, p.strides, p.byte_offset // size)
 
+    def whole(self, i: int) -> bool:
+        """Whether saved tensor ``i`` is one piece covering it (not sharded)."""
+        e = self.m.tensors[i]
+        return len(e.pieces) == 1 and not any(e.pieces[0].offsets) and e.pieces[0].shape == e.shape
+
     def tensor(self, i: int, path: str = "") -> torch.Tensor:
-        """Saved tensor ``i`` as a new CPU tensor (tied tensors stay tied)."""
+        """Saved tensor ``i`` as a new CPU tensor (tied tensors stay tied); a sharded one
+        is assembled from its pieces."""
         t = self._tensors.get(i)
         if t is None:
-            t = self._tensors[i] = self.view(i, self.blob(self.m.tensors[i].pieces[0].blob))
+            if self.whole(i):
+                t = self.view(i, self.blob(self.m.tensors[i].pieces[0].blob))
+            else:
+                e = self.m.tensors[i]
+                t = self.read_box(i, Box((0,) * len(e.shape), e.shape))
+            self._tensors[i] = t
         return t
 
+    def read_box(self, i: int, box: Box) -> torch.Tensor:
+        """The elements of saved tensor ``i`` inside ``box`` (global coordinates), as a new
+        CPU tensor. Only the chunks holding bytes of the pieces that overlap the box are
+        read (and hash-checked whole); the pieces are found through an index of boxes."""
+        e = self.m.tensors[i]
+        dtype, size = e.torch_dtype, e.torch_dtype.itemsize
+        out = torch.empty(box.shape, dtype=dtype)
+        if box.numel() == 0:
+            return out
+        path = self.paths.get(i, f"<tensor {i}>")
+        saved = [SavedPiece(path, Box(p.offsets, p.shape), size) for p in e.pieces]
+        (copies,) = plan_read(saved, [(path, box)])
+        need: dict[int, set[int]] = {}
+        for c in copies:
+            p = e.pieces[c.piece]
+            if p.strides == contiguous_strides(p.shape):
+                lo = p.byte_offset + c.runs[0][0]
+                hi = p.byte_offset + c.runs[-1][0] + c.runs[-1][1]
+            else:  # a strided view: the piece's whole extent
+                last = sum((n - 1) * st for n, st in zip(p.shape, p.strides, strict=True))
+                lo, hi = p.byte_offset, p.byte_offset + (last + 1) * size
+            need.setdefault(p.blob, set()).update(self._chunks_between(p.blob, lo, hi))
+        self._load_chunks(need)
+        with torch.no_grad():
+            for c in copies:
+                p = e.pieces[c.piece]
+                buf = self._blobs[p.blob] if p.blob in self._blobs else self._partial[p.blob][0]
+                src = buf[: buf.numel() // size * size].view(dtype)
+                src = src.as_strided(p.shape, p.strides, p.byte_offset // size)
+                at = tuple(
+                    slice(lo - o, hi - o)
+                    for lo, hi, o in zip(c.box.offsets, c.box.ends, p.offsets, strict=True)
+                )
+                to = tuple(
+                    slice(lo - o, hi - o)
+                    for lo, hi, o in zip(c.box.offsets, c.box.ends, box.offsets, strict=True)
+                )
+                out[to] = src[at]
+        return out
+
+    def _chunks_between(self, b_i: int, lo: int, hi: int) -> list[int]:
+        out, pos = [], 0
+        for j, c in enumerate(self.m.blobs[b_i].chunks):
+            if pos < hi and pos + c.raw_length > lo:
+                out.append(j)
+            pos += c.raw_length
+        return out
+
+    def _load_chunks(self, need: dict[int, set[int]]) -> None:
+        jobs = []
+        for b_i, chunks in need.items():
+            if b_i in self._blobs:
+                continue
+            if b_i not in self._partial:
+                self._partial[b_i] = (_alloc(self.m.blobs[b_i].nbytes, False, self.m.step), set())
+            buf, have = self._partial[b_i]
+            pos = 0
+            for j, c in enumerate(self.m.blobs[b_i].chunks):
+                if j in chunks and j not in have and c.raw_length:
+                    jobs.append((b_i, j, buf.data_ptr() + pos))
+                pos += c.raw_length
+        self.read_chunks(jobs)
+        for b_i, chunks in need.items():
+            if b_i in self._partial:
+                self._partial[b_i][1].update(chunks)
+
+    def select(self, rank: int | None, world_size: int, rank_local: str = "error") -> None:
+        """Choose the tree of a sharded snapshot this process takes: with the saved world
+        size, rank ``rank``'s own (its rank-local values); else rank 0's, provided that
+        every rank saved the same rank-local values: those that differ raise
+        ``StateMismatch`` naming them, or with ``rank_local="keep"`` are left out (the
+        state keeps its own). ``rank=None``: loading with no process group."""
+        m = self.m
+        if not m.rank_trees:
+            return
+        if rank is not None and world_size == m.world_size:
+            self.tree = m.rank_trees[rank]
+            return
+        differ = differing_paths(m)
+        self.tree = m.rank_trees[0]
+        if not differ:
+            return
+        if rank is None:  # load(): rank 0's values, said out loud
+            log.warning(
+                "step %d was saved by %d ranks whose rank-local values differ (%s): "
+                "loading rank 0's (load(..., rank=N) for another's)",
+                m.step,
+                m.world_size,
+                _some(differ),
+            )
+            return
+        if rank_local != "keep":
+            raise StateMismatch(
+                f"step {m.step} was saved by {m.world_size} ranks and is restored by "
+                f"{world_size}: the ranks saved different values of {_some(differ)} "
+                "(rank-local values: a data loader's position, RNG states), which cannot "
+                "be given to other ranks. restore(..., rank_local='keep') keeps this "
+                "process's own values for them"
+            )
+        self.dropped = set(differ)
+        self.tree = without(self.tree, self.dropped)
+
+    def select_rank_tree(self, rank: int) -> None:
+        """Load rank ``rank``'s tree of a sharded snapshot (its rank-local values)."""
+        trees = self.m.rank_trees
+        if not trees:
+            if rank != 0:
+                raise SnapshotNotFound(f"step {self.m.step} is not sharded: it has no rank {rank}")
+            return
+        if not 0 <= rank < len(trees):
+            raise SnapshotNotFound(
+                f"step {self.m.step} was saved by {len(trees)} ranks: there is no rank {rank}"
+            )
+        self.tree = trees[rank]
+
     def load_tree(self) -> Any:
-        self.prefetch(list(range(len(self.m.tensors))))
-        return build(self.m.tree, self.tensor)
+        self.prefetch(sorted(tensor_paths(self.tree)))
+        return build(self.tree, self.tensor)
 
     def prefetch(self, indices: list[int]) -> None:
-        """Read the blobs of these tensors in one parallel batch."""
-        need = sorted({self.m.tensors[i].pieces[0].blob for i in indices} - self._blobs.keys())
+        """Read the blobs of these tensors in one parallel batch (a sharded tensor's
+        pieces are read when it is assembled)."""
+        whole = [i for i in indices if self.whole(i)]
+        need = sorted({self.m.tensors[i].pieces[0].blob for i in whole} - self._blobs.keys())
         bufs = {b: _alloc(self.m.blobs[b].nbytes, False, self.m.step) for b in need}
         self.read_blobs([(b, t.data_ptr()) for b, t in bufs.items()])
         self._blobs.update(bufs)
@@ -365,10 +508,11 @@ class Reader:
                 )
             targets.setdefault(i, []).append(target)
 
-        plan = plan_restore(state, self.m.tree, into)
-        if strict and plan.missing:
+        plan = plan_restore(state, self.tree, into)
+        missing = [p for p in plan.missing if p not in self.dropped]
+        if strict and missing:
             raise StateMismatch(
-                f"step {self.m.step}: the snapshot holds nothing for {_some(plan.missing)} of "
+                f"step {self.m.step}: the snapshot holds nothing for {_some(missing)} of "
                 "the state (restore(..., strict=False) leaves them as they are and lists them "
                 "in RestoreInfo.missing)"
             )
@@ -398,8 +542,12 @@ class Reader:
         direct: list[tuple[int, int]] = []
         copies: list[tuple[int, torch.Tensor]] = []
         done: set[int] = set()
+        boxed: list[tuple[int, torch.Tensor]] = []
         for i, ts in targets.items():
             for t in ts:
+                if is_dtensor(t) or not self.whole(i):
+                    boxed.append((i, t))
+                    continue
                 b_i = self.m.tensors[i].pieces[0].blob
                 if t.data_ptr() in done:
                     continue  # tied: the same memory is filled once
@@ -418,6 +566,20 @@ class Reader:
                 self._copy_batch(batch)
                 batch, size = [], 0
         self._copy_batch(batch)
+        for i, t in boxed:
+            self._fill_box(i, t)
+
+    def _fill_box(self, i: int, t: torch.Tensor) -> None:
+        """Fill a DTensor's local shard (or a tensor saved in pieces) with the saved
+        elements of its box."""
+        if is_dtensor(t):
+            item = describe_local([t], [self.paths.get(i, "")])[0]
+            box, local = item.box, t.to_local()  # type: ignore[attr-defined]
+        else:
+            box, local = Box((0,) * t.dim(), tuple(t.shape)), t
+        data = self.read_box(i, box)
+        with torch.no_grad():
+            local.copy_(data)
 
     def _direct_ok(self, i: int, t: torch.Tensor) -> bool:
         e = self.m.tensors[i]

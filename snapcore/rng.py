@@ -31,7 +31,12 @@ class RNGState:
     Loading sets each generator that was saved; a saved CUDA state for a device this
     process lacks, or saved CUDA states where CUDA is unavailable, is logged as a warning
     and skipped.
+
+    Under torch.distributed each rank's generators are its own: the object is rank-local
+    (saved by each rank in its part, restored to the same rank; docs/distributed.md).
     """
+
+    __snapcore_rank_local__ = True
 
     def state_dict(self) -> dict[str, Any]:
         python = random.Random()

@@ -56,3 +56,13 @@ def chunk_bytes() -> int:
 def huge_pages() -> bool:
     """SNAPCORE_HUGE_PAGES: ask for transparent huge pages for the host arena (default on)."""
     return _get("SNAPCORE_HUGE_PAGES", "1") not in ("0", "off", "false", "no")
+
+
+def commit_timeout_s() -> float:
+    """SNAPCORE_COMMIT_TIMEOUT_S: how long the ranks of a sharded save wait for each other
+    (every rank's part, the coordinator's verdict) before the step fails, naming the
+    ranks that did not answer (default 600)."""
+    value = float(_get("SNAPCORE_COMMIT_TIMEOUT_S", "600"))
+    if not value > 0:
+        raise ValueError("SNAPCORE_COMMIT_TIMEOUT_S must be a positive number of seconds")
+    return value

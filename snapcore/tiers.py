@@ -300,7 +300,11 @@ class RemoteStoreTier:
         """A streaming writer of object ``name`` (multipart upload)."""
         return self.rt.open_writer(name)
 
-    def commit(self, m: mf.Manifest) -> None:
+    def put(self, name: str, data: bytes) -> None:
+        """Write a small object (a part of a sharded step) with one PUT."""
+        self.rt.put_bytes(name, data)
+
+    def commit(self, m: mf.Manifest | mf.Index) -> None:
         self.rt.put_bytes(f"{step_dir_name(m.step)}/{MANIFEST}", m.dumps())
 
     def uncommit(self, step: int) -> None:

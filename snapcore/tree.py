@@ -9,6 +9,7 @@ with an error that names its path, because snapcore never pickles.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,9 +62,22 @@ class Flattened:
     tensors: list[torch.Tensor] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)  # path of each tensor's first leaf
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    # Whether each tensor is rank-local (under torch.distributed: saved by its own rank
+    # and never shared): the bytes of a NumPy array, a generator or a ``bytes`` value, and
+    # every tensor of an object marked ``__snapcore_rank_local__`` (snapcore.RNGState,
+    # snapcore.distributed.RankLocal).
+    local: list[bool] = field(default_factory=list)
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (without importing torch.distributed when unused)."""
+    dt = sys.modules.get("torch.distributed.tensor")
+    return dt is not None and isinstance(t, dt.DTensor)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    if is_dtensor(t):  # no storage of its own: the same object is the same tensor
+        return ("dtensor", id(t))
     # Identical views (same memory, dtype, shape, strides) are one tensor: tied weights.
     return (
         t.device,
@@ -80,7 +94,7 @@ def flatten(state: object) -> Flattened:
     out = Flattened(tree={})
     index: dict[tuple[Any, ...], int] = {}
 
-    def walk(obj: object, path: str, seen: tuple[int, ...]) -> Node:
+    def walk(obj: object, path: str, seen: tuple[int, ...], local: bool = False) -> Node:
         if isinstance(obj, torch.Tensor):
             if obj.is_sparse or obj.layout != torch.strided:
                 raise UnsupportedState(
@@ -88,7 +102,11 @@ def flatten(state: object) -> Flattened:
                     "convert to a dense tensor first",
                     path=path,
                 )
-            if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            if (
+                type(obj) is not torch.Tensor
+                and not isinstance(obj, torch.nn.Parameter)
+                and not is_dtensor(obj)
+            ):
                 raise UnsupportedState(
                     f"{path or '<root>'}: tensor subclass {type_name(obj)} is not supported",
                     path=path,
@@ -100,6 +118,7 @@ def flatten(state: object) -> Flattened:
                 # state_dict() tensors are detached already; detach costs ~20 us a tensor
                 out.tensors.append(obj.detach() if obj.requires_grad else obj)
                 out.paths.append(path)
+                out.local.append(local)
             return {"tensor": i}
         if obj is None:
             return {"none": None}
@@ -107,7 +126,7 @@ def flatten(state: object) -> Flattened:
             if id(obj) in seen:
                 raise UnsupportedState(f"{path or '<root>'}: the state contains a cycle", path=path)
             inner = (*seen, id(obj))
-            node = values.encode(obj, path, lambda v, p: walk(v, p, inner))
+            node = values.encode(obj, path, lambda v, p: walk(v, p, inner, True))
             if node is not None:
                 return node
         if isinstance(obj, bool):
@@ -130,18 +149,18 @@ def flatten(state: object) -> Flattened:
                         f"not {type(k).__name__}",
                         path=join_path(path, repr(k)),
                     )
-                items.append([k, walk(v, join_path(path, k), seen)])
+                items.append([k, walk(v, join_path(path, k), seen, local)])
             return {"dict": items}
         if isinstance(obj, list):
-            return {"list": [walk(v, join_path(path, i), seen) for i, v in enumerate(obj)]}
+            return {"list": [walk(v, join_path(path, i), seen, local) for i, v in enumerate(obj)]}
         if isinstance(obj, tuple) and type(obj) is tuple:
-            return {"tuple": [walk(v, join_path(path, i), seen) for i, v in enumerate(obj)]}
+            return {"tuple": [walk(v, join_path(path, i), seen, local) for i, v in enumerate(obj)]}
         if is_stateful(obj):
             if isinstance(obj, torch.optim.Optimizer):
                 out.optimizers.append(obj)
-            return {
-                "stateful": {"type": type_name(obj), "state": walk(obj.state_dict(), path, seen)}
-            }
+            local = local or bool(getattr(type(obj), "__snapcore_rank_local__", False))
+            state = walk(obj.state_dict(), path, seen, local)
+            return {"stateful": {"type": type_name(obj), "state": state}}
         raise UnsupportedState(
             f"{path or '<root>'}: cannot save a value of type {type_name(obj)}; snapcore saves "
             "tensors, dicts, lists, tuples, None/bool/int/float/str and objects with "

@@ -32,6 +32,7 @@ class Staged:
     slot: int
     chunks: list[tuple[int, int, int, int]]  # (blob, chunk index, arena offset, length)
     digests: list[str] = field(default_factory=list)
+    part: mf.PartInfo | None = None  # a rank's part of a sharded save
 
     def blob_chunks(self) -> list[list[int]]:
         """Indices into ``chunks`` per blob."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -24,18 +25,22 @@ from typing import Any
 
 from .. import manifest as mf
 from .. import settings
-from ..errors import SnapcoreError, SnapshotFailed
+from ..distributed.job import Job
+from ..distributed.job import current as current_job
+from ..errors import SnapcoreError, SnapshotFailed, UnsupportedState
 from ..io_types import Aborted, WindowItem
 from ..planning.layout import Layout, align_up, plan
 from ..staging.arena import HostArena
 from ..staging.copy import Stager
 from ..staging.handle import SaveHandle, SaveStats
 from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, Tier, as_store, on_store_exit
-from ..tree import flatten
+from ..tree import Flattened, flatten, is_dtensor
 from . import writer_lock
 from .chunks import ChunkIndex
+from .commit import ShardedSave
 from .job import PersistJob
 from .local import PAGE
+from .sharded import Sharder
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,8 @@ class Engine:
         self._slot_steps: list[set[int]] = [set(), set()]  # host steps held by each slot
         self._slot_last: int | None = None  # the slot staged into last
         self._writer_lock: str | None = None  # the lock file this engine holds (a share)
+        self._sharder: Sharder | None = None  # the save plan, under torch.distributed
+        self._eid = 0  # this engine's number in the job's key space (write/commit.py)
 
     @property
     def local_root(self) -> Path:
@@ -104,13 +111,28 @@ class Engine:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         want = self._wanted(tiers)
+        djob = current_job()  # under torch.distributed: a sharded save (a collective, once)
+        if djob is not None and self.host is not None:
+            raise UnsupportedState(
+                "sharded snapshots (torch.distributed) do not use a host-memory tier yet: "
+                "use a store with a local directory shared by the ranks and/or a remote"
+            )
         with self._lock:
             self._raise_unreported()
-            if self.local is not None:  # before anything is touched: a second writer fails
+            # Before anything is touched: a second writer fails. The ranks of a job share
+            # the directory: rank 0 holds the lock for them.
+            if self.local is not None and (djob is None or djob.rank == 0):
                 self._hold_writer_lock(self.local.root)
             flat = flatten(state)
-            layout = plan(flat.tensors)
+            sharded = None
+            if djob is not None:
+                sharded = self._sharded(djob, flat)
+                layout = sharded.spec.layout
+            else:
+                layout = plan(flat.tensors)
             streaming = budget is not None and budget < layout.total * self.slots
+            if streaming and sharded is not None:
+                raise ValueError("a sharded save cannot stream through a smaller budget yet")
             if streaming and (self.host is not None or want != ("local",)):
                 raise ValueError(
                     f"a budget of {budget} bytes is less than {self.slots} x the state "
@@ -142,7 +164,9 @@ class Engine:
             for h in halves:
                 h.set()
             slot_free: Future[None] = Future()
-            job = PersistJob(self, handle, layout, flat.tree, windows, halves, slot, slot_free)
+            job = PersistJob(
+                self, handle, layout, flat.tree, windows, halves, slot, slot_free, sharded
+            )
             self._handles = [h for h in self._handles if not h.done() or h.unreported()]
             self._persist.submit(job.run)  # before the slot is marked: a failed submit frees it
             self._slot_free[slot] = slot_free
@@ -173,6 +197,12 @@ class Engine:
                 self._prepare_slot(1 - slot, size)  # the next save's, while training runs
             return handle
 
+    def _sharded(self, djob: Job, flat: Flattened) -> ShardedSave:
+        if self._sharder is None or self._sharder.job is not djob:
+            self._sharder = Sharder(djob, str(self.local.root) if self.local else None)
+            self._eid = next(_engine_ids)
+        return ShardedSave(djob, self._sharder, self._eid, self._sharder.part(flat))
+
     def wait(self) -> None:
         """Wait for every snapshot in flight and the housekeeping after it (retention,
         collection); raise the first failure nobody saw."""
@@ -187,7 +217,8 @@ class Engine:
         """Allocate and fault the arena(s) for ``state`` in the background, so that the
         first save does not do it on the training thread (memory touched for the first
         time fills at well under 1 GB/s on some machines)."""
-        size = self._arena_size(plan(flatten(state).tensors), None)
+        tensors = [t.to_local() if is_dtensor(t) else t for t in flatten(state).tensors]
+        size = self._arena_size(plan(tensors), None)
         if self.host is not None:
             # Slot files may hold committed host snapshots until a save claims the area;
             # the second slot is prepared in the background after the first save.
@@ -244,11 +275,14 @@ class Engine:
         try:
             if before is not None:
                 before()
-            if resaved:  # the old files of a re-saved step may now be unreferenced
+            # The ranks of a sharded save share the tiers: rank 0 does their housekeeping.
+            shared = self._sharder is not None and self._sharder.job.rank != 0
+            if resaved and not shared:  # the old files of a re-saved step may be unreferenced
                 self.index.invalidate(tier)  # it may point into them
                 self.tier(tier).collect()
             self.index.add(tier, m)
-            self._retain(tier)
+            if not shared:
+                self._retain(tier)
         except Exception as e:
             handle.warn(f"{tier} tier: housekeeping after the commit of step {m.step} failed: {e}")
 
@@ -370,6 +404,7 @@ def _done() -> Future[None]:
     return f
 
 
+_engine_ids = itertools.count(1)  # engines that made sharded saves, in creation order
 _engines: dict[tuple[Any, ...], Engine] = {}
 _engines_lock = threading.Lock()
 

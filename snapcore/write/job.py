@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _native, settings
 from ..directory import Pending
-from ..errors import SnapcoreError
+from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, Location, StagingAborted, Window, WindowItem
 from ..planning.layout import Layout
 from ..staging.handle import SaveHandle
 from .chunks import Staged, chunk_list, hash_chunks, hash_window
+from .commit import ShardedSave, part_ref
 from .local import LocalWriter, commit_host
 from .manifest_builder import BlobRecord, ChunkRecord, build_manifest, staged_manifest
 from .upload import Upload
@@ -46,7 +47,9 @@ class PersistJob:
         halves: list[threading.Event],
         slot: int,
         slot_free: Future[None],
+        sharded: ShardedSave | None = None,
     ) -> None:
+        self.sharded = sharded
         self.engine = engine
         self.handle = handle
         self.pending: Pending | None = None
@@ -61,11 +64,22 @@ class PersistJob:
     def run(self) -> None:
         h = self.handle
         upload: Future[None] | None = None
+        sh = self.sharded
         try:
             local = self.engine.local
+            if sh is not None:
+                verdict = sh.structure()
+                if verdict != "ok":
+                    raise SnapshotFailed(
+                        f"step {h.step} cannot be committed: the state's structure changed "
+                        "on some rank since the save plan was agreed (or a rank failed); "
+                        "every rank agrees a new plan at its next save",
+                        step=h.step,
+                    )
             if "local" in h.tiers and local is not None:
                 # Off the training thread: the leftovers of a crashed writer, then our lock.
-                local.store.collect_leftovers()
+                if sh is None or sh.job.rank == 0:  # ranks share the directory
+                    local.store.collect_leftovers()
                 self.pending = local.store.begin(h.step)
             if h.stats.streaming:
                 self._run_streaming()
@@ -84,6 +98,8 @@ class PersistJob:
             h.mark_staged()
             for half in self.halves:
                 half.set()
+            if sh is not None:  # the coordinator must not wait for parts that will not come
+                sh.fail(h.tiers, h.step, e)
             if self.pending is not None and not self.pending.committed:
                 with contextlib.suppress(Exception):
                     self.pending.abort()
@@ -134,6 +150,7 @@ class PersistJob:
             w.arena,
             self.slot,
             chunk_list(self.layout, settings.chunk_bytes()),
+            part=self.sharded.spec.info() if self.sharded is not None else None,
         )
         ready = [threading.Event() for _ in s.chunks]
 
@@ -163,22 +180,27 @@ class PersistJob:
                 encoder=engine.encoder,
                 encode_ahead=engine.encode_ahead,
                 helpers=self.helpers,
+                rank=self.sharded.spec.rank if self.sharded is not None else 0,
             ).write(ready, hashing)
             hashing.result()
             if "remote" in h.tiers:
                 engine.uploading.add(h.step)  # before retention can drop it
-            self.pending.commit(local_m)
+            try:
+                self._commit_local(local_m)
+            except BaseException:
+                engine.uploading.discard(h.step)
+                raise
             h.resolve("local")  # durable: retention's deletions are not the caller's wait
             engine.after_commit("local", local_m, h, resaved=resaved)
         hashing.result()
         if "remote" not in h.tiers:
             return None
         if local_m is not None:
-            job = Upload(engine, h, engine.local, local_m)  # type: ignore[arg-type]
+            job = Upload(engine, h, engine.local, local_m, sharded=self.sharded)  # type: ignore[arg-type]
         else:  # no local tier: upload straight from host memory
             locs = [Location("arena", off, n, w.arena.size) for _, _, off, n in s.chunks]
             m = staged_manifest(s, locs, ["none"] * len(locs), [n for *_, n in s.chunks])
-            job = Upload(engine, h, engine.local, m, arena=w.arena)  # type: ignore[arg-type]
+            job = Upload(engine, h, engine.local, m, arena=w.arena, sharded=self.sharded)  # type: ignore[arg-type]
 
         def upload() -> None:
             try:
@@ -188,6 +210,21 @@ class PersistJob:
 
         fut = engine.uploader.submit(upload)
         return fut if local_m is None else None
+
+    def _commit_local(self, m: Any) -> None:
+        """Commit in the local tier: the manifest; or, for a sharded save, this rank's
+        part, then the step's index once every rank's part is there (write/commit.py)."""
+        assert self.pending is not None
+        sh = self.sharded
+        if sh is None:
+            self.pending.commit(m)
+            return
+        data = m.dumps()
+        name = self.pending.write_part(sh.spec.rank, data)
+        pending = self.pending
+        sh.commit("local", m.step, part_ref(sh.spec.rank, name, data), pending.commit)
+        if not pending.committed:  # rank 0 committed it by writing the index
+            pending.settle()
 
     def _run_streaming(self) -> None:
         """The state is larger than the budget: write the image window by window."""

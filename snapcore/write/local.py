@@ -69,6 +69,7 @@ class LocalWriter:
         encoder: Callable[[], ThreadPoolExecutor],
         encode_ahead: int,
         helpers: list[Any] | None = None,
+        rank: int = 0,
     ) -> None:
         self.helpers = helpers if helpers is not None else []  # futures the job waits for
         self.s = s
@@ -78,7 +79,7 @@ class LocalWriter:
         self.index = index  # where the tier already stores each chunk content
         self.encoder = encoder
         self.encode_ahead = encode_ahead
-        self.name = pending.data_name(0)
+        self.name = pending.data_name(rank)
         self.path = root / self.name
 
     def write(self, ready: list[threading.Event], hashing: Any) -> mf.Manifest:

@@ -44,8 +44,10 @@ def build_manifest(
     tree: dict[str, Any],
     created_unix: float | None = None,
     writer: dict[str, Any] | None = None,
+    part: mf.PartInfo | None = None,
 ) -> mf.Manifest:
-    """A tier's manifest of ``step``: files in the order chunks first name them."""
+    """A tier's manifest of ``step``: files in the order chunks first name them. With
+    ``part``, the part of a sharded snapshot that one rank wrote."""
     files: list[mf.FileRef] = []
     index: dict[str, int] = {}
     out = []
@@ -64,12 +66,14 @@ def build_manifest(
         step=step,
         created_unix=time.time() if created_unix is None else created_unix,
         writer=writer_info() if writer is None else writer,
-        world_size=1,  # one process writes a snapshot: sharded snapshots change this
+        # A whole snapshot is one process's; a part lists the files of its rank only.
+        world_size=part.world_size if part is not None else 1,
         rank_files=[list(range(len(files)))],
         files=files,
         blobs=out,
         tensors=tensors,
         tree=tree,
+        part=part,
     )
 
 
@@ -83,7 +87,26 @@ def staged_manifest(
     blobs = [
         BlobRecord(b.nbytes, b.element_size, records[b_i]) for b_i, b in enumerate(s.layout.blobs)
     ]
-    return build_manifest(step=s.step, blobs=blobs, tensors=s.layout.entries, tree=s.tree)
+    return build_manifest(
+        step=s.step,
+        blobs=blobs,
+        tensors=s.layout.entries,
+        tree=s.tree,
+        part=s.part,
+    )
+
+
+def build_index(step: int, plan: str, parts: list[mf.PartRef]) -> mf.Index:
+    """The index (``manifest.json``) that commits a sharded step made of ``parts``, one
+    per rank in rank order."""
+    return mf.Index(
+        step=step,
+        created_unix=time.time(),
+        writer=writer_info(),
+        world_size=len(parts),
+        plan=plan,
+        parts=parts,
+    )
 
 
 def writer_info() -> dict[str, Any]:

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import manifest as mf
-from ..directory import step_dir_name
+from ..directory import part_file_name, step_dir_name
 from ..io_types import Location
+from .commit import ShardedSave, part_ref
 from .manifest_builder import BlobRecord, ChunkRecord, build_manifest
 
 if TYPE_CHECKING:
@@ -40,7 +41,9 @@ class Upload:
         source: LocalTier,
         m: mf.Manifest,
         arena: HostArena | None = None,
+        sharded: ShardedSave | None = None,
     ) -> None:
+        self.sharded = sharded
         self.engine = engine
         self.handle = handle
         self.source = source
@@ -52,6 +55,8 @@ class Upload:
             self._run()
         except BaseException as e:
             log.error("upload of step %d to %s failed: %s", self.m.step, self.engine.remote_url, e)
+            if self.sharded is not None:
+                self.sharded.fail(("remote",), self.m.step, e)
             self.handle.resolve("remote", e)
         else:
             self.handle.resolve("remote")
@@ -64,7 +69,8 @@ class Upload:
         target = engine.config.codec_for("remote")
         index = engine.index.get("remote")
         token = secrets.token_hex(6)
-        name = f"{step_dir_name(m.step)}/data-{token}-r0.bin"
+        rank = self.sharded.spec.rank if self.sharded is not None else 0
+        name = f"{step_dir_name(m.step)}/data-{token}-r{rank}.bin"
         remote.begin(m.step, token)
         biggest = max((c.length for b in m.blobs for c in b.chunks), default=0)
         raw_max = max((c.raw_length for b in m.blobs for c in b.chunks), default=0)
@@ -158,7 +164,18 @@ class Upload:
         reused: int,
     ) -> None:
         rm = self._manifest(locs, stored, target)
-        remote.commit(rm)
+        sh = self.sharded
+        if sh is None:
+            remote.commit(rm)
+        else:  # this rank's part, then the index once every rank's part is there
+            try:
+                data = rm.dumps()
+                name = part_file_name(rm.step, sh.spec.rank, token)
+                remote.put(name, data)
+                sh.commit("remote", rm.step, part_ref(sh.spec.rank, name, data), remote.commit)
+            except BaseException:
+                remote.end(self.m.step, token)
+                raise
         self.handle.stats.written["remote"] = size
         self.handle.stats.reused["remote"] = reused
         self.engine.after_commit(
@@ -217,6 +234,7 @@ class Upload:
             tree=m.tree,
             created_unix=m.created_unix,
             writer=m.writer,
+            part=m.part,
         )
 
 

@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "snapcore.directory": 4,  # tiers
     "snapcore.tiers": 4,
     "snapcore.staging": 5,
+    "snapcore.distributed": 5,  # the job: ranks, snapcore's gloo group and key-value store
     "snapcore.write": 6,
     "snapcore.read": 6,
     "snapcore.api": 7,

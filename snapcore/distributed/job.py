@@ -1,0 +1,129 @@
+"""The distributed job as snapcore sees it: ranks, snapcore's own gloo group, its own
+key-value store, and the one exchange that agrees a save plan.
+
+Made once, at the first sharded save or restore, which every rank enters (it is a
+collective: a gloo group is created and rank 0's store address is broadcast). After
+that, nothing here is a collective except ``all_gather_bytes``, which the engine calls
+only when the save plan must be agreed (the first save, and the save after a structure
+change). The commit of each save is coordinated through the key-value store (a
+``torch.distributed.TCPStore`` served by rank 0), from the background threads: setting
+and waiting for keys involves no other rank's threads, so a dead rank makes the others
+time out with its rank named, never hang (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import settings
+
+__all__ = ["Job", "all_gather_bytes", "current", "kv_get", "kv_wait_all"]
+
+
+@dataclass
+class Job:
+    """This process's place in the job: its rank, the world size, snapcore's own gloo
+    group (never the training's group) and key-value store, and the node it runs on."""
+
+    rank: int
+    world_size: int
+    group: Any  # torch.distributed.ProcessGroup (gloo)
+    kv: Any  # torch.distributed.Store
+    host: str
+    timeout_s: float
+
+    def key(self, *parts: object) -> str:
+        return "snapcore/" + "/".join(str(p) for p in parts)
+
+
+_job: Job | None = None
+_lock = threading.Lock()
+
+
+def initialized() -> bool:
+    """Whether a process group of more than one rank is initialised."""
+    if not torch.distributed.is_available():
+        return False
+    dist = torch.distributed
+    return bool(dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def current() -> Job | None:
+    """The job, or None outside torch.distributed (or in a world of one rank).
+
+    The first call under a process group is a collective: every rank must make it (the
+    first save or restore does, on every rank)."""
+    global _job
+    if not initialized():
+        return None
+    with _lock:
+        if _job is None:
+            _job = _make()
+        return _job
+
+
+def _make() -> Job:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=settings.commit_timeout_s())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = torch.zeros(1, dtype=torch.int64)
+    server = None
+    if rank == 0:
+        server = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        port[0] = server.port
+    dist.broadcast(port, src=0, group=group)
+    kv = server if server is not None else dist.TCPStore(addr, int(port[0]), timeout=timeout)
+    return Job(rank, world, group, kv, socket.gethostname(), timeout.total_seconds())
+
+
+def all_gather_bytes(job: Job, data: bytes) -> list[bytes]:
+    """Every rank's ``data`` (a collective on snapcore's gloo group; no pickle)."""
+    import torch.distributed as dist
+
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(job.world_size)]
+    dist.all_gather(sizes, size, group=job.group)
+    n = max(int(s) for s in sizes)
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty(n, dtype=torch.uint8) for _ in range(job.world_size)]
+    dist.all_gather(out, buf, group=job.group)
+    return [bytes(o[: int(s)].numpy()) for o, s in zip(out, sizes, strict=True)]
+
+
+def kv_wait_all(job: Job, keys: list[str], timeout_s: float) -> list[int]:
+    """Wait until every key is set; return the indices of those still missing after
+    ``timeout_s`` (empty when all are set)."""
+    try:
+        job.kv.wait(keys, datetime.timedelta(seconds=timeout_s))
+        return []
+    except Exception:  # DistStoreError (timeout), or a lost connection
+        return [i for i, k in enumerate(keys) if not _has(job, k)]
+
+
+def _has(job: Job, key: str) -> bool:
+    try:
+        return bool(job.kv.check([key]))
+    except Exception:
+        return False
+
+
+def kv_get(job: Job, key: str, timeout_s: float) -> bytes | None:
+    """The value of ``key`` once set, or None after ``timeout_s`` or when the store (rank
+    0) cannot be reached."""
+    try:
+        job.kv.wait([key], datetime.timedelta(seconds=timeout_s))
+        return bytes(job.kv.get(key))
+    except Exception:
+        return None

@@ -1,0 +1,211 @@
+"""The commit of a sharded save: every rank's part durable in a tier, then one index.
+
+Each rank, on its own background thread, writes its data and its part (a manifest of
+what it wrote) into the tier, then announces the part in snapcore's key-value store.
+Rank 0 (the coordinator) waits for every rank's announcement, checks that all followed
+the same plan with the structure that plan was made from, writes the step's index
+(``manifest.json``, the commit) and announces the verdict; the other ranks wait for it.
+Nothing here is a collective: a rank that died leaves its key unset, the coordinator
+gives up after ``SNAPCORE_COMMIT_TIMEOUT_S`` naming it, and the step stays uncommitted
+(its files are leftovers the next save collects). The plan verdict, announced early in
+each save, tells every rank alike whether the next save must agree a new plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import xxhash
+
+from .. import manifest as mf
+from ..distributed.job import Job, kv_get, kv_wait_all
+from ..errors import SnapshotFailed
+from .manifest_builder import build_index
+from .sharded import PartSpec, Sharder
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ShardedSave", "announce_structure", "commit_part", "part_ref"]
+
+
+@dataclass
+class ShardedSave:
+    """One rank's sharded save in flight: the job, its store's sharder, the engine's
+    number in the job's key space, this save's part, and the tiers it has announced."""
+
+    job: Job
+    sharder: Sharder
+    eid: int
+    spec: PartSpec
+    announced: set[str] = field(default_factory=set)  # "structure" and tier names
+
+    def structure(self, failed: str | None = None) -> str:
+        self.announced.add("structure")
+        return announce_structure(self.job, self.sharder, self.eid, self.spec, failed)
+
+    def commit(
+        self,
+        tier: str,
+        step: int,
+        ref: mf.PartRef,
+        write_index: Callable[[mf.Index], None],
+        failed: str | None = None,
+    ) -> None:
+        self.announced.add(tier)
+        commit_part(self.job, self.eid, self.spec, tier, step, ref, write_index, failed)
+
+    def fail(self, tiers: tuple[str, ...], step: int, error: BaseException) -> None:
+        """Tell the coordinator that this rank's save failed (so that it need not wait
+        for a part that will never come); never raises."""
+        why = f"{type(error).__name__}: {error}"
+        try:
+            if "structure" not in self.announced:
+                self.structure(failed=why)
+            for tier in tiers:
+                if tier not in self.announced:
+                    nothing = mf.PartRef(self.spec.rank, "", 0, "")
+                    with contextlib.suppress(SnapshotFailed):
+                        self.commit(tier, step, nothing, _no_index, why)
+        except Exception as e:  # the store (rank 0) is gone: the others time out
+            log.warning("step %d: could not tell the coordinator of this failure: %s", step, e)
+
+
+def _no_index(index: mf.Index) -> None:
+    raise SnapshotFailed(f"step {index.step}: not committed (a rank failed)")
+
+
+def _key(job: Job, eid: int, seq: int, *rest: object) -> str:
+    return job.key(eid, seq, *rest)
+
+
+def announce_structure(
+    job: Job, sharder: Sharder, eid: int, spec: PartSpec, failed: str | None = None
+) -> str:
+    """Announce this rank's structure for save ``spec.seq`` and learn the plan verdict
+    ("ok" or "replan"), which every rank gets alike. Rank 0 decides it. Returns the
+    verdict (also recorded on ``sharder`` for the next save)."""
+    mine = json.dumps({"structure": spec.structure, "replan": spec.replan, "failed": failed})
+    job.kv.set(_key(job, eid, spec.seq, "structure", spec.rank), mine)
+    verdict_key = _key(job, eid, spec.seq, "plan")
+    if job.rank == 0:
+        keys = [_key(job, eid, spec.seq, "structure", r) for r in range(job.world_size)]
+        missing = kv_wait_all(job, keys, job.timeout_s)
+        changed = []
+        if not missing:
+            for r, k in enumerate(keys):
+                if json.loads(job.kv.get(k))["replan"]:
+                    changed.append(r)
+        verdict = "ok" if not (missing or changed) else "replan"
+        job.kv.set(verdict_key, verdict)
+        for k in [*keys, _key(job, eid, spec.seq - 8, "plan")]:
+            _forget(job, k)
+    else:
+        got = kv_get(job, verdict_key, job.timeout_s * 2)
+        verdict = got.decode() if got is not None else "replan"
+    sharder.set_verdict(spec.seq, verdict)
+    return verdict
+
+
+def commit_part(
+    job: Job,
+    eid: int,
+    spec: PartSpec,
+    tier: str,
+    step: int,
+    ref: mf.PartRef,
+    write_index: Callable[[mf.Index], None],
+    failed: str | None = None,
+) -> None:
+    """Announce this rank's part of ``step`` in ``tier`` (or its failure), and on rank 0
+    commit the step once every part is there. Returns when the step is committed in the
+    tier; raises ``SnapshotFailed`` naming what went wrong otherwise."""
+    mine = {
+        "name": ref.name,
+        "size": ref.size,
+        "xxh3": ref.xxh3,
+        "plan": spec.plan,
+        "structure": spec.structure,
+        "replan": spec.replan,
+        "failed": failed,
+    }
+    job.kv.set(_key(job, eid, spec.seq, tier, "part", spec.rank), json.dumps(mine))
+    verdict_key = _key(job, eid, spec.seq, tier, "verdict")
+    if job.rank == 0:
+        verdict = _coordinate(job, eid, spec, tier, step, write_index)
+        job.kv.set(verdict_key, json.dumps(verdict))
+        _forget(job, _key(job, eid, spec.seq - 8, tier, "verdict"))  # read long ago
+    else:
+        got = kv_get(job, verdict_key, job.timeout_s * 2)
+        if got is None:
+            verdict = {
+                "ok": False,
+                "why": f"no verdict from the coordinator (rank 0) within {job.timeout_s * 2:g} s: "
+                "it died, or cannot be reached",
+            }
+        else:
+            verdict = json.loads(got)
+    if failed is not None:
+        raise SnapshotFailed(f"step {step}: {failed}", step=step, tier=tier)
+    if not verdict["ok"]:
+        raise SnapshotFailed(
+            f"step {step} was not committed in the {tier} tier: {verdict['why']}",
+            step=step,
+            tier=tier,
+        )
+
+
+def _coordinate(
+    job: Job,
+    eid: int,
+    spec: PartSpec,
+    tier: str,
+    step: int,
+    write_index: Callable[[mf.Index], None],
+) -> dict[str, object]:
+    keys = [_key(job, eid, spec.seq, tier, "part", r) for r in range(job.world_size)]
+    missing = kv_wait_all(job, keys, job.timeout_s)
+    if missing:
+        return {
+            "ok": False,
+            "why": f"ranks {_ranks(missing)} did not write their parts within "
+            f"{job.timeout_s:g} s (SNAPCORE_COMMIT_TIMEOUT_S)",
+        }
+    parts = [json.loads(job.kv.get(k)) for k in keys]
+    for k in keys:
+        _forget(job, k)
+    failed = [r for r, p in enumerate(parts) if p["failed"]]
+    if failed:
+        first = parts[failed[0]]["failed"]
+        return {"ok": False, "why": f"ranks {_ranks(failed)} failed (rank {failed[0]}: {first})"}
+    changed = [r for r, p in enumerate(parts) if p["replan"] or p["plan"] != spec.plan]
+    if changed:
+        return {
+            "ok": False,
+            "why": f"the state's structure changed on ranks {_ranks(changed)} since the save "
+            "plan was agreed; every rank agrees a new plan at its next save",
+        }
+    refs = [mf.PartRef(r, p["name"], p["size"], p["xxh3"]) for r, p in enumerate(parts)]
+    index = build_index(step, spec.plan, refs)
+    try:
+        write_index(index)
+    except Exception as e:
+        return {"ok": False, "why": f"the coordinator could not write the index: {e}"}
+    return {"ok": True}
+
+
+def part_ref(rank: int, name: str, data: bytes) -> mf.PartRef:
+    return mf.PartRef(rank, name, len(data), xxhash.xxh3_128_hexdigest(data))
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:16]))
+    return shown + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+
+
+def _forget(job: Job, key: str) -> None:
+    with contextlib.suppress(Exception):  # only memory in rank 0's store, never a failure
+        job.kv.delete_key(key)

@@ -1,0 +1,219 @@
+"""What one rank writes of a sharded save, from the agreed global plan.
+
+Under torch.distributed (``snapcore.distributed.job.current()``) the engine asks the
+``Sharder`` of its store for a ``PartSpec`` at each save: the tensors this rank stages
+(its DTensor shards, the replicated tensors the plan gives it, its rank-local tensors),
+and the tensor table of its part (every tensor of its state with its global shape and the
+piece it writes, if any). The plan is agreed once, with one exchange on snapcore's gloo
+group, and cached: a later save compares a cheap signature of the state's structure with
+the cached one and makes no collective. A rank whose structure changed writes every byte
+it holds under the old plan's name and marks its part; the coordinator then fails that
+step's commit and every rank re-plans at its next save (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import manifest as mf
+from ..distributed.job import Job, all_gather_bytes
+from ..errors import UnsupportedState
+from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_save
+from ..planning.global_plan import structure_fingerprint as fingerprint
+from ..planning.layout import Layout, plan
+from ..sharding import Box
+from ..tree import Flattened, is_dtensor
+
+__all__ = ["PartSpec", "Sharder"]
+
+
+@dataclass
+class PartSpec:
+    """One rank's share of one sharded save."""
+
+    seq: int  # the save's number in this engine, the same on every rank
+    rank: int
+    world_size: int
+    plan: str  # the global plan's fingerprint
+    structure: str  # this rank's structure fingerprint
+    replan: bool  # this rank's structure is not the plan's: the step cannot commit
+    layout: Layout  # what it stages; ``entries`` is the part's tensor table
+    keys: tuple[str | None, ...]  # per tensor of the state: its global key, or None
+
+    def info(self) -> mf.PartInfo:
+        return mf.PartInfo(self.rank, self.plan, self.structure, self.keys, self.world_size)
+
+
+@dataclass
+class _Cached:
+    signature: tuple[Any, ...]
+    items: list[LocalItem]
+    plan: GlobalPlan
+
+
+@dataclass
+class Sharder:
+    """The save plan of one store under one job, and the verdicts of past saves."""
+
+    job: Job
+    local_dir: str | None
+    cached: _Cached | None = None
+    seq: int = 0
+    # save number -> Event set once that save's plan verdict is known ("ok"/"replan")
+    verdicts: dict[int, tuple[threading.Event, list[str]]] = field(default_factory=dict)
+
+    def verdict_slot(self, seq: int) -> tuple[threading.Event, list[str]]:
+        return self.verdicts.setdefault(seq, (threading.Event(), []))
+
+    def set_verdict(self, seq: int, verdict: str) -> None:
+        event, box = self.verdict_slot(seq)
+        box[:] = [verdict]
+        event.set()
+        for old in [s for s in self.verdicts if s < seq - 4]:
+            del self.verdicts[old]
+
+    def part(self, flat: Flattened) -> PartSpec:
+        """This rank's share of the next save (training thread). Makes the one exchange
+        when the plan must be agreed: at the first save, and at the save after one whose
+        verdict said that a rank's structure had changed."""
+        job = self.job
+        self.seq += 1
+        seq = self.seq
+        must_agree = self.cached is None
+        if not must_agree:
+            # Normally known long before; a rank that cannot learn it re-plans (and the
+            # exchange then fails on snapcore's group timeout if the others do not).
+            event, box = self.verdict_slot(seq - 1)
+            must_agree = not event.wait(job.timeout_s) or box[0] != "ok"
+        glob = [i for i, local in enumerate(flat.local) if not local]
+        signature = _signature(flat, glob)
+        if must_agree:
+            items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
+            self.cached = self._agree(items, signature)
+        assert self.cached is not None
+        cached = self.cached
+        replan = signature != cached.signature
+        items = cached.items
+        if replan:
+            items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
+        structure = fingerprint(items, job.world_size)
+        return self._spec(flat, glob, items, cached.plan, seq, structure, replan)
+
+    def _agree(self, items: list[LocalItem], signature: tuple[Any, ...]) -> _Cached:
+        job = self.job
+        mine = {
+            "items": [_item_json(i) for i in items],
+            "host": job.host,
+            "local": os.path.realpath(self.local_dir) if self.local_dir else None,
+        }
+        every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
+        homes = {(d["host"], d["local"]) for d in every}
+        if self.local_dir is not None and len(homes) > 1:
+            raise UnsupportedState(
+                "sharded snapshots to a local tier need one directory shared by every rank "
+                f"(this job's ranks have {sorted(map(str, homes))[:4]}): a local tier per "
+                "node is not supported yet; save to a shared directory or to the remote only"
+            )
+        per_rank = [[_item_from(x) for x in d["items"]] for d in every]
+        gplan = plan_save(per_rank, job.world_size)
+        return _Cached(signature, per_rank[job.rank], gplan)
+
+    def _spec(
+        self,
+        flat: Flattened,
+        glob: list[int],
+        items: list[LocalItem],
+        gplan: GlobalPlan,
+        seq: int,
+        structure: str,
+        replan: bool,
+    ) -> PartSpec:
+        rank = self.job.rank
+        item_of = dict(zip(glob, items, strict=True))
+        written: list[torch.Tensor] = []
+        where: dict[int, int] = {}  # state tensor -> index among the written
+        for i, t in enumerate(flat.tensors):
+            item = item_of.get(i)
+            if item is not None:
+                if item.box.empty:
+                    continue
+                if not replan and gplan.writers.get((item.path, item.box)) != rank:
+                    continue
+            where[i] = len(written)
+            written.append(_local(t))
+        layout = plan(written)
+        entries: list[mf.TensorEntry] = []
+        keys: list[str | None] = []
+        for i in range(len(flat.tensors)):
+            item = item_of.get(i)
+            keys.append(item.path if item is not None else None)
+            if item is None:
+                entries.append(layout.entries[where[i]])
+                continue
+            pieces = []
+            if i in where:
+                p = layout.entries[where[i]].pieces[0]
+                pieces = [mf.Piece(item.box.offsets, p.shape, p.blob, p.byte_offset, p.strides)]
+            entries.append(mf.TensorEntry(item.dtype, item.global_shape, pieces))
+        return PartSpec(
+            seq,
+            rank,
+            self.job.world_size,
+            gplan.fingerprint,
+            structure,
+            replan,
+            Layout(layout.blobs, entries, layout.total),
+            tuple(keys),
+        )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _signature(flat: Flattened, glob: list[int]) -> tuple[Any, ...]:
+    """A cheap description of the state's global tensors: equal signatures give equal
+    ``describe_local`` items (paths, dtypes, shapes, meshes, placements)."""
+    out = []
+    for i in glob:
+        t = flat.tensors[i]
+        if is_dtensor(t):
+            mesh = t.device_mesh  # type: ignore[attr-defined]
+            out.append(
+                (
+                    flat.paths[i],
+                    t.dtype,
+                    tuple(t.shape),
+                    tuple(t.placements),  # type: ignore[attr-defined]
+                    tuple(mesh.mesh.reshape(-1).tolist()),
+                    tuple(mesh.shape),
+                    tuple(_local(t).shape),
+                )
+            )
+        else:
+            out.append((flat.paths[i], t.dtype, tuple(t.shape)))
+    return tuple(out)
+
+
+def _item_json(i: LocalItem) -> list[Any]:
+    holders = None if i.holders is None else sorted(i.holders)
+    return [i.path, i.dtype, list(i.global_shape), list(i.box.offsets), list(i.box.shape),
+            i.replicated, holders]  # fmt: skip
+
+
+def _item_from(x: list[Any]) -> LocalItem:
+    path, dtype, shape, offsets, bshape, replicated, holders = x
+    return LocalItem(
+        path,
+        dtype,
+        tuple(shape),
+        Box(tuple(offsets), tuple(bshape)),
+        bool(replicated),
+        None if holders is None else frozenset(holders),
+    )
