@@ -1,5 +1,5 @@
 """The multi-process harness itself: launching, result channel, timeouts, killed ranks,
-two nodes on one machine.
+two nodes on one machine, and the sharded models' layouts and global values.
 
 Every test goes through run_ranks/run_nodes, whose timeout kills the whole run: a hang
 fails the test instead of stalling the suite.
@@ -7,15 +7,20 @@ fails the test instead of stalling the suite.
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
+import models
 import pytest
+import torch
 from launch import LaunchError, processes_of, run_nodes, run_ranks
 
 HERE = Path(__file__).resolve().parent
 PLAIN = HERE / "rank_plain.py"
+MODELS = HERE / "rank_models.py"
 TIMEOUT = 60.0  # per run; a healthy one takes 1-15 s here
 
 
@@ -93,3 +98,78 @@ def test_two_nodes_form_one_job_each_with_its_own_env() -> None:
     ]
     for r in results:
         assert r.result == {"mine": expected[r.rank], "everyone": expected}
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def _chunk(n: int, parts: int, i: int) -> int:
+    """Size of part i of n rows split as torch.chunk and FSDP2 split them."""
+    size = math.ceil(n / parts)
+    return max(0, min(size, n - i * size))
+
+
+def _expected_local(kind: str, path: str, shape: list[int], rank: int, world: int) -> list[int]:
+    """The local shape each kind gives a tensor (module docstring of models.py)."""
+    param = path.removeprefix("model.").split(".exp_avg")[0].removeprefix("optim.state.")
+    if path.endswith(".step") or param == "buf" or kind == "ddp":
+        return shape
+    if kind == "fsdp2":
+        return [_chunk(shape[0], world, rank), *shape[1:]]
+    if kind == "hsdp":
+        return [_chunk(shape[0], world // 2, rank % (world // 2)), *shape[1:]]
+    assert kind == "tp"
+    if param.startswith(("fc1.", "head.")):
+        return [_chunk(shape[0], world, rank), *shape[1:]]
+    if param == "fc2.weight":
+        return [shape[0], _chunk(shape[1], world, rank)]
+    return shape  # fc2.bias (Replicate) and scale (plain)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_model_kind_shards_as_expected(world: int) -> None:
+    kinds = ["fsdp2", "tp", "ddp"] + (["hsdp"] if world == 4 else [])
+    results = run_ranks(MODELS, world, [",".join(kinds)], timeout=TIMEOUT)
+    reports: list[dict[str, Any]] = [r.result for r in results]
+    reference = {
+        k: models.digest(t) for k, t in models.make_model(0).state_dict().items()
+    }  # unsharded, in this process
+    step2 = models.digest(torch.tensor(2.0))
+
+    for kind in kinds:
+        first = reports[0][kind]
+        # the same seeded init everywhere: the unsharded model's tensors, bit for bit
+        assert all(rep[kind]["init"] == reference for rep in reports), kind
+        # global values and their layout agree across ranks, bit for bit
+        assert all(rep[kind]["global"] == first["global"] for rep in reports), kind
+        for path, d in first["layout"].items():
+            assert all(rep[kind]["layout"][path]["shape"] == d["shape"] for rep in reports)
+        # model and AdamW state are there, and two steps were taken
+        names = set(reference)
+        assert {p.removeprefix("model.") for p in first["global"] if p.startswith("model.")} == (
+            names
+        )
+        trainable = names - {"buf"}
+        for p in trainable:
+            for s in ("exp_avg", "exp_avg_sq", "step"):
+                assert f"optim.state.{p}.{s}" in first["global"], (kind, p, s)
+            assert first["global"][f"optim.state.{p}.step"] == step2
+            assert first["global"][f"model.{p}"] != reference[p], (kind, p)
+        # each rank holds the shard the kind gives it
+        for rank, rep in enumerate(reports):
+            for path, d in rep[kind]["layout"].items():
+                want = _expected_local(kind, path, d["shape"], rank, world)
+                assert d["local_shape"] == want, (kind, rank, path)
+
+    # uneven shards: fc2's 13 rows split unequally; on 4 ranks, rank 3 has no `scale`
+    fc2_rows = {tuple(r["fsdp2"]["layout"]["model.fc2.weight"]["local_shape"]) for r in reports}
+    assert len(fc2_rows) == 2
+    if world == 4:
+        assert reports[3]["fsdp2"]["layout"]["model.scale"]["local_shape"] == [0]
+        hsdp = reports[0]["hsdp"]["layout"]["model.fc1.weight"]
+        assert hsdp["placements"] == ["Replicate()", "Shard(dim=0)"]
+        assert hsdp["mesh_shape"] == [2, 2]
+    tp = reports[0]["tp"]["layout"]
+    assert tp["model.fc2.weight"]["placements"] == ["Shard(dim=1)"]
+    assert tp["model.scale"]["placements"] is None  # replicated by convention
+    assert reports[0]["ddp"]["layout"]["model.fc1.weight"]["placements"] is None
