@@ -36,9 +36,9 @@ def _gone(pid: int) -> bool:
 # ---------------------------------------------------------------------------- launcher
 
 
-def test_a_failing_rank_raises_with_its_traceback() -> None:
+def test_a_failing_rank_raises_with_its_traceback(tmp_path: Path) -> None:
     with pytest.raises(LaunchError) as info:
-        run_ranks(PLAIN, 2, ["fail"], timeout=TIMEOUT)
+        run_ranks(PLAIN, 2, ["fail"], timeout=TIMEOUT, workdir=tmp_path)
     err = info.value
     assert not err.timed_out
     assert err.results[1].exitcode == 1
@@ -46,6 +46,7 @@ def test_a_failing_rank_raises_with_its_traceback() -> None:
     assert "RuntimeError: rank 1 fails on purpose" in str(err)
     assert err.results[0].result == {"ok": True}
     assert processes_of(err.run_id) == []
+    assert str(tmp_path) in str(err)  # where the logs are kept
 
 
 def test_a_hung_rank_is_killed_on_timeout(tmp_path: Path) -> None:
