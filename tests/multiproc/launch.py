@@ -139,13 +139,13 @@ def run_nodes(
     then `node_envs[N]` added to its environment. Otherwise as `run_ranks`."""
     if not node_envs:
         raise ValueError("node_envs: at least one node")
-    own_dir = workdir is None
-    wd = Path(tempfile.mkdtemp(prefix="snapcore-mp-")) if workdir is None else workdir
-    wd.mkdir(parents=True, exist_ok=True)
     world = nproc_per_node * len(node_envs)
     for r in kill_at or {}:
         if not 0 <= r < world:
             raise ValueError(f"kill_at: no rank {r} in a world of {world}")
+    own_dir = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="snapcore-mp-")) if workdir is None else workdir
+    wd.mkdir(parents=True, exist_ok=True)
     for _ in range(_PORT_TRIES):
         _clear(wd, world, len(node_envs))  # a reused workdir's old results
         run_id = uuid.uuid4().hex
