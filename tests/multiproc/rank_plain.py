@@ -1,0 +1,59 @@
+"""Rank script for the launcher's own tests; argv[1] picks the behaviour. Only "nodes"
+imports torch, so that the others start fast."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import launch
+
+
+def hang() -> None:
+    """Rank 0 blocks until killed; the others finish."""
+    launch.report({"pid": os.getpid()})
+    if launch.rank() == 0:
+        print(f"rank 0 (pid {os.getpid()}) hangs", flush=True)
+        while True:
+            signal.pause()
+
+
+def die() -> None:
+    """Three passes through the point "loop"; then block, like a rank waiting in a
+    collective for a peer that is gone, until torchrun tears the job down."""
+    for i in range(3):
+        print(f"pass {i}", flush=True)
+        launch.maybe_die("loop")
+    launch.report({"passes": 3})
+    while True:
+        signal.pause()
+
+
+def fail() -> None:
+    """Rank 1 raises; rank 0 finishes."""
+    if launch.rank() == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    launch.report({"ok": True})
+
+
+def nodes() -> None:
+    """Join the gloo job and gather each rank's identity and SNAPCORE_MP_TEST_NODE."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    mine = {
+        "rank": dist.get_rank(),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "world": dist.get_world_size(),
+        "node_env": os.environ.get("SNAPCORE_MP_TEST_NODE"),
+        "common_env": os.environ.get("SNAPCORE_MP_TEST_COMMON"),
+    }
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    launch.report({"mine": mine, "everyone": everyone})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    {"hang": hang, "die": die, "fail": fail, "nodes": nodes}[sys.argv[1]]()
