@@ -23,7 +23,14 @@ from . import manifest as mf
 from .errors import InvalidManifest
 from .sharding import Box, BoxIndex
 
-__all__ = ["differing_paths", "leaf_signatures", "merge", "read_sharded", "without"]
+__all__ = [
+    "differing_paths",
+    "drop_units",
+    "leaf_signatures",
+    "merge",
+    "read_sharded",
+    "without",
+]
 
 
 def read_sharded(index: mf.Index, read: Callable[[str, int], bytes], *, where: str) -> mf.Manifest:
@@ -196,3 +203,26 @@ def without(tree: dict[str, Any], paths: set[str], path: str = "") -> dict[str, 
     if kind == "stateful":
         return {"stateful": {**value, "state": without(value["state"], paths, path)}}
     return tree
+
+
+def drop_units(tree: dict[str, Any], paths: list[str]) -> set[str]:
+    """The entries to leave out of ``tree`` so that ``paths`` are not restored: each path
+    itself, or its innermost enclosing object saved through ``state_dict()`` (whose
+    ``load_state_dict`` cannot take part of its state: the object then keeps its own)."""
+    wanted = set(paths)
+    out: set[str] = set()
+
+    def walk(node: dict[str, Any], path: str, owner: str | None) -> None:
+        (kind, value), *_ = node.items()
+        if path in wanted:
+            out.add(owner if owner is not None else path)
+        if kind == "dict":
+            for key, child in value:
+                walk(child, f"{path}.{key}" if path else str(key), owner)
+        elif kind == "stateful" and path:
+            walk(value["state"], path, path)
+        elif kind == "stateful":
+            walk(value["state"], path, owner)
+
+    walk(tree, "", None)
+    return out

@@ -23,7 +23,7 @@ import xxhash
 
 from . import _native, settings
 from . import manifest as mf
-from .assemble import differing_paths, without
+from .assemble import differing_paths, drop_units, without
 from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound, StateMismatch
 from .planning.global_plan import SavedPiece, describe_local, plan_read
 from .planning.layout import contiguous_strides
@@ -459,7 +459,7 @@ class Reader:
                 "be given to other ranks. restore(..., rank_local='keep') keeps this "
                 "process's own values for them"
             )
-        self.dropped = set(differ)
+        self.dropped = drop_units(self.tree, differ)
         self.tree = without(self.tree, self.dropped)
 
     def select_rank_tree(self, rank: int) -> None:

@@ -43,7 +43,7 @@ class ShardedSave:
     spec: PartSpec
     announced: set[str] = field(default_factory=set)  # "structure" and tier names
 
-    def structure(self, failed: str | None = None) -> str:
+    def structure(self, failed: str | None = None) -> str | None:
         self.announced.add("structure")
         return announce_structure(self.job, self.sharder, self.eid, self.spec, failed)
 
@@ -84,30 +84,47 @@ def _key(job: Job, eid: int, seq: int, *rest: object) -> str:
 
 def announce_structure(
     job: Job, sharder: Sharder, eid: int, spec: PartSpec, failed: str | None = None
-) -> str:
-    """Announce this rank's structure for save ``spec.seq`` and learn the plan verdict
-    ("ok" or "replan"), which every rank gets alike. Rank 0 decides it. Returns the
-    verdict (also recorded on ``sharder`` for the next save)."""
+) -> str | None:
+    """Announce this rank's structure for save ``spec.seq`` and learn the plan verdict,
+    which every rank gets alike (rank 0 decides it): None when the save may commit, else
+    why not (then every rank agrees a new plan at its next save). The verdict is also
+    recorded on ``sharder`` for the next save."""
     mine = json.dumps({"structure": spec.structure, "replan": spec.replan, "failed": failed})
     job.kv.set(_key(job, eid, spec.seq, "structure", spec.rank), mine)
     verdict_key = _key(job, eid, spec.seq, "plan")
     if job.rank == 0:
         keys = [_key(job, eid, spec.seq, "structure", r) for r in range(job.world_size)]
         missing = kv_wait_all(job, keys, job.timeout_s)
-        changed = []
-        if not missing:
-            for r, k in enumerate(keys):
-                if json.loads(job.kv.get(k))["replan"]:
-                    changed.append(r)
-        verdict = "ok" if not (missing or changed) else "replan"
-        job.kv.set(verdict_key, verdict)
+        why = None
+        if missing:
+            why = (
+                f"ranks {_ranks(missing)} did not start their part within {job.timeout_s:g} s "
+                "(SNAPCORE_COMMIT_TIMEOUT_S)"
+            )
+        else:
+            said = [json.loads(job.kv.get(k)) for k in keys]
+            failing = [r for r, d in enumerate(said) if d["failed"]]
+            changed = [r for r, d in enumerate(said) if d["replan"]]
+            if failing:
+                first = said[failing[0]]["failed"]
+                why = f"ranks {_ranks(failing)} failed (rank {failing[0]}: {first})"
+            elif changed:
+                why = (
+                    f"the state's structure changed on ranks {_ranks(changed)} since the save "
+                    "plan was agreed"
+                )
+        job.kv.set(verdict_key, json.dumps({"why": why}))
         for k in [*keys, _key(job, eid, spec.seq - 8, "plan")]:
             _forget(job, k)
     else:
         got = kv_get(job, verdict_key, job.timeout_s * 2)
-        verdict = got.decode() if got is not None else "replan"
-    sharder.set_verdict(spec.seq, verdict)
-    return verdict
+        why = (
+            json.loads(got)["why"]
+            if got is not None
+            else f"no plan verdict from the coordinator (rank 0) within {job.timeout_s * 2:g} s"
+        )
+    sharder.set_verdict(spec.seq, "ok" if why is None else "replan")
+    return why
 
 
 def commit_part(

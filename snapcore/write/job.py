@@ -68,12 +68,11 @@ class PersistJob:
         try:
             local = self.engine.local
             if sh is not None:
-                verdict = sh.structure()
-                if verdict != "ok":
+                why = sh.structure()
+                if why is not None:
                     raise SnapshotFailed(
-                        f"step {h.step} cannot be committed: the state's structure changed "
-                        "on some rank since the save plan was agreed (or a rank failed); "
-                        "every rank agrees a new plan at its next save",
+                        f"step {h.step} cannot be committed: {why}; every rank agrees the "
+                        "save plan again at its next save",
                         step=h.step,
                     )
             if "local" in h.tiers and local is not None:

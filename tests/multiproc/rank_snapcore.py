@@ -1,0 +1,143 @@
+"""Rank script for the sharded-snapshot tests: argv[1] is a JSON list of actions, run in
+order; the report holds one entry per action.
+
+  {"op": "save", "kind": K, "store": DIR, "step": N, "seed": S}
+      build model K (seed S, two AdamW steps), save {"app": AppState, "step": N,
+      "rng": RNGState(), "data": RankLocal({"pos": 100 * rank + N})} as step N; report
+      the digests of every global tensor of get_state_dict, and the bytes each rank's
+      data files take.
+  {"op": "restore", "kind": K, "store": DIR, "seed": S, "rank_local": "error"|"keep"}
+      build model K with other weights (seed S), restore into the same kind of state;
+      report the digests, the restored step, the bytes read, the rank-local position and
+      the torch RNG's next draw, or the error's type and message.
+  {"op": "kill-save", "kind": K, "store": DIR, "step": N, "victim": R, "point": P}
+      save steps N then N + 1; rank R SIGKILLs itself during the second at point P
+      ("staged": when async_save returns; "writing": once its data file exists; "part":
+      once its part file exists). The others report how the second save ended.
+
+Run without torchrun too (the kill test starts plain processes with the env:// rendezvous
+variables), so that a killed rank does not make an agent tear the others down.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import launch
+import models
+import torch
+import torch.distributed as dist
+
+import snapcore
+from snapcore.distributed import AppState, RankLocal
+
+
+def state_of(kind: str, seed: int, step: int) -> tuple[dict[str, Any], Any, Any]:
+    model, optim = models.build(kind, steps=2, seed=seed)
+    rank = dist.get_rank()
+    state = {
+        "app": AppState(model, optim),
+        "step": step,
+        "rng": snapcore.RNGState(),
+        "data": RankLocal({"pos": 100 * rank + step}),
+    }
+    return state, model, optim
+
+
+def digests(model: Any, optim: Any) -> dict[str, str]:
+    sd = models.get_model_state(model, optim)
+    return {k: models.digest(t) for k, t in models.global_tensors(sd).items()}
+
+
+def save(a: dict[str, Any]) -> dict[str, Any]:
+    state, model, optim = state_of(a["kind"], a.get("seed", 0), a["step"])
+    torch.manual_seed(1234 + dist.get_rank())  # each rank's RNG state is its own
+    snapcore.save(state, a["store"], step=a["step"])
+    rank = dist.get_rank()
+    mine = glob.glob(os.path.join(a["store"], f"step-{a['step']:012d}", f"data-*-r{rank}.bin"))
+    return {
+        "digests": digests(model, optim),
+        "rng_next": torch.rand(1).item(),
+        "data_bytes": sum(os.path.getsize(p) for p in mine),
+    }
+
+
+def restore(a: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(99)
+    state, model, optim = state_of(a["kind"], a.get("seed", 1), -1)
+    try:
+        info = snapcore.restore(state, a["store"], rank_local=a.get("rank_local", "error"))
+    except snapcore.SnapcoreError as e:
+        digests(model, optim)  # a collective: every rank must take part
+        return {"error": type(e).__name__, "message": str(e)}
+    return {
+        "digests": digests(model, optim),
+        "step": info.step,
+        "bytes": info.bytes,
+        "pos": state["data"].value["pos"],
+        "saved_step": state["step"],
+        "rng_next": torch.rand(1).item(),
+    }
+
+
+def kill_save(a: dict[str, Any]) -> dict[str, Any]:
+    store, step = a["store"], a["step"]
+    state, model, optim = state_of(a["kind"], a.get("seed", 0), step)
+    rank = dist.get_rank()
+    snapcore.save(state, store, step=step)
+    first = digests(model, optim)
+    # the second step: other weights, so that a mixed snapshot cannot pass
+    model(torch.randn(models.BATCH, models.D_IN)).pow(2).mean().backward()
+    optim.step()
+    second = digests(model, optim)
+    state["step"] = step + 1
+    launch.report({"first": first, "second": second, "phase": "saving"})
+    victim = rank == a["victim"]
+    if victim and a["point"] in ("writing", "part"):
+        pattern = f"data-*-r{rank}.bin" if a["point"] == "writing" else f"part-{rank:05d}-*"
+        where = os.path.join(store, f"step-{step + 1:012d}", pattern)
+
+        def watch() -> None:
+            while not glob.glob(where):
+                time.sleep(0.0005)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, daemon=True).start()
+    handle = snapcore.async_save(state, store, step=step + 1)
+    if victim and a["point"] == "staged":
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        handle.wait()
+        outcome: dict[str, Any] = {"ok": True}
+    except snapcore.SnapcoreError as e:
+        outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
+    # the training goes on: this process keeps working without the dead rank
+    outcome["after"] = float(torch.ones(3).sum())
+    return {"first": first, "second": second, "outcome": outcome}
+
+
+OPS = {"save": save, "restore": restore, "kill-save": kill_save}
+
+
+def main(actions: list[dict[str, Any]]) -> None:
+    out = []
+    for a in actions:
+        out.append(OPS[a["op"]](a))
+        launch.report(out)
+    snapcore.close()
+    if not any(a["op"] == "kill-save" for a in actions):
+        models.shutdown()
+    else:  # the dead rank cannot join a barrier: leave without one
+        sys.stdout.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,270 @@
+"""Sharded snapshots under torch.distributed (issue 10), on CPU with gloo.
+
+Every restored tensor is compared, bit for bit (sha256 of its global value), with the
+tensor that was saved: model parameters and AdamW state through get_state_dict. The
+state also holds rank-local values (snapcore.RNGState, a RankLocal data position) that
+each rank must get back as its own, and that a restore into another world size must
+refuse (or keep, when asked).
+
+Each run has a hard timeout (run_ranks kills the whole run), so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from launch import ENV_DIR, free_port, run_ranks
+
+import snapcore
+from snapcore.directory import LocalDirectory
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "rank_snapcore.py"
+TIMEOUT = 120.0
+ENV = {"SNAPCORE_COMMIT_TIMEOUT_S": "60"}
+
+
+def run(world: int, actions: list[dict[str, Any]], **kw: Any) -> list[list[dict[str, Any]]]:
+    results = run_ranks(SCRIPT, world, [json.dumps(actions)], timeout=TIMEOUT, env=ENV, **kw)
+    return [r.result for r in results]
+
+
+def saved_bytes(store: Path, step: int) -> tuple[int, int]:
+    """(bytes of data files, bytes of manifests and parts) of a step."""
+    d = store / f"step-{step:012d}"
+    data = sum(p.stat().st_size for p in d.glob("data-*.bin"))
+    meta = sum(p.stat().st_size for p in d.glob("*.json"))
+    return data, meta
+
+
+def loaded_digests(store: Path, step: int | None = None) -> dict[str, str]:
+    """snapcore.load in this process (no process group): full tensors, by the paths
+    get_state_dict gives them."""
+    import models
+
+    tree = snapcore.load(store, step=step)
+    app = tree["app"]
+    return {k: models.digest(t) for k, t in models.tensors(app)}
+
+
+@pytest.fixture(scope="module")
+def fsdp4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """A 4-rank FSDP2 save of step 5, and the same ranks restoring it (other weights)."""
+    store = tmp_path_factory.mktemp("fsdp4")
+    out = run(
+        4,
+        [
+            {"op": "save", "kind": "fsdp2", "store": str(store), "step": 5},
+            {"op": "restore", "kind": "fsdp2", "store": str(store)},
+        ],
+    )
+    return store, out
+
+
+def test_fsdp2_four_ranks_restore_bit_exact_with_their_own_rank_local_values(fsdp4) -> None:
+    _, out = fsdp4
+    saved = out[0][0]["digests"]
+    for rank, (s, r) in enumerate(out):
+        assert s["digests"] == saved  # every rank sees the same global tensors
+        assert r["digests"] == saved, f"rank {rank}"
+        assert r["step"] == 5 and r["saved_step"] == 5
+        assert r["pos"] == 100 * rank + 5  # its own data position, not rank 0's
+        assert r["rng_next"] == s["rng_next"]  # its own RNG state
+    assert len({s["rng_next"] for s, _ in out}) == 4  # the ranks' RNG states differ
+    # each rank wrote its own shards (FSDP2: nothing replicated but the optimizer steps)
+    assert all(s["data_bytes"] > 0 for s, _ in out)
+
+
+def test_a_sharded_step_is_an_index_of_parts(fsdp4) -> None:
+    store, _ = fsdp4
+    step_dir = store / "step-000000000005"
+    index = json.loads((step_dir / "manifest.json").read_bytes())
+    assert index["format_version"] == 3 and index["world_size"] == 4
+    assert [p["rank"] for p in index["parts"]] == [0, 1, 2, 3]
+    assert all((store / p["name"]).stat().st_size == p["size"] for p in index["parts"])
+    assert not list(step_dir.glob("*.pending"))  # every rank's lock is gone
+
+
+def test_load_with_no_process_group_assembles_full_tensors(fsdp4) -> None:
+    store, out = fsdp4
+    saved = out[0][0]["digests"]
+    assert loaded_digests(store) == saved
+    tree = snapcore.load(store, rank=2)
+    assert tree["data"]["value"] == {"pos": 205}  # rank 2's own value
+    assert snapcore.load(store)["data"]["value"] == {"pos": 5}  # rank 0's, with a warning
+
+
+def test_four_to_two_ranks_refuses_rank_local_values_then_keeps_them(fsdp4) -> None:
+    store, out = fsdp4
+    saved = out[0][0]["digests"]
+    res = run(
+        2,
+        [
+            {"op": "restore", "kind": "fsdp2", "store": str(store)},
+            {"op": "restore", "kind": "fsdp2", "store": str(store), "rank_local": "keep"},
+        ],
+    )
+    for rank, (refused, kept) in enumerate(res):
+        assert refused["error"] == "StateMismatch"
+        assert "data.value.pos" in refused["message"] and "rank_local='keep'" in refused["message"]
+        assert kept["digests"] == saved  # resharded 4 -> 2, bit for bit
+        assert kept["step"] == 5 and kept["saved_step"] == 5  # a global value is restored
+        assert kept["pos"] == 100 * rank - 1  # its own live value, kept
+    # each new rank reads about half of the model and optimizer, not all of it
+    total, _ = saved_bytes(store, 5)
+    for _, kept in res:
+        assert kept["bytes"] < 0.75 * total
+
+
+def test_fsdp2_to_tensor_parallel(fsdp4) -> None:
+    store, out = fsdp4
+    res = run(2, [{"op": "restore", "kind": "tp", "store": str(store), "rank_local": "keep"}])
+    for (r,) in res:
+        assert r["digests"] == out[0][0]["digests"]
+
+
+def test_ddp_writes_replicated_tensors_once_and_restores_into_fsdp2(tmp_path: Path) -> None:
+    store = tmp_path / "ddp"
+    res = run(
+        2,
+        [
+            {"op": "save", "kind": "ddp", "store": str(store), "step": 3},
+            {"op": "restore", "kind": "fsdp2", "store": str(store)},
+        ],
+    )
+    saved = res[0][0]["digests"]
+    # DDP's ranks hold equal replicas: the job's bytes are the model's unique bytes once
+    data, meta = saved_bytes(store, 3)
+    replicated = _nbytes(snapcore.load(store)["app"])  # model and optimizer, once
+    own = [_nbytes(snapcore.load(store, rank=r)["rng"]) for r in range(2)]  # rank-local
+    assert replicated > 64 * 64  # a second copy would not fit in the slack below
+    assert replicated + sum(own) <= data <= replicated + sum(own) + 64 * 64  # + alignment
+    assert meta < 64 << 10
+    assert res[0][0]["data_bytes"] > 0 and res[1][0]["data_bytes"] > 0  # balanced
+    for _, restored in res:
+        assert restored["digests"] == saved
+    assert loaded_digests(store) == saved
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of the tensors and NumPy arrays in a loaded tree (what the data files hold;
+    arrays of 1 KiB or less are inline in the manifest)."""
+    import numpy as np
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, np.ndarray):
+        return tree.nbytes if tree.nbytes > 1024 else 0
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_nbytes(v) for v in tree)
+    return 0
+
+
+def test_hsdp_and_two_to_four(tmp_path: Path) -> None:
+    two = tmp_path / "two"
+    res = run(2, [{"op": "save", "kind": "fsdp2", "store": str(two), "step": 1}])
+    saved = res[0][0]["digests"]
+    hsdp = tmp_path / "hsdp"
+    res4 = run(
+        4,
+        [
+            {"op": "restore", "kind": "fsdp2", "store": str(two), "rank_local": "keep"},
+            {"op": "save", "kind": "hsdp", "store": str(hsdp), "step": 2},
+            {"op": "restore", "kind": "hsdp", "store": str(hsdp)},
+        ],
+    )
+    hsdp_saved = res4[0][1]["digests"]
+    for rank, (grown, s, r) in enumerate(res4):
+        assert grown["digests"] == saved  # 2 -> 4
+        assert s["digests"] == hsdp_saved
+        assert r["digests"] == hsdp_saved and r["pos"] == 100 * rank + 2
+    assert loaded_digests(hsdp) == hsdp_saved
+
+
+# -- a rank dies during a save ------------------------------------------------------------
+
+
+def _spawn(world: int, actions: list[dict[str, Any]], workdir: Path, timeout_s: float) -> list[Any]:
+    """The ranks as plain processes (env:// rendezvous): no agent tears the survivors down
+    when one dies, as torchrun would."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "SNAPCORE_COMMIT_TIMEOUT_S": str(timeout_s),
+            ENV_DIR: str(workdir),
+            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        }
+        with open(workdir / f"spawn{rank}.log", "wb") as log:  # the child keeps its copy
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPT), json.dumps(actions)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        logs = "\n".join((workdir / f"spawn{r}.log").read_text()[-3000:] for r in range(world))
+        raise AssertionError(f"the ranks did not finish in {TIMEOUT} s:\n{logs}") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    out = []
+    for rank, p in enumerate(procs):
+        path = workdir / f"rank{rank}.json"
+        out.append((p.returncode, json.loads(path.read_text()) if path.exists() else None))
+    return out
+
+
+@pytest.mark.parametrize("point", ["staged", "writing", "part"])
+def test_a_rank_killed_mid_save_leaves_the_previous_step_and_no_hang(
+    tmp_path: Path, point: str
+) -> None:
+    store = tmp_path / "store"
+    actions = [
+        {"op": "kill-save", "kind": "fsdp2", "store": str(store), "step": 1, "victim": 1,
+         "point": point}
+    ]  # fmt: skip
+    (code0, out0), (code1, _) = _spawn(2, actions, tmp_path, timeout_s=4)
+    assert code1 == -signal.SIGKILL
+    assert code0 == 0, (tmp_path / "spawn0.log").read_text()[-3000:]
+    (res,) = out0
+    outcome = res["outcome"]
+    assert outcome["after"] == 3.0  # the survivor went on
+    committed = LocalDirectory(store).committed_steps()
+    if outcome["ok"]:  # the victim died after announcing its part: step 2 is whole
+        assert committed == [1, 2]
+        assert loaded_digests(store) == res["second"]
+    else:
+        assert committed == [1]
+        assert "ranks 1 " in outcome["message"] or "ranks 1\n" in outcome["message"]
+        assert loaded_digests(store) == res["first"]
+        # the leftovers of step 2 go with the next collection
+        LocalDirectory(store).collect_leftovers()
+        assert not (store / "step-000000000002").exists()
