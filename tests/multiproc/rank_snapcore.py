@@ -51,6 +51,17 @@ def state_of(kind: str, seed: int, step: int) -> tuple[dict[str, Any], Any, Any]
     return state, model, optim
 
 
+def store_of(a: dict[str, Any]) -> Any:
+    """A directory, or a dict of snapcore.Store's arguments (local, remote, ...)."""
+    spec = a["store"]
+    return snapcore.Store(**spec) if isinstance(spec, dict) else spec
+
+
+def local_dir(a: dict[str, Any]) -> str | None:
+    spec = a["store"]
+    return spec.get("local") if isinstance(spec, dict) else spec
+
+
 def digests(model: Any, optim: Any) -> dict[str, str]:
     sd = models.get_model_state(model, optim)
     return {k: models.digest(t) for k, t in models.global_tensors(sd).items()}
@@ -59,9 +70,10 @@ def digests(model: Any, optim: Any) -> dict[str, str]:
 def save(a: dict[str, Any]) -> dict[str, Any]:
     state, model, optim = state_of(a["kind"], a.get("seed", 0), a["step"])
     torch.manual_seed(1234 + dist.get_rank())  # each rank's RNG state is its own
-    snapcore.save(state, a["store"], step=a["step"])
-    rank = dist.get_rank()
-    mine = glob.glob(os.path.join(a["store"], f"step-{a['step']:012d}", f"data-*-r{rank}.bin"))
+    snapcore.save(state, store_of(a), step=a["step"])
+    rank, where = dist.get_rank(), local_dir(a)
+    step_dir = os.path.join(where, f"step-{a['step']:012d}") if where else ""
+    mine = glob.glob(os.path.join(step_dir, f"data-*-r{rank}.bin")) if where else []
     return {
         "digests": digests(model, optim),
         "rng_next": torch.rand(1).item(),
@@ -73,7 +85,7 @@ def restore(a: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(99)
     state, model, optim = state_of(a["kind"], a.get("seed", 1), -1)
     try:
-        info = snapcore.restore(state, a["store"], rank_local=a.get("rank_local", "error"))
+        info = snapcore.restore(state, store_of(a), rank_local=a.get("rank_local", "error"))
     except snapcore.SnapcoreError as e:
         digests(model, optim)  # a collective: every rank must take part
         return {"error": type(e).__name__, "message": str(e)}
@@ -81,6 +93,7 @@ def restore(a: dict[str, Any]) -> dict[str, Any]:
         "digests": digests(model, optim),
         "step": info.step,
         "bytes": info.bytes,
+        "tier": info.tier,
         "pos": state["data"].value["pos"],
         "saved_step": state["step"],
         "rng_next": torch.rand(1).item(),
@@ -123,7 +136,26 @@ def kill_save(a: dict[str, Any]) -> dict[str, Any]:
     return {"first": first, "second": second, "outcome": outcome}
 
 
-OPS = {"save": save, "restore": restore, "kill-save": kill_save}
+def replan(a: dict[str, Any]) -> dict[str, Any]:
+    """Save step 1; add a tensor to the state on the ranks ``a["who"]`` names; save steps 2
+    and 3 and report how each ended."""
+    state, _, _ = state_of(a["kind"], a.get("seed", 0), 1)
+    store = store_of(a)
+    snapcore.save(state, store, step=1)
+    if dist.get_rank() in a["who"]:
+        state["extra"] = torch.arange(6.0)
+    out = []
+    for step in (2, 3):
+        state["step"] = step
+        try:
+            snapcore.save(state, store, step=step)
+            out.append({"ok": True})
+        except snapcore.SnapcoreError as e:
+            out.append({"ok": False, "error": type(e).__name__, "message": str(e)})
+    return {"saves": out}
+
+
+OPS = {"save": save, "restore": restore, "kill-save": kill_save, "replan": replan}
 
 
 def main(actions: list[dict[str, Any]]) -> None:

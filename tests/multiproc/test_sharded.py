@@ -268,3 +268,43 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step_and_no_hang(
         # the leftovers of step 2 go with the next collection
         LocalDirectory(store).collect_leftovers()
         assert not (store / "step-000000000002").exists()
+
+
+def test_object_storage_holds_the_whole_job_and_restores_alone(tmp_path: Path, s3_bucket) -> None:
+    both = {
+        "local": str(tmp_path / "local"),
+        "remote": s3_bucket.url,
+        "storage_options": s3_bucket.storage_options,
+    }
+    remote = {"remote": s3_bucket.url, "storage_options": s3_bucket.storage_options}
+    res = run(
+        2,
+        [
+            {"op": "save", "kind": "fsdp2", "store": both, "step": 4},
+            {"op": "restore", "kind": "fsdp2", "store": remote},
+        ],
+    )
+    saved = res[0][0]["digests"]
+    for rank, (_, r) in enumerate(res):
+        assert r["digests"] == saved and r["tier"] == "remote" and r["pos"] == 100 * rank + 4
+    store = snapcore.Store(**remote)
+    assert snapcore.committed(store)["remote"] == [4]
+    tree = snapcore.load(store, rank=1)
+    assert tree["data"]["value"] == {"pos": 104}
+    snapcore.close()
+
+
+@pytest.mark.parametrize("who", [[0, 1], [1]])
+def test_a_structure_change_fails_that_step_and_every_rank_replans(
+    tmp_path: Path, who: list[int]
+) -> None:
+    store = tmp_path / "store"
+    res = run(2, [{"op": "replan", "kind": "fsdp2", "store": str(store), "who": who}])
+    for rank, (r,) in enumerate(res):
+        second, third = r["saves"]
+        assert not second["ok"] and second["error"] == "SnapshotFailed", rank
+        assert f"structure changed on ranks {', '.join(map(str, who))} " in second["message"]
+        assert third["ok"], third  # every rank agreed a new plan, with no hang
+    assert LocalDirectory(store).committed_steps() == [1, 3]
+    tree = snapcore.load(store, rank=who[0])
+    assert tree["step"] == 3 and tree["extra"].tolist() == list(range(6))
