@@ -64,14 +64,28 @@ def merge(index: mf.Index, parts: list[mf.Manifest], *, where: str) -> mf.Manife
     by_key: dict[str, int] = {}
     rank_files: list[list[int]] = []
     trees: list[dict[str, Any]] = []
+    file_index: dict[str, int] = {}
     for part in parts:
         assert part.part is not None
-        f0, b0 = len(files), len(blobs)
-        files.extend(part.files)
-        rank_files.append(list(range(f0, len(files))))
+        b0 = len(blobs)
+        # Parts may name the same file: a chunk is shared by content with an earlier
+        # snapshot's file, whichever rank wrote it.
+        here = []
+        for f in part.files:
+            i = file_index.get(f.name)
+            if i is None:
+                i = file_index[f.name] = len(files)
+                files.append(f)
+            elif files[i].size != f.size:
+                raise InvalidManifest(
+                    f"{where}: rank {part.part.rank} says {f.name} has {f.size} bytes, "
+                    f"another rank {files[i].size}"
+                )
+            here.append(i)
+        rank_files.append(here)
         for b in part.blobs:
             chunks = [
-                mf.Chunk(c.file + f0, c.offset, c.length, c.xxh3, c.codec, c.raw_length)
+                mf.Chunk(here[c.file], c.offset, c.length, c.xxh3, c.codec, c.raw_length)
                 for c in b.chunks
             ]
             blobs.append(mf.Blob(b.nbytes, chunks, b.element_size))
@@ -113,9 +127,6 @@ def merge(index: mf.Index, parts: list[mf.Manifest], *, where: str) -> mf.Manife
         rank_trees=trees,
         part_files=[ref.name for ref in index.parts],
     )
-    names_seen = [f.name for f in files]
-    if len(set(names_seen)) != len(names_seen):
-        raise InvalidManifest(f"{where}: two parts name the same data file")
     return m
 
 

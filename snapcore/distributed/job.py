@@ -17,7 +17,7 @@ import datetime
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,9 +35,26 @@ class Job:
     rank: int
     world_size: int
     group: Any  # torch.distributed.ProcessGroup (gloo)
-    kv: Any  # torch.distributed.Store
+    server: Any  # rank 0: the TCPStore it serves (kept alive); else None
+    addr: str
+    port: int
     host: str
     timeout_s: float
+    _threads: threading.local = field(default_factory=threading.local)
+
+    @property
+    def kv(self) -> Any:
+        """This thread's connection to the key-value store. One per thread: a client's
+        requests are serialised on its socket, so a thread blocked in ``wait`` would hold
+        up every other thread's requests."""
+        client = getattr(self._threads, "kv", None)
+        if client is None:
+            import torch.distributed as dist
+
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            client = dist.TCPStore(self.addr, self.port, is_master=False, timeout=timeout)
+            self._threads.kv = client
+        return client
 
     def key(self, *parts: object) -> str:
         return "snapcore/" + "/".join(str(p) for p in parts)
@@ -82,8 +99,16 @@ def _make() -> Job:
         server = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         port[0] = server.port
     dist.broadcast(port, src=0, group=group)
-    kv = server if server is not None else dist.TCPStore(addr, int(port[0]), timeout=timeout)
-    return Job(rank, world, group, kv, socket.gethostname(), timeout.total_seconds())
+    return Job(
+        rank,
+        world,
+        group,
+        server,
+        addr,
+        int(port[0]),
+        socket.gethostname(),
+        timeout.total_seconds(),
+    )
 
 
 def all_gather_bytes(job: Job, data: bytes) -> list[bytes]:

@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import api
+from ..distributed.job import current as current_job
 from ..errors import SnapcoreError, SnapshotFailed, SnapshotNotFound
 from ..staging.handle import SaveHandle, SaveStats
 from ..tiers import TIER_ORDER, HostTier, Store, as_store
 from .costs import DEFAULT_SLOWDOWN, CostMeter, Costs
+from .decisions import Decisions
 from .journal import (
     MIN_RUN_S,
     UNKNOWN,
@@ -139,6 +141,7 @@ class Checkpointer:
         max_interval_s: float | None = None,
         journal: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lead_steps: int = 2,
     ) -> None:
         if remote is not None or host is not None:
             if isinstance(store, Store):
@@ -209,6 +212,14 @@ class Checkpointer:
         self._restored: tuple[int, str] | None = None
         self._closed = False
 
+        # under torch.distributed: rank 0 decides, every rank snapshots the same step
+        if lead_steps < 1:
+            raise ValueError(f"lead_steps must be >= 1, got {lead_steps}")
+        self.lead_steps = lead_steps
+        self._rank: int | None = None  # None: one process; else this rank (at _begin)
+        self._decisions: Decisions | None = None
+        self._planned: tuple[int, tuple[str, ...]] | None = None  # (step, tiers) agreed
+
         # SIGTERM
         self._sigterm = SigtermGuard(
             grace_s,
@@ -270,9 +281,39 @@ class Checkpointer:
         now = self._clock()
         self._last_step = step
         self._last_state = state
+        if self._decisions is not None and self._follow(step, state, now):
+            return
         if now < self._next_check:
             return
         self._tick(step, state, now)
+
+    def _follow(self, step: int, state: Any, now: float) -> bool:
+        """Under torch.distributed: take the snapshot every rank agreed to take at
+        ``step`` (rank 0's decision, published ``lead_steps`` ahead). Returns True on a
+        rank other than 0, whose own schedule is not consulted."""
+        assert self._decisions is not None
+        planned = self._planned or self._decisions.next()
+        if planned is not None and step >= planned[0]:
+            self._planned = None
+            if step > planned[0]:  # the decision came late: the ranks cannot agree now
+                log.error(
+                    "step %d: the snapshot agreed for step %d was missed (the decision "
+                    "arrived late; raise lead_steps): skipped",
+                    step,
+                    planned[0],
+                )
+            else:
+                failure = self._poll()
+                if failure is not None:
+                    raise failure
+                self._save(step, state, planned[1], now)
+        elif planned is not None:
+            self._planned = planned
+        if self._rank == 0:
+            return False
+        if self._first_due:  # every rank's first step snapshots, with no decision needed
+            self._tick(step, state, now)
+        return True
 
     def snapshot_now(self, state: Any, step: int) -> SaveStats:
         """Snapshot ``state`` as ``step`` to every tier and wait until durable.
@@ -437,7 +478,14 @@ class Checkpointer:
         if now - self._planned_at >= self.replan_s:
             self._replan(now)
         due = self._due(now)
-        if due:
+        if due and self._decisions is not None and not self._first_due:
+            # rank 0: every rank snapshots these tiers at step + lead_steps
+            at = step + self.lead_steps
+            self._decisions.publish(at, due)
+            self._planned = (at, due)
+            for t in due:  # begun, as far as the schedule is concerned
+                self._last_begin[t] = now
+        elif due:
             self._save(step, state, due, now)
             self._first_due = False
         self._schedule_next(now)
@@ -646,6 +694,10 @@ class Checkpointer:
         if self._begun:
             return
         self._begun = True
+        job = current_job()  # a collective the first time: every rank begins alike
+        if job is not None:
+            self._rank = job.rank
+            self._decisions = Decisions(job)
         self._run_start = self._clock()
         for t in self._intervals:
             self._last_begin[t] = self._run_start
@@ -726,6 +778,8 @@ class Checkpointer:
         self._next_check = math.inf
         self._last_state = None  # the state is the caller's again (no reference kept)
         self._sigterm.release()
+        if self._decisions is not None:
+            self._decisions.close()
         if self._journal is not None:
             self._journal.close()
             self._journal = None

@@ -141,6 +141,7 @@ def commit_part(
     commit the step once every part is there. Returns when the step is committed in the
     tier; raises ``SnapshotFailed`` naming what went wrong otherwise."""
     mine = {
+        "step": step,
         "name": ref.name,
         "size": ref.size,
         "xxh3": ref.xxh3,
@@ -198,6 +199,13 @@ def _coordinate(
     if failed:
         first = parts[failed[0]]["failed"]
         return {"ok": False, "why": f"ranks {_ranks(failed)} failed (rank {failed[0]}: {first})"}
+    others = [r for r, p in enumerate(parts) if p["step"] != step]
+    if others:
+        return {
+            "ok": False,
+            "why": f"ranks {_ranks(others)} saved another step than rank 0's {step} in the same "
+            "save (every rank must save the same steps, in the same order)",
+        }
     changed = [r for r, p in enumerate(parts) if p["replan"] or p["plan"] != spec.plan]
     if changed:
         return {

@@ -155,7 +155,34 @@ def replan(a: dict[str, Any]) -> dict[str, Any]:
     return {"saves": out}
 
 
-OPS = {"save": save, "restore": restore, "kill-save": kill_save, "replan": replan}
+def checkpointer(a: dict[str, Any]) -> dict[str, Any]:
+    """A training loop of ``a["steps"]`` steps (an all_reduce each, as training has) with
+    a Checkpointer whose interval is bounded by ``a["max_interval_s"]``."""
+    state, _, _ = state_of(a["kind"], a.get("seed", 0), 0)
+    ckpt = snapcore.Checkpointer(
+        store_of(a), max_interval_s=a["max_interval_s"], handle_sigterm=False, replan_s=0.05
+    )
+    seen = []
+    for step in range(a["steps"]):
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the ranks stay within a step of each other
+        time.sleep(a.get("step_s", 0.02))
+        state["step"] = step
+        before = ckpt.stats().snapshots
+        ckpt.step(step, state)
+        if ckpt.stats().snapshots != before:
+            seen.append(step)
+    ckpt.close()
+    return {"snapshot_steps": seen, "snapshots": ckpt.stats().snapshots}
+
+
+OPS = {
+    "save": save,
+    "restore": restore,
+    "kill-save": kill_save,
+    "replan": replan,
+    "checkpointer": checkpointer,
+}
 
 
 def main(actions: list[dict[str, Any]]) -> None:

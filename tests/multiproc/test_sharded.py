@@ -308,3 +308,21 @@ def test_a_structure_change_fails_that_step_and_every_rank_replans(
     assert LocalDirectory(store).committed_steps() == [1, 3]
     tree = snapcore.load(store, rank=who[0])
     assert tree["step"] == 3 and tree["extra"].tolist() == list(range(6))
+
+
+def test_the_checkpointer_snapshots_the_same_steps_on_every_rank(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    action = {"op": "checkpointer", "kind": "fsdp2", "store": str(store), "steps": 60,
+              "max_interval_s": 0.25}  # fmt: skip
+    res = run(2, [action])
+    (r0,), (r1,) = res
+    assert r0["snapshot_steps"] == r1["snapshot_steps"]  # rank 0 decided, both took them
+    steps = r0["snapshot_steps"]
+    assert steps[0] == 0 and len(steps) >= 3  # the first step, then the time bound
+    committed = LocalDirectory(store).committed_steps()
+    # close() adds the final state; the local tier keeps its 3 newest (default retention)
+    assert committed == sorted({*steps, 59})[-3:]
+    assert snapcore.load(store)["step"] == 59
+    journal = store / "journal.jsonl"
+    starts = [line for line in journal.read_text().splitlines() if '"start"' in line]
+    assert len(starts) == 1  # the run journal is written once per job (by rank 0)
