@@ -18,6 +18,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
+
 from . import manifest as mf
 from .assemble import read_sharded
 from .durable import fsync_dir
@@ -38,9 +40,18 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:012d}"
 
 
-def part_file_name(step: int, rank: int, token: str) -> str:
-    """The store-relative name of a rank's part of a sharded step (docs/format.md)."""
-    return f"{step_dir_name(step)}/part-{rank:05d}-{token}.json"
+def part_file_name(step: int, rank: int, token: str, *, spread: bool = False) -> str:
+    """The store-relative name of a rank's part of a sharded step (docs/format.md); with
+    ``spread``, under the rank's object-name prefix (``rank_prefix``)."""
+    where = f"{step_dir_name(step)}/{rank_prefix(rank)}" if spread else step_dir_name(step)
+    return f"{where}/part-{rank:05d}-{token}.json"
+
+
+def rank_prefix(rank: int) -> str:
+    """The directory in a step under which object storage keeps a rank's objects: one of
+    4096 (``p`` and 3 hex digits of the rank's xxh3), so that the requests of thousands
+    of ranks spread over as many S3 prefixes (docs/distributed.md, "At scale")."""
+    return f"p{xxhash.xxh3_64_intdigest(str(rank).encode()) % 4096:03x}"
 
 
 @dataclass

@@ -621,7 +621,7 @@ def _parse_index(doc: dict[str, Any], where: str) -> Index:
                 name = p["name"]
                 if type(name) is not str or not _item_rules()[0].fullmatch(name):
                     raise _Bad("name", "not a file name of the store")
-                if name.count("/") != 1 or name.split("/")[0] != f"step-{step:012d}":
+                if name.split("/")[0] != f"step-{step:012d}" or "/" not in name:
                     raise _Bad("name", "must lie in the step's directory")
                 size = _uint(p["size"], "size")
                 if size > MAX_MANIFEST_BYTES:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import manifest as mf
-from ..directory import part_file_name, step_dir_name
+from ..directory import part_file_name, rank_prefix, step_dir_name
 from ..io_types import Location
 from .commit import ShardedSave, part_ref
 from .manifest_builder import BlobRecord, ChunkRecord, build_manifest
@@ -69,8 +69,12 @@ class Upload:
         target = engine.config.codec_for("remote")
         index = engine.index.get("remote")
         token = secrets.token_hex(6)
-        rank = self.sharded.spec.rank if self.sharded is not None else 0
-        name = f"{step_dir_name(m.step)}/data-{token}-r{rank}.bin"
+        where = step_dir_name(m.step)
+        rank = 0
+        if self.sharded is not None:  # thousands of ranks: spread over S3 prefixes
+            rank = self.sharded.spec.rank
+            where = f"{where}/{rank_prefix(rank)}"
+        name = f"{where}/data-{token}-r{rank}.bin"
         remote.begin(m.step, token)
         biggest = max((c.length for b in m.blobs for c in b.chunks), default=0)
         raw_max = max((c.raw_length for b in m.blobs for c in b.chunks), default=0)
@@ -170,7 +174,7 @@ class Upload:
         else:  # this rank's part, then the index once every rank's part is there
             try:
                 data = rm.dumps()
-                name = part_file_name(rm.step, sh.spec.rank, token)
+                name = part_file_name(rm.step, sh.spec.rank, token, spread=True)
                 remote.put(name, data)
                 sh.commit("remote", rm.step, part_ref(sh.spec.rank, name, data), remote.commit)
             except BaseException:

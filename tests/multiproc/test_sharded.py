@@ -289,6 +289,15 @@ def test_object_storage_holds_the_whole_job_and_restores_alone(tmp_path: Path, s
         assert r["digests"] == saved and r["tier"] == "remote" and r["pos"] == 100 * rank + 4
     store = snapcore.Store(**remote)
     assert snapcore.committed(store)["remote"] == [4]
+    from snapcore.directory import rank_prefix
+    from snapcore.tiers import RemoteStoreTier
+
+    tier = RemoteStoreTier(s3_bucket.url, s3_bucket.storage_options)
+    names = tier.rt.list("step-000000000004")
+    tier.close()
+    for rank in range(2):  # each rank's objects under its own prefix (S3 request limits)
+        mine = [n for n in names if n.startswith(f"step-000000000004/{rank_prefix(rank)}/")]
+        assert {n.rsplit("/", 1)[1].split("-")[0] for n in mine} == {"data", "part"}, names
     tree = snapcore.load(store, rank=1)
     assert tree["data"]["value"] == {"pos": 104}
     snapcore.close()
