@@ -33,13 +33,26 @@ __all__ = [
 ]
 
 
-def read_sharded(index: mf.Index, read: Callable[[str, int], bytes], *, where: str) -> mf.Manifest:
+def read_sharded(
+    index: mf.Index,
+    read: Callable[[str, int], bytes | None],
+    *,
+    where: str,
+    partial: bool = False,
+) -> mf.Manifest:
     """Read and check every part the index names (``read(name, size)`` returns the
-    file's bytes, at most ``size + 1``), then merge them."""
-    parts = []
+    file's bytes, at most ``size + 1``, or None when there is no such file), then merge
+    them. ``partial``: a node-local tier holds the parts of its node's ranks only; a
+    missing part is then left out (``missing_ranks``) instead of an error."""
+    parts: list[mf.Manifest | None] = []
     for ref in index.parts:
         data = read(ref.name, ref.size)
         at = f"{where.rsplit('/', 2)[0]}/{ref.name}"
+        if data is None:
+            if not partial:
+                raise InvalidManifest(f"{at}: the part is missing")
+            parts.append(None)
+            continue
         if len(data) != ref.size:
             raise InvalidManifest(f"{at}: part of {len(data)} bytes, the index says {ref.size}")
         got = xxhash.xxh3_128_hexdigest(data)
@@ -54,18 +67,24 @@ def read_sharded(index: mf.Index, read: Callable[[str, int], bytes], *, where: s
     return merge(index, parts, where=where)
 
 
-def merge(index: mf.Index, parts: list[mf.Manifest], *, where: str) -> mf.Manifest:
-    """One manifest of the whole sharded step (see the module docstring). Raises
-    ``InvalidManifest`` when ranks disagree on a tensor's dtype or shape, or when the
-    pieces of a tensor do not tile it exactly once."""
+def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf.Manifest:
+    """One manifest of the whole sharded step (see the module docstring); ``None`` for a
+    part this tier does not hold. Raises ``InvalidManifest`` when ranks disagree on a
+    tensor's dtype or shape, or when the pieces of a tensor overlap or (all parts
+    present) do not tile it exactly once."""
     files: list[mf.FileRef] = []
     blobs: list[mf.Blob] = []
     tensors: list[mf.TensorEntry] = []
     by_key: dict[str, int] = {}
     rank_files: list[list[int]] = []
-    trees: list[dict[str, Any]] = []
+    trees: list[dict[str, Any] | None] = []
     file_index: dict[str, int] = {}
+    missing = [r for r, p in enumerate(parts) if p is None]
     for part in parts:
+        if part is None:
+            rank_files.append([])
+            trees.append(None)
+            continue
         assert part.part is not None
         b0 = len(blobs)
         # Parts may name the same file: a chunk is shared by content with an earlier
@@ -113,7 +132,10 @@ def merge(index: mf.Index, parts: list[mf.Manifest], *, where: str) -> mf.Manife
         trees.append(_renumber(part.tree, remap))
     keyed = {i: key for key, i in by_key.items()}
     for i, t in enumerate(tensors):
-        _check_tiling(t, keyed.get(i, f"<rank-local tensor {i}>"), where)
+        _check_tiling(t, keyed.get(i, f"<rank-local tensor {i}>"), where, whole=not missing)
+    present = [t for t in trees if t is not None]
+    if not present:
+        raise InvalidManifest(f"{where}: none of the step's parts is in this tier")
     m = mf.Manifest(
         step=index.step,
         created_unix=index.created_unix,
@@ -123,20 +145,22 @@ def merge(index: mf.Index, parts: list[mf.Manifest], *, where: str) -> mf.Manife
         files=files,
         blobs=blobs,
         tensors=tensors,
-        tree=trees[0],
+        tree=present[0],
         rank_trees=trees,
-        part_files=[ref.name for ref in index.parts],
+        part_files=[ref.name for r, ref in enumerate(index.parts) if r not in missing],
+        missing_ranks=missing,
     )
     return m
 
 
-def _check_tiling(t: mf.TensorEntry, key: str, where: str) -> None:
-    whole = Box((0,) * len(t.shape), t.shape)
+def _check_tiling(t: mf.TensorEntry, key: str, where: str, *, whole: bool = True) -> None:
+    everything = Box((0,) * len(t.shape), t.shape)
     boxes = [Box(p.offsets, p.shape) for p in t.pieces if all(p.shape)]
-    if sum(b.numel() for b in boxes) != whole.numel():
+    held = sum(b.numel() for b in boxes)
+    if held > everything.numel() or (whole and held != everything.numel()):
         raise InvalidManifest(
-            f"{where}: {key}: the parts' pieces hold {sum(b.numel() for b in boxes)} of the "
-            f"{whole.numel()} elements of shape {list(t.shape)}"
+            f"{where}: {key}: the parts' pieces hold {held} of the "
+            f"{everything.numel()} elements of shape {list(t.shape)}"
         )
     try:
         index = BoxIndex(boxes)
@@ -164,7 +188,7 @@ def differing_paths(m: mf.Manifest) -> list[str]:
     rank-local values (``leaf_signatures``)."""
     if not m.rank_trees or len(m.rank_trees) < 2:
         return []
-    sigs = [leaf_signatures(m, t) for t in m.rank_trees]
+    sigs = [leaf_signatures(m, t) for t in m.rank_trees if t is not None]
     keys = set().union(*sigs)
     return sorted(k for k in keys if any(s.get(k) != sigs[0].get(k) for s in sigs[1:]))
 

@@ -225,20 +225,18 @@ class LocalDirectory:
         if doc.step != step:
             raise InvalidManifest(f"{path}: manifest says step {doc.step}, directory says {step}")
         if isinstance(doc, mf.Index):
-            return read_sharded(doc, self._read_part, where=str(path))
+            # a directory of one node holds its ranks' parts only
+            return read_sharded(doc, self._read_part, where=str(path), partial=True)
         m = doc
         if m.step != step:
             raise InvalidManifest(f"{path}: manifest says step {m.step}, directory says {step}")
         return m
 
-    def _read_part(self, name: str, size: int) -> bytes:
+    def _read_part(self, name: str, size: int) -> bytes | None:
         path = self.file_path(name)
         if path != self.root.resolve() / name:
             raise InvalidManifest(f"{self.root}/{name}: a part reached through a symbolic link")
-        data = read_regular_file(path, size + 1, what="part")
-        if data is None:
-            raise InvalidManifest(f"{self.root}/{name}: the part is missing")
-        return data
+        return read_regular_file(path, size + 1, what="part")
 
     def file_path(self, name: str) -> Path:
         """Path of a data file named by a manifest; never outside the store."""

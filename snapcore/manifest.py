@@ -205,8 +205,11 @@ class Manifest:
     part: PartInfo | None = None
     # A sharded snapshot assembled from its parts (snapcore.assemble): every rank's tree
     # (indices into ``tensors``) and the part files, which garbage collection must keep.
-    rank_trees: list[dict[str, Any]] | None = None
+    rank_trees: list[dict[str, Any] | None] | None = None
     part_files: list[str] = field(default_factory=list)
+    # Ranks whose parts a node-local tier does not hold (another node's): their trees are
+    # None and their pieces absent; the chunks present are read from here.
+    missing_ranks: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:

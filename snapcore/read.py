@@ -97,8 +97,19 @@ class Reader:
         if not usable:
             assert first is not None
             raise first
-        ref = usable[0][1]
-        self.sources = [(t, m) for t, m in usable if m is ref or _same_chunks(ref, m)]
+        # The reference is the first copy that holds every rank's part (a node-local
+        # tier of a sharded step holds its node's only); the others serve the chunks
+        # they hold, found by content when their layout differs.
+        ref = next((m for _, m in usable if not m.missing_ranks), usable[0][1])
+        self.sources = []
+        self._maps: list[dict[tuple[int, int], tuple[int, int]] | None] = []
+        for t, m in usable:
+            if m is ref or _same_chunks(ref, m):
+                self.sources.append((t, m))
+                self._maps.append(None)
+            elif m.rank_trees is not None and ref.rank_trees is not None:
+                self.sources.append((t, m))
+                self._maps.append(_by_content(ref, m))
         self.m = ref
         self.tree = ref.tree  # the tree restored or loaded: of this rank, when sharded
         self.dropped: set[str] = set()  # rank-local values left out (select)
@@ -129,11 +140,16 @@ class Reader:
     def _read_chunk(self, b_i: int, j: int, address: Address) -> None:
         first: CorruptSnapshot | None = None
         for k, (tier, m) in enumerate(self.sources):
+            at = self._at(k, b_i, j)
+            if at is None:
+                continue  # this tier does not hold the chunk (another node's part)
             try:
-                self._read_from(tier, m, b_i, j, address)
+                self._read_from(tier, m, at[0], at[1], address)
             except (CorruptSnapshot, OSError, SnapcoreError) as e:
                 err = (
-                    e if isinstance(e, CorruptSnapshot) else self._corrupt(tier, m, b_i, j, str(e))
+                    e
+                    if isinstance(e, CorruptSnapshot)
+                    else self._corrupt(tier, m, at[0], at[1], str(e))
                 )
                 if first is None:
                     first = err
@@ -144,8 +160,19 @@ class Reader:
             with self._lock:
                 self.used.add(tier.name)
             return
-        assert first is not None
+        if first is None:
+            c = self.m.blobs[b_i].chunks[j]
+            raise CorruptSnapshot(
+                f"step {self.m.step}: no tier holds chunk {j} of tensor "
+                f"{self._blob_name(b_i)!r} ({c.xxh3})",
+                step=self.m.step,
+            )
         raise first
+
+    def _at(self, k: int, b_i: int, j: int) -> tuple[int, int] | None:
+        """Where source ``k`` holds the reference's chunk ``j`` of blob ``b_i``."""
+        where = self._maps[k]
+        return (b_i, j) if where is None else where.get((b_i, j))
 
     def _check_file(self, tier: Tier, m: mf.Manifest, index: int, f: mf.FileRef) -> None:
         key = (id(tier), f.name)
@@ -262,7 +289,7 @@ class Reader:
             return
         tasks: list[Callable[[], None]] = [partial(self._read_chunk, *job) for job in jobs]
         tier, m = self.sources[0]
-        if tier.name == "remote":  # one request per run of neighbouring chunks
+        if tier.name == "remote" and self._maps[0] is None:  # a request per run of chunks
             tasks = [partial(self._read_run, run) for run in self._runs(m, jobs)]
         threads = min(settings.threads() * 2, len(tasks))
         if threads <= 1:
@@ -436,10 +463,10 @@ class Reader:
         if not m.rank_trees:
             return
         if rank is not None and world_size == m.world_size:
-            self.tree = m.rank_trees[rank]
+            self.tree = self._rank_tree(rank)
             return
         differ = differing_paths(m)
-        self.tree = m.rank_trees[0]
+        self.tree = self._rank_tree(0)
         if not differ:
             return
         if rank is None:  # load(): rank 0's values, said out loud
@@ -473,7 +500,18 @@ class Reader:
             raise SnapshotNotFound(
                 f"step {self.m.step} was saved by {len(trees)} ranks: there is no rank {rank}"
             )
-        self.tree = trees[rank]
+        self.tree = self._rank_tree(rank)
+
+    def _rank_tree(self, rank: int) -> dict[str, Any]:
+        assert self.m.rank_trees is not None
+        tree = self.m.rank_trees[rank]
+        if tree is None:
+            raise CorruptSnapshot(
+                f"step {self.m.step}: rank {rank}'s part is in none of the tiers read here "
+                "(a node-local tier holds its own node's ranks only)",
+                step=self.m.step,
+            )
+        return tree
 
     def load_tree(self) -> Any:
         self.prefetch(sorted(tensor_paths(self.tree)))
@@ -679,6 +717,21 @@ def _same_chunks(a: mf.Manifest, b: mf.Manifest) -> bool:
             if c.xxh3 != d.xxh3 or c.raw_length != d.raw_length:
                 return False
     return True
+
+
+def _by_content(ref: mf.Manifest, m: mf.Manifest) -> dict[tuple[int, int], tuple[int, int]]:
+    """Where ``m`` holds each chunk of ``ref`` with the same content (xxh3, raw length)."""
+    held: dict[tuple[str, int], tuple[int, int]] = {}
+    for b_i, b in enumerate(m.blobs):
+        for j, c in enumerate(b.chunks):
+            held.setdefault((c.xxh3, c.raw_length), (b_i, j))
+    out = {}
+    for b_i, b in enumerate(ref.blobs):
+        for j, c in enumerate(b.chunks):
+            at = held.get((c.xxh3, c.raw_length))
+            if at is not None:
+                out[(b_i, j)] = at
+    return out
 
 
 def _chunk(m: mf.Manifest, job: tuple[int, int, int]) -> mf.Chunk:

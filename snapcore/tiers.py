@@ -265,10 +265,10 @@ class RemoteStoreTier:
             return read_sharded(doc, self._read_part, where=where)
         return doc
 
-    def _read_part(self, name: str, size: int) -> bytes:
+    def _read_part(self, name: str, size: int) -> bytes | None:
         got = self.rt.size(name)
         if got is None:
-            raise InvalidManifest(f"{self.rt.url.rstrip('/')}/{name}: the part is missing")
+            return None
         if got != size:
             where = f"{self.rt.url.rstrip('/')}/{name}"
             raise InvalidManifest(f"{where}: part of {got} bytes, the index says {size}")

@@ -55,8 +55,14 @@ class ShardedSave:
         write_index: Callable[[mf.Index], None],
         failed: str | None = None,
     ) -> None:
+        """Announce this rank's part in ``tier``; rank 0 commits with ``write_index``,
+        and in a node-local tier the leader of every other node writes the same index
+        into its own directory with it too."""
         self.announced.add(tier)
-        commit_part(self.job, self.eid, self.spec, tier, step, ref, write_index, failed)
+        node = tier != "remote" and self.sharder.node_leader and not self.sharder.with_rank0
+        commit_part(
+            self.job, self.eid, self.spec, tier, step, ref, write_index, failed, node_index=node
+        )
 
     def fail(self, tiers: tuple[str, ...], step: int, error: BaseException) -> None:
         """Tell the coordinator that this rank's save failed (so that it need not wait
@@ -136,10 +142,14 @@ def commit_part(
     ref: mf.PartRef,
     write_index: Callable[[mf.Index], None],
     failed: str | None = None,
+    *,
+    node_index: bool = False,
 ) -> None:
     """Announce this rank's part of ``step`` in ``tier`` (or its failure), and on rank 0
-    commit the step once every part is there. Returns when the step is committed in the
-    tier; raises ``SnapshotFailed`` naming what went wrong otherwise."""
+    commit the step once every part is there. ``node_index``: this rank writes the index
+    into its own node's directory too, once rank 0 has committed. Returns when the step
+    is committed in the tier; raises ``SnapshotFailed`` naming what went wrong
+    otherwise."""
     mine = {
         "step": step,
         "name": ref.name,
@@ -174,6 +184,18 @@ def commit_part(
             step=step,
             tier=tier,
         )
+    if node_index:  # another node's directory: its leader commits it there too
+        data = kv_get(job, _key(job, eid, spec.seq, tier, "index"), job.timeout_s)
+        if data is None:
+            raise SnapshotFailed(
+                f"step {step}: the index of the {tier} tier did not arrive from rank 0",
+                step=step,
+                tier=tier,
+            )
+        index = mf.parse_any(data, where=f"the index of step {step} from rank 0")
+        if not isinstance(index, mf.Index) or index.step != step:
+            raise SnapshotFailed(f"step {step}: rank 0 sent no index of it", step=step)
+        write_index(index)
 
 
 def _coordinate(
@@ -219,6 +241,9 @@ def _coordinate(
         write_index(index)
     except Exception as e:
         return {"ok": False, "why": f"the coordinator could not write the index: {e}"}
+    if tier != "remote":  # the leaders of the other nodes write it into their directories
+        job.kv.set(_key(job, eid, spec.seq, tier, "index"), index.dumps())
+        _forget(job, _key(job, eid, spec.seq - 8, tier, "index"))
     return {"ok": True}
 
 

@@ -119,9 +119,9 @@ class Engine:
             )
         with self._lock:
             self._raise_unreported()
-            # Before anything is touched: a second writer fails. The ranks of a job share
-            # the directory: rank 0 holds the lock for them.
-            if self.local is not None and (djob is None or djob.rank == 0):
+            # Before anything is touched: a second writer fails. The ranks of a node share
+            # its directory: the node's first process (LOCAL_RANK 0) holds the lock.
+            if self.local is not None and (djob is None or _local_rank(djob) == 0):
                 self._hold_writer_lock(self.local.root)
             flat = flatten(state)
             sharded = None
@@ -275,8 +275,12 @@ class Engine:
         try:
             if before is not None:
                 before()
-            # The ranks of a sharded save share the tiers: rank 0 does their housekeeping.
-            shared = self._sharder is not None and self._sharder.job.rank != 0
+            # The ranks of a sharded save share the tiers: rank 0 does the housekeeping of
+            # object storage, the leader of each node that of its directory.
+            sh = self._sharder
+            shared = sh is not None and not (
+                sh.job.rank == 0 if tier == "remote" else sh.node_leader
+            )
             if resaved and not shared:  # the old files of a re-saved step may be unreferenced
                 self.index.invalidate(tier)  # it may point into them
                 self.tier(tier).collect()
@@ -396,6 +400,11 @@ class Engine:
             log.info("host area %s is older than the local tier: released", self.host.area)
             self.host.release()
             self.host.claim(self.config.identity())
+
+
+def _local_rank(job: Job) -> int:
+    """This process's rank on its node (torchrun's LOCAL_RANK; the global rank if unset)."""
+    return int(os.environ.get("LOCAL_RANK", job.rank))
 
 
 def _done() -> Future[None]:

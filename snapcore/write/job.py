@@ -77,7 +77,7 @@ class PersistJob:
                     )
             if "local" in h.tiers and local is not None:
                 # Off the training thread: the leftovers of a crashed writer, then our lock.
-                if sh is None or sh.job.rank == 0:  # ranks share the directory
+                if sh is None or sh.sharder.node_leader:  # its node's ranks share the dir
                     local.store.collect_leftovers()
                 self.pending = local.store.begin(h.step)
             if h.stats.streaming:

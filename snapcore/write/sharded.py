@@ -23,7 +23,6 @@ import torch
 
 from .. import manifest as mf
 from ..distributed.job import Job, all_gather_bytes
-from ..errors import UnsupportedState
 from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_save
 from ..planning.global_plan import structure_fingerprint as fingerprint
 from ..planning.layout import Layout, plan
@@ -65,6 +64,11 @@ class Sharder:
     local_dir: str | None
     cached: _Cached | None = None
     seq: int = 0
+    # From the first exchange: whether this rank is the lowest of those sharing its
+    # local directory (its node's leader: it writes the index there and keeps it tidy),
+    # and whether it shares rank 0's directory (where the coordinator writes the index).
+    node_leader: bool = False
+    with_rank0: bool = True
     # save number -> Event set once that save's plan verdict is known ("ok"/"replan")
     verdicts: dict[int, tuple[threading.Event, list[str]]] = field(default_factory=dict)
 
@@ -113,13 +117,10 @@ class Sharder:
             "local": os.path.realpath(self.local_dir) if self.local_dir else None,
         }
         every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
-        homes = {(d["host"], d["local"]) for d in every}
-        if self.local_dir is not None and len(homes) > 1:
-            raise UnsupportedState(
-                "sharded snapshots to a local tier need one directory shared by every rank "
-                f"(this job's ranks have {sorted(map(str, homes))[:4]}): a local tier per "
-                "node is not supported yet; save to a shared directory or to the remote only"
-            )
+        # A rank's home: its host and local directory. Ranks of one home share a directory.
+        homes = [(d["host"], d["local"]) for d in every]
+        self.node_leader = homes.index(homes[job.rank]) == job.rank
+        self.with_rank0 = homes[job.rank] == homes[0]
         per_rank = [[_item_from(x) for x in d["items"]] for d in every]
         gplan = plan_save(per_rank, job.world_size)
         return _Cached(signature, per_rank[job.rank], gplan)

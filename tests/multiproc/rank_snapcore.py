@@ -52,14 +52,21 @@ def state_of(kind: str, seed: int, step: int) -> tuple[dict[str, Any], Any, Any]
 
 
 def store_of(a: dict[str, Any]) -> Any:
-    """A directory, or a dict of snapcore.Store's arguments (local, remote, ...)."""
+    """A directory, or a dict of snapcore.Store's arguments (local, remote, ...); a value
+    "$NAME" is the environment variable NAME (each node's own directory)."""
     spec = a["store"]
-    return snapcore.Store(**spec) if isinstance(spec, dict) else spec
+    if not isinstance(spec, dict):
+        return spec
+    return snapcore.Store(**{k: _env(v) for k, v in spec.items()})
+
+
+def _env(v: Any) -> Any:
+    return os.environ[v[1:]] if isinstance(v, str) and v.startswith("$") else v
 
 
 def local_dir(a: dict[str, Any]) -> str | None:
     spec = a["store"]
-    return spec.get("local") if isinstance(spec, dict) else spec
+    return _env(spec.get("local")) if isinstance(spec, dict) else spec
 
 
 def digests(model: Any, optim: Any) -> dict[str, str]:

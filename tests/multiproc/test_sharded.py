@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import ENV_DIR, free_port, run_ranks
+from launch import ENV_DIR, free_port, run_nodes, run_ranks
 
 import snapcore
 from snapcore.directory import LocalDirectory
@@ -335,3 +335,40 @@ def test_the_checkpointer_snapshots_the_same_steps_on_every_rank(tmp_path: Path)
     journal = store / "journal.jsonl"
     starts = [line for line in journal.read_text().splitlines() if '"start"' in line]
     assert len(starts) == 1  # the run journal is written once per job (by rank 0)
+
+
+def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote(
+    tmp_path: Path, s3_bucket
+) -> None:
+    """Two "nodes" (two torchruns, --nnodes 2), each with its own local directory."""
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    spec = {
+        "local": "$SNAPCORE_TEST_LOCAL",
+        "remote": s3_bucket.url,
+        "storage_options": s3_bucket.storage_options,
+    }
+    nodes = [{"SNAPCORE_TEST_LOCAL": str(d)} for d in dirs]
+
+    def launch(actions: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        results = run_nodes(
+            SCRIPT, 2, [json.dumps(actions)], timeout=TIMEOUT, node_envs=nodes, env=ENV
+        )
+        return [r.result for r in results]
+
+    saved = launch([{"op": "save", "kind": "fsdp2", "store": spec, "step": 6}])
+    digests = saved[0][0]["digests"]
+    for node, d in enumerate(dirs):
+        step_dir = d / "step-000000000006"
+        assert (step_dir / "manifest.json").exists()  # committed on every node
+        parts = sorted(p.name[:10] for p in step_dir.glob("part-*.json"))
+        assert parts == [f"part-{r:05d}" for r in (2 * node, 2 * node + 1)]  # its own only
+    import shutil
+
+    shutil.rmtree(dirs[1])  # node 1 was replaced: its directory is gone
+    res = launch([{"op": "restore", "kind": "fsdp2", "store": spec}])
+    for rank, (r,) in enumerate(res):
+        assert r["digests"] == digests and r["step"] == 6 and r["pos"] == 100 * rank + 6
+        if rank < 2:
+            assert "local" in r["tier"].split("+"), r["tier"]  # its node's own copy
+        else:
+            assert r["tier"] == "remote"  # the lost node's parts come from object storage
