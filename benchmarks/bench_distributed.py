@@ -699,13 +699,16 @@ def check_targets(r: Result) -> list[Result]:
         + (f"{dcp_durable:.3f} s" if dcp_durable else "none"),
     )
     rs = r.get("reshard2", {})
+    reshard_name = (
+        f"{rk['world']} -> {r['reshard_world']} restore reads <= 1.1 x the bytes each rank needs"
+    )
     if "error" not in rs and rs.get("restore", {}).get("snapcore"):
         needed = rs["needed_per_rank"]
         read = [max(x["per_rank"]["bytes_read"][i] for x in rs["restore"]["snapcore"])
                 for i in range(len(needed))]  # fmt: skip
         worst = max(range(len(needed)), key=lambda i: read[i] / needed[i])
         add(
-            "4 -> 2 restore reads <= 1.1 x the bytes each rank needs",
+            reshard_name,
             read[worst],
             1.1 * needed[worst],
             "bytes",
@@ -716,7 +719,7 @@ def check_targets(r: Result) -> list[Result]:
             ),
         )
     else:
-        add("4 -> 2 restore reads <= 1.1 x the bytes each rank needs", None, None, "", "")
+        add(reshard_name, None, None, "", "")
     singles = [
         min(x["durable_s"] for x in warm(s["runs"]))
         for s in (r.get("single_before", {}), r.get("single_after", {}))
