@@ -110,6 +110,50 @@ def test_bench_checkpointer(tmp_path: Path) -> None:
     assert "target: step() with nothing due under 20 us" in out
 
 
+def test_bench_distributed(tmp_path: Path) -> None:
+    raw, table = tmp_path / "raw.json", tmp_path / "table.md"
+    out = run(
+        "bench_distributed.py", "--dir", tmp_path, "--json", raw, "--markdown", table, timeout=240
+    )
+    r = json.loads(raw.read_text())
+    for part in ("single_before", "ranks4", "reshard2", "single_after"):
+        assert "error" not in r[part], r[part]
+    rk = r["ranks4"]
+    assert rk["world"] == 4 and len(rk["ranks"]) == 4 and rk["errors"] == {}
+    unique = rk["unique_bytes"]
+    assert sum(x["needed_bytes"] for x in rk["ranks"]) >= unique > 0
+    for peer in ("snapcore", "dcp_thread", "dcp_process", "dcp_save"):
+        runs = rk["runs"][peer]
+        assert [x["first"] for x in runs] == [True, False], peer  # a first save, one timed
+        for x in runs:
+            for key in ("blocked_s", "staged_s", "durable_s"):
+                assert len(x["per_rank"][key]) == 4 and min(x["per_rank"][key]) >= 0
+            assert max(x["per_rank"]["blocked_s"]) <= max(x["per_rank"]["durable_s"])
+            assert x["bytes_written"] >= unique  # every save wrote the whole state
+    # snapcore writes each byte of the job once: deterministic, whatever the machine's speed
+    for x in rk["runs"]["snapcore"]:
+        assert x["bytes_written"] <= 1.02 * unique
+        assert sum(x["per_rank"]["rank_written"]) <= x["bytes_written"]
+    # every restore got the saved state back; the resharding one read about half each
+    rs = r["reshard2"]
+    assert rs["world"] == 2 and len(rs["needed_per_rank"]) == 2
+    for res in (rk["restore"], rs["restore"]):
+        assert len(res["snapcore"]) == 1 and len(res["dcp"]) == 1
+        assert all(x["matches"] for x in res["snapcore"] + res["dcp"])
+    read = rs["restore"]["snapcore"][0]["per_rank"]["bytes_read"]
+    assert all(0 < b <= 1.1 * n for b, n in zip(read, rs["needed_per_rank"], strict=True))
+    for part in ("single_before", "single_after"):
+        assert len(r[part]["runs"]) == 2 and r[part]["state_bytes"] == unique
+    assert [t["status"] for t in r["targets"]] and all(
+        t["status"] in ("PASS", "FAIL") for t in r["targets"]
+    ), r["targets"]
+    assert len(r["targets"]) == 6
+    text = table.read_text()
+    assert "| save | blocked s |" in text and "| target | measured |" in text
+    assert text in out
+    assert not list(tmp_path.glob("snapcore-bench-dist-*"))  # its work directory is removed
+
+
 def test_simulate() -> None:
     out = run("simulate.py", timeout=60)
     assert "Checks against the issue's targets:" in out
