@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import random
+import select
 import socket
 import threading
 import time
@@ -409,13 +410,19 @@ class CuttingProxy:
     connection i carried in that direction.
 
     Counted by bytes rather than by connection number, because how many connections the
-    client opens, and for what, is its own business."""
+    client opens, and for what, is its own business.
+
+    A cut is a reset, not a half-close: a proxy that only shut its sockets down, while its
+    receive buffer was full (the proxy starved of CPU, the client fast), left the client's
+    connection in CLOSE-WAIT with a zero window: aiohttp drops its read timeout on EOF and
+    waits for the unsent body to drain, for ever (test_a_cut_is_a_reset)."""
 
     def __init__(self, target_port: int, *, cut: int, after: int, direction: str = "up") -> None:
         self.target_port, self.cut, self.after = target_port, cut, after
         self.direction = direction
         self.carried: list[int] = []
         self.cuts = 0
+        self._ended: dict[int, int] = {}  # pumps of a pair ended, by id(pair)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sockets: list[socket.socket] = []
@@ -462,16 +469,30 @@ class CuttingProxy:
         pair: tuple[socket.socket, socket.socket],
     ) -> None:
         """Copy src to dst until EOF or an error; count (and cut) in the watched direction.
-        Blocking calls, ended by close() shutting the sockets down."""
+        Blocking calls, ended by a cut or close() shutting the sockets down. The second
+        pump of a pair to end closes both sockets: after a cut or an error, with a reset."""
+        try:
+            if self._copy(src, dst, index):
+                with contextlib.suppress(OSError):
+                    dst.shutdown(socket.SHUT_WR)
+            else:
+                self._reset(pair)
+        finally:
+            with self._lock:
+                ended = self._ended[id(pair)] = self._ended.get(id(pair), 0) + 1
+            if ended == 2:
+                for s in pair:
+                    s.close()
+
+    def _copy(self, src: socket.socket, dst: socket.socket, index: int) -> bool:
+        """True at src's EOF, False after a cut or an error."""
         while True:
             try:
                 data = src.recv(1 << 16)
             except OSError:
-                break
+                return False
             if not data:
-                with contextlib.suppress(OSError):
-                    dst.shutdown(socket.SHUT_WR)
-                return
+                return True
             cut_at = None
             if index >= 0:
                 with self._lock:
@@ -482,14 +503,14 @@ class CuttingProxy:
             try:
                 if cut_at is not None:
                     dst.sendall(data[:cut_at])
-                    break
+                    return False
                 dst.sendall(data)
             except OSError:
-                break
-        self._reset(pair)
+                return False
 
     @staticmethod
     def _reset(pair: tuple[socket.socket, socket.socket]) -> None:
+        """Shut both sockets down (which wakes the other pump), set to reset on close."""
         linger = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # on, 0 s: close with a reset
         for s in pair:
             with contextlib.suppress(OSError):
@@ -507,6 +528,42 @@ class CuttingProxy:
             assert not t.is_alive(), "a proxy thread did not end"
         for s in self._sockets:
             s.close()
+
+
+def test_a_cut_is_a_reset() -> None:
+    """The proxy's cut resets the client's connection; it does not merely half-close it.
+
+    A half-closed proxy that never read again stalled test_upload_through_cut_connections
+    under load: when the client had filled the proxy's receive buffer before the cut (the
+    proxy starved of CPU), its connection sat in CLOSE-WAIT with a zero window, and aiohttp,
+    which drops its read timeout on EOF and waits for the unsent body to drain, waited for
+    ever. A reset (POLLHUP, here with nothing left to send) ends the connection at once."""
+    sink = socket.create_server((LOOPBACK, 0))
+
+    def drain() -> None:
+        conn, _ = sink.accept()
+        with conn, contextlib.suppress(OSError):
+            while conn.recv(1 << 16):
+                pass
+
+    sink_thread = threading.Thread(target=drain, daemon=True)
+    sink_thread.start()
+    proxy = CuttingProxy(sink.getsockname()[1], cut=1, after=64 << 10)
+    client = socket.create_connection((LOOPBACK, proxy.port))
+    try:
+        client.sendall(b"x" * (128 << 10))  # crosses the cut
+        poller = select.poll()
+        poller.register(client, select.POLLIN)
+        deadline = time.monotonic() + 30  # a bound, so that a regression fails, not hangs
+        while not any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(100)):
+            assert time.monotonic() < deadline, "the cut left the connection half-open"
+            time.sleep(0.01)  # an EOF alone (POLLIN) is what the half-close gave
+        assert proxy.cuts == 1
+    finally:
+        client.close()
+        proxy.close()
+        sink.close()
+        sink_thread.join(5)
 
 
 @pytest.fixture
