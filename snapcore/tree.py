@@ -158,6 +158,9 @@ def flatten(state: object) -> Flattened:
         if is_stateful(obj):
             if isinstance(obj, torch.optim.Optimizer):
                 out.optimizers.append(obj)
+            # An object whose state holds optimizers' tensors (AppState) names them, for
+            # overlap mode (their next step() waits for the copies).
+            out.optimizers.extend(getattr(obj, "__snapcore_optimizers__", ()))
             local = local or bool(getattr(type(obj), "__snapcore_rank_local__", False))
             state = walk(obj.state_dict(), path, seen, local)
             return {"stateful": {"type": type_name(obj), "state": state}}

@@ -38,6 +38,12 @@ class AppState:
         self.optimizers = list(optimizers)
         self.options = options
 
+    @property
+    def __snapcore_optimizers__(self) -> list[torch.optim.Optimizer]:
+        """The optimizers that write this state's tensors (overlap mode waits in their
+        ``step()`` for the copies)."""
+        return self.optimizers
+
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 

@@ -13,6 +13,7 @@ from .. import _native, settings
 from ..errors import SnapcoreError
 from ..io_types import Aborted, Window
 from ..planning.layout import BlobPlan, Layout
+from ..tree import is_dtensor
 from .arena import HostArena
 from .handle import SaveHandle, protect
 
@@ -155,12 +156,18 @@ def _storage_ptr(b: BlobPlan) -> int:
 def _optimizer_storages(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     """Storages the optimizers write in step(): their parameters and state tensors."""
     ptrs: set[int] = set()
+
+    def add(t: torch.Tensor) -> None:
+        if is_dtensor(t):  # its shard's storage: what the layout stages
+            t = t.to_local()  # type: ignore[attr-defined]
+        ptrs.add(t.untyped_storage().data_ptr())
+
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                ptrs.add(p.untyped_storage().data_ptr())
+                add(p)
         for st in opt.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor):
-                    ptrs.add(v.untyped_storage().data_ptr())
+                    add(v)
     return ptrs
