@@ -223,7 +223,7 @@ def restore(
 
     def use(reader: Reader) -> tuple[RestorePlan, int]:
         reader.select(rank, world, rank_local)
-        return reader.restore(state, strict=strict)
+        return reader.restore(state, strict=strict, job=job)
 
     (plan, n), reader, skipped = _read(store, step, verify, use)
     for d in reader.damaged:

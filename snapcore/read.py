@@ -9,6 +9,7 @@ and the hash release the GIL, so workers run in parallel.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import math
 import threading
@@ -24,6 +25,7 @@ import xxhash
 from . import _native, settings
 from . import manifest as mf
 from .assemble import differing_paths, drop_units, without
+from .distributed.job import Job, all_gather_bytes
 from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound, StateMismatch
 from .planning.global_plan import SavedPiece, describe_local, plan_read
 from .planning.layout import contiguous_strides
@@ -526,7 +528,9 @@ class Reader:
         self.read_blobs([(b, t.data_ptr()) for b, t in bufs.items()])
         self._blobs.update(bufs)
 
-    def restore(self, state: Any, *, strict: bool = True) -> tuple[RestorePlan, int]:
+    def restore(
+        self, state: Any, *, strict: bool = True, job: Job | None = None
+    ) -> tuple[RestorePlan, int]:
         """Fill ``state`` in place; returns the plan (what was missing and unexpected) and
         the number of tensors filled.
 
@@ -534,8 +538,107 @@ class Reader:
         Then the tensors are read (only those the state takes), the state's containers
         updated, and last each object's ``load_state_dict`` called, innermost first: a
         damaged chunk found while reading leaves every object's own state untouched.
+
+        Under a job (torch.distributed), a whole tensor that every rank needs (replicated:
+        DDP's parameters) is read by one rank and broadcast on snapcore's gloo group,
+        instead of being read by every rank; the ranks agree on it in one exchange, which
+        also carries each rank's refusal, so that all raise together.
         """
         targets: dict[int, list[torch.Tensor]] = {}
+        try:
+            plan = self._plan(state, strict, targets)
+        except SnapcoreError as e:
+            if job is not None:
+                self._share_plan(job, None, set(), e)  # the others must not wait for us
+            raise
+        readers: dict[int, int] = {}
+        filled = len(targets) + len(plan.fresh)
+        if job is not None:
+            readers = self._share_plan(job, targets, plan.fresh, None)
+            self._share(job, readers, targets)
+        self.prefetch(sorted(plan.fresh - readers.keys()))
+        self._fill(targets)
+        with torch.no_grad():
+            for obj, path, sd in plan.apply(self.tensor):
+                try:
+                    obj.load_state_dict(sd)
+                except SnapcoreError:
+                    raise
+                except Exception as e:
+                    raise StateMismatch(
+                        f"{path or '<root>'}: {type_name(obj)}.load_state_dict() refused the "
+                        f"state of step {self.m.step}: {e}"
+                    ) from e
+        return plan, filled
+
+    def _share_plan(
+        self,
+        job: Job,
+        targets: dict[int, list[torch.Tensor]] | None,
+        fresh: set[int],
+        error: SnapcoreError | None,
+    ) -> dict[int, int]:
+        """Which whole tensors every rank needs, and the rank that reads each (balanced
+        by bytes, the same answer on every rank). Raises when any rank could not plan."""
+        need: set[int] = set()
+        if targets is not None:
+            need = {i for i in fresh if self.whole(i)}
+            need |= {
+                i
+                for i, ts in targets.items()
+                if self.whole(i) and not any(is_dtensor(t) for t in ts)
+            }
+        mine = {"error": None if error is None else str(error), "need": sorted(need)}
+        every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
+        failed = [r for r, d in enumerate(every) if d["error"]]
+        if failed:
+            if error is not None:
+                return {}
+            first = every[failed[0]]["error"]
+            raise StateMismatch(
+                f"step {self.m.step}: ranks {failed[:16]} cannot restore it (rank "
+                f"{failed[0]}: {first})"
+            )
+        common = set.intersection(*(set(d["need"]) for d in every))
+        load = [0] * job.world_size
+        readers = {}
+        for i in sorted(common, key=lambda i: (-self.m.tensors[i].nbytes, i)):
+            r = min(range(job.world_size), key=lambda r: (load[r], r))
+            readers[i] = r
+            load[r] += self.m.tensors[i].nbytes
+        return readers
+
+    def _share(
+        self, job: Job, readers: dict[int, int], targets: dict[int, list[torch.Tensor]]
+    ) -> None:
+        """Read the tensors this rank reads for all, and receive the others: one broadcast
+        per reading rank, of its tensors' bytes one after another."""
+        import torch.distributed as dist
+
+        for reader in sorted(set(readers.values())):
+            mine = sorted(i for i, r in readers.items() if r == reader)
+            sizes = [self.m.tensors[i].nbytes for i in mine]
+            if reader == job.rank:
+                parts = [self.tensor(i).contiguous().reshape(-1).view(torch.uint8) for i in mine]
+                buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+            else:
+                buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            dist.broadcast(buf, src=reader, group=job.group)
+            pos = 0
+            for i, n in zip(mine, sizes, strict=True):
+                e = self.m.tensors[i]
+                # a copy: its own storage, aligned for the dtype whatever ``pos`` is
+                t = buf[pos : pos + n].clone().view(e.torch_dtype).reshape(e.shape)
+                pos += n
+                self._tensors[i] = t
+                with torch.no_grad():
+                    for target in targets.pop(i, []):
+                        target.copy_(t)
+
+    def _plan(
+        self, state: Any, strict: bool, targets: dict[int, list[torch.Tensor]]
+    ) -> RestorePlan:
+        """Match the state against the tree (``targets``: what fills in place)."""
 
         def into(i: int, path: str, target: torch.Tensor) -> None:
             e = self.m.tensors[i]
@@ -561,20 +664,7 @@ class Reader:
                 "strict=False) fills what matches and lists the rest in "
                 "RestoreInfo.unexpected)"
             )
-        self.prefetch(sorted(plan.fresh))
-        self._fill(targets)
-        with torch.no_grad():
-            for obj, path, sd in plan.apply(self.tensor):
-                try:
-                    obj.load_state_dict(sd)
-                except SnapcoreError:
-                    raise
-                except Exception as e:
-                    raise StateMismatch(
-                        f"{path or '<root>'}: {type_name(obj)}.load_state_dict() refused the "
-                        f"state of step {self.m.step}: {e}"
-                    ) from e
-        return plan, len(targets) + len(plan.fresh)
+        return plan
 
     def _fill(self, targets: dict[int, list[torch.Tensor]]) -> None:
         direct: list[tuple[int, int]] = []

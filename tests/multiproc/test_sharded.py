@@ -141,6 +141,13 @@ def test_ddp_writes_replicated_tensors_once_and_restores_into_fsdp2(tmp_path: Pa
         ],
     )
     saved = res[0][0]["digests"]
+    ddp = run(2, [{"op": "restore", "kind": "ddp", "store": str(store)}])
+    for (r,) in ddp:
+        assert r["digests"] == saved
+    # each replicated tensor was read by one rank and broadcast: the ranks together read
+    # the snapshot about once (their rank-local values each), not once per rank
+    total, _ = saved_bytes(store, 3)
+    assert sum(r["bytes"] for (r,) in ddp) <= 1.1 * total
     # DDP's ranks hold equal replicas: the job's bytes are the model's unique bytes once
     data, meta = saved_bytes(store, 3)
     replicated = _nbytes(snapcore.load(store)["app"])  # model and optimizer, once
