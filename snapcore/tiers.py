@@ -156,9 +156,10 @@ class HostTier(LocalTier):
             raise ValueError(f"host area name {name!r}: use letters, digits, '.', '_', '-'")
         super().__init__(Path(root) / f"snapcore-{name}")
         self.area = name
+        self.rank: int | None = None  # under torch.distributed: each rank's own slots
 
     def slot_name(self, slot: int) -> str:
-        return f"slot-{slot}.bin"
+        return f"slot-{slot}.bin" if self.rank is None else f"slot-r{self.rank}-{slot}.bin"
 
     def slot_path(self, slot: int) -> Path:
         return self.root / self.slot_name(slot)

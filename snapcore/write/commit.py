@@ -59,7 +59,8 @@ class ShardedSave:
         and in a node-local tier the leader of every other node writes the same index
         into its own directory with it too."""
         self.announced.add(tier)
-        node = tier != "remote" and self.sharder.node_leader and not self.sharder.with_rank0
+        sharder = self.sharder
+        node = tier != "remote" and sharder.leads(tier) and not sharder.with_rank0[tier]
         commit_part(
             self.job, self.eid, self.spec, tier, step, ref, write_index, failed, node_index=node
         )

@@ -27,7 +27,7 @@ from .. import manifest as mf
 from .. import settings
 from ..distributed.job import Job
 from ..distributed.job import current as current_job
-from ..errors import SnapcoreError, SnapshotFailed, UnsupportedState
+from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, WindowItem
 from ..planning.layout import Layout, align_up, plan
 from ..staging.arena import HostArena
@@ -112,17 +112,21 @@ class Engine:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         want = self._wanted(tiers)
         djob = current_job()  # under torch.distributed: a sharded save (a collective, once)
-        if djob is not None and self.host is not None:
-            raise UnsupportedState(
-                "sharded snapshots (torch.distributed) do not use a host-memory tier yet: "
-                "use a store with a local directory shared by the ranks and/or a remote"
-            )
+        # The ranks of a node share its directory and host-memory area: the node's first
+        # process (LOCAL_RANK 0) holds the writer lock and claims the area for them.
+        first = djob is None or _local_rank(djob) == 0
         with self._lock:
             self._raise_unreported()
-            # Before anything is touched: a second writer fails. The ranks of a node share
-            # its directory: the node's first process (LOCAL_RANK 0) holds the lock.
-            if self.local is not None and (djob is None or _local_rank(djob) == 0):
+            # Before anything is touched: a second writer fails.
+            if self.local is not None and first:
                 self._hold_writer_lock(self.local.root)
+            if self.host is not None and not self._claimed and first:
+                # Before the first sharded save's exchange, which the node's other ranks
+                # leave only once this one has entered it: they see the area claimed.
+                self.host.claim(self.config.identity())
+                if self.local is None:  # the area is the store: locked once it is its own
+                    self._hold_writer_lock(self.host.root)
+                self._release_stale_host()
             flat = flatten(state)
             sharded = None
             if djob is not None:
@@ -141,10 +145,6 @@ class Engine:
                     "tiers=['local'] when the store also has a remote)"
                 )
             if self.host is not None and not self._claimed:
-                self.host.claim(self.config.identity())
-                if self.local is None:  # the area is the store: locked once it is its own
-                    self._hold_writer_lock(self.host.root)
-                self._release_stale_host()
                 self._slot_steps = self.host.steps_by_slot()
                 self._claimed = True
             slot = self._free_slot()
@@ -199,8 +199,11 @@ class Engine:
 
     def _sharded(self, djob: Job, flat: Flattened) -> ShardedSave:
         if self._sharder is None or self._sharder.job is not djob:
-            self._sharder = Sharder(djob, str(self.local.root) if self.local else None)
+            local = str(self.local.root) if self.local else None
+            self._sharder = Sharder(djob, local, self.config.host)
             self._eid = next(_engine_ids)
+            if self.host is not None:  # each rank stages into slot files of its own
+                self.host.rank = djob.rank
         return ShardedSave(djob, self._sharder, self._eid, self._sharder.part(flat))
 
     def wait(self) -> None:
@@ -278,9 +281,7 @@ class Engine:
             # The ranks of a sharded save share the tiers: rank 0 does the housekeeping of
             # object storage, the leader of each node that of its directory.
             sh = self._sharder
-            shared = sh is not None and not (
-                sh.job.rank == 0 if tier == "remote" else sh.node_leader
-            )
+            shared = sh is not None and not sh.leads(tier)
             if resaved and not shared:  # the old files of a re-saved step may be unreferenced
                 self.index.invalidate(tier)  # it may point into them
                 self.tier(tier).collect()

@@ -77,7 +77,7 @@ class PersistJob:
                     )
             if "local" in h.tiers and local is not None:
                 # Off the training thread: the leftovers of a crashed writer, then our lock.
-                if sh is None or sh.sharder.node_leader:  # its node's ranks share the dir
+                if sh is None or sh.sharder.leads("local"):  # its node's ranks share the dir
                     local.store.collect_leftovers()
                 self.pending = local.store.begin(h.step)
             if h.stats.streaming:
@@ -157,7 +157,7 @@ class PersistJob:
             if "host" in h.tiers:
                 try:
                     assert engine.host is not None
-                    commit_host(engine.host, s, h)
+                    commit_host(engine.host, s, h, self.sharded)
                 except BaseException as e:
                     h.resolve("host", e)
                 else:

@@ -26,6 +26,7 @@ from ..io_types import ChunkKey, Location
 from ..staging.handle import SaveHandle
 from ..tiers import HostTier
 from .chunks import Staged
+from .commit import ShardedSave, part_ref
 from .manifest_builder import staged_manifest
 
 log = logging.getLogger(__name__)
@@ -34,17 +35,27 @@ PAGE = _native.page_size()
 WRITE_RUN_BYTES = 256 << 20  # the largest single write of consecutive chunks
 
 
-def commit_host(host: HostTier, s: Staged, handle: SaveHandle) -> None:
+def commit_host(
+    host: HostTier, s: Staged, handle: SaveHandle, sharded: ShardedSave | None = None
+) -> None:
     """Commit a snapshot staged in ``host``'s slot: its data is the arena, so only the
-    manifest is written."""
+    manifest is written (a sharded save: this rank's part, then the index, write/commit.py)."""
     size = os.stat(host.slot_path(s.slot)).st_size
     locs = [Location(host.slot_name(s.slot), off, n, size) for _, _, off, n in s.chunks]
     m = staged_manifest(s, locs, ["none"] * len(locs), [n for *_, n in s.chunks])
     pending = host.store.begin(s.step)
     try:
-        pending.commit(m)
+        if sharded is None:
+            pending.commit(m)
+        else:
+            data = m.dumps()
+            name = pending.write_part(sharded.spec.rank, data)
+            sharded.commit("host", s.step, part_ref(sharded.spec.rank, name, data), pending.commit)
+            if not pending.committed:  # rank 0 committed it by writing the index
+                pending.settle()
     except BaseException:
-        pending.abort()
+        if not pending.committed:
+            pending.abort()
         raise
     handle.stats.written["host"] = s.layout.total
 

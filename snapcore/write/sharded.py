@@ -62,13 +62,20 @@ class Sharder:
 
     job: Job
     local_dir: str | None
+    host_area: str | None = None
     cached: _Cached | None = None
     seq: int = 0
-    # From the first exchange: whether this rank is the lowest of those sharing its
-    # local directory (its node's leader: it writes the index there and keeps it tidy),
-    # and whether it shares rank 0's directory (where the coordinator writes the index).
-    node_leader: bool = False
-    with_rank0: bool = True
+    # From the first exchange, per node-local tier ("local", "host"): whether this rank is
+    # the lowest of those sharing its directory or area (its node's leader: it writes the
+    # index there and keeps it tidy), and whether it shares rank 0's (where the
+    # coordinator writes the index).
+    leaders: dict[str, bool] = field(default_factory=dict)
+    with_rank0: dict[str, bool] = field(default_factory=dict)
+
+    def leads(self, tier: str) -> bool:
+        """Whether this rank does the housekeeping of ``tier`` (object storage: rank 0)."""
+        return self.job.rank == 0 if tier == "remote" else self.leaders.get(tier, False)
+
     # save number -> Event set once that save's plan verdict is known ("ok"/"replan")
     verdicts: dict[int, tuple[threading.Event, list[str]]] = field(default_factory=dict)
 
@@ -115,12 +122,15 @@ class Sharder:
             "items": [_item_json(i) for i in items],
             "host": job.host,
             "local": os.path.realpath(self.local_dir) if self.local_dir else None,
+            "area": self.host_area,
         }
         every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
-        # A rank's home: its host and local directory. Ranks of one home share a directory.
-        homes = [(d["host"], d["local"]) for d in every]
-        self.node_leader = homes.index(homes[job.rank]) == job.rank
-        self.with_rank0 = homes[job.rank] == homes[0]
+        # A rank's home in a node-local tier: its host and directory (or host-memory area).
+        # Ranks of one home share it.
+        for tier, field_name in (("local", "local"), ("host", "area")):
+            homes = [(d["host"], d[field_name]) for d in every]
+            self.leaders[tier] = homes.index(homes[job.rank]) == job.rank
+            self.with_rank0[tier] = homes[job.rank] == homes[0]
         per_rank = [[_item_from(x) for x in d["items"]] for d in every]
         gplan = plan_save(per_rank, job.world_size)
         return _Cached(signature, per_rank[job.rank], gplan)

@@ -347,14 +347,24 @@ def test_the_checkpointer_snapshots_the_same_steps_on_every_rank(tmp_path: Path)
 def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote(
     tmp_path: Path, s3_bucket
 ) -> None:
-    """Two "nodes" (two torchruns, --nnodes 2), each with its own local directory."""
+    """Two "nodes" (two torchruns, --nnodes 2), each with its own local directory and
+    host-memory area."""
+    import shutil
+    import uuid
+
     dirs = [tmp_path / "node0", tmp_path / "node1"]
+    areas = [f"test-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
+    shm = [Path("/dev/shm") / f"snapcore-{a}" for a in areas]
     spec = {
         "local": "$SNAPCORE_TEST_LOCAL",
+        "host": "$SNAPCORE_TEST_HOST",
         "remote": s3_bucket.url,
         "storage_options": s3_bucket.storage_options,
     }
-    nodes = [{"SNAPCORE_TEST_LOCAL": str(d)} for d in dirs]
+    nodes = [
+        {"SNAPCORE_TEST_LOCAL": str(d), "SNAPCORE_TEST_HOST": a}
+        for d, a in zip(dirs, areas, strict=True)
+    ]
 
     def launch(actions: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         results = run_nodes(
@@ -362,20 +372,29 @@ def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote
         )
         return [r.result for r in results]
 
-    saved = launch([{"op": "save", "kind": "fsdp2", "store": spec, "step": 6}])
-    digests = saved[0][0]["digests"]
-    for node, d in enumerate(dirs):
-        step_dir = d / "step-000000000006"
-        assert (step_dir / "manifest.json").exists()  # committed on every node
-        parts = sorted(p.name[:10] for p in step_dir.glob("part-*.json"))
-        assert parts == [f"part-{r:05d}" for r in (2 * node, 2 * node + 1)]  # its own only
-    import shutil
+    try:
+        saved = launch([{"op": "save", "kind": "fsdp2", "store": spec, "step": 6}])
+        digests = saved[0][0]["digests"]
+        for node in range(2):
+            for root in (dirs[node], shm[node]):
+                step_dir = root / "step-000000000006"
+                assert (step_dir / "manifest.json").exists()  # committed on every node
+                parts = sorted(p.name[:10] for p in step_dir.glob("part-*.json"))
+                mine = [f"part-{r:05d}" for r in (2 * node, 2 * node + 1)]
+                assert parts == mine, root  # its own ranks' parts only
+            slots = sorted(p.name for p in shm[node].glob("slot-*.bin"))
+            assert {s.split("-")[1] for s in slots} == {f"r{2 * node}", f"r{2 * node + 1}"}
 
-    shutil.rmtree(dirs[1])  # node 1 was replaced: its directory is gone
-    res = launch([{"op": "restore", "kind": "fsdp2", "store": spec}])
-    for rank, (r,) in enumerate(res):
-        assert r["digests"] == digests and r["step"] == 6 and r["pos"] == 100 * rank + 6
-        if rank < 2:
-            assert "local" in r["tier"].split("+"), r["tier"]  # its node's own copy
-        else:
-            assert r["tier"] == "remote"  # the lost node's parts come from object storage
+        shutil.rmtree(dirs[1])  # node 1 was replaced: its directory and memory are gone
+        shutil.rmtree(shm[1])
+        res = launch([{"op": "restore", "kind": "fsdp2", "store": spec}])
+        for rank, (r,) in enumerate(res):
+            assert r["digests"] == digests and r["step"] == 6 and r["pos"] == 100 * rank + 6
+            tiers = r["tier"].split("+")
+            if rank < 2:
+                assert tiers[0] == "host", r["tier"]  # its node's own copy, the fastest
+            else:
+                assert tiers == ["remote"], r["tier"]  # the lost node's parts
+    finally:
+        for path in shm:
+            shutil.rmtree(path, ignore_errors=True)
