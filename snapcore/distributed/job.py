@@ -17,6 +17,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ class Job:
     host: str
     timeout_s: float
     _threads: threading.local = field(default_factory=threading.local)
+    _acks: list[str] = field(default_factory=list)
 
     @property
     def kv(self) -> Any:
@@ -58,6 +60,34 @@ class Job:
 
     def key(self, *parts: object) -> str:
         return "snapcore/" + "/".join(str(p) for p in parts)
+
+    def expect_acks(self, key: str) -> None:
+        """Rank 0: every other rank will count itself in ``key`` once it has read a
+        verdict; ``settle`` waits for that before rank 0's store may go away."""
+        with _lock:
+            self._acks.append(key)
+            del self._acks[:-64]  # the latest saves' (older ones were read long ago)
+
+    def settle(self, timeout_s: float | None = None) -> list[str]:
+        """Rank 0: wait (at most ``timeout_s``, default the commit timeout) until every
+        rank has read the verdicts rank 0 gave, so that ending rank 0's process (which
+        serves the key-value store) does not leave a rank without its verdict. Returns
+        the keys still short of acknowledgements."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        with _lock:
+            keys = list(self._acks)
+        short = keys
+        while short and time.monotonic() < deadline:
+            try:
+                short = [k for k in short if int(self.kv.add(k, 0)) < self.world_size - 1]
+            except Exception:  # the store is gone: nothing to wait for
+                return short
+            if short:
+                time.sleep(0.01)
+        if not short:
+            with _lock:
+                self._acks = [k for k in self._acks if k not in keys]
+        return short
 
 
 _job: Job | None = None

@@ -33,7 +33,7 @@ from ..errors import SnapcoreError, SnapshotFailed, SnapshotNotFound
 from ..staging.handle import SaveHandle, SaveStats
 from ..tiers import TIER_ORDER, HostTier, Store, as_store
 from .costs import DEFAULT_SLOWDOWN, CostMeter, Costs
-from .decisions import Decisions
+from .decisions import Decision, Decisions
 from .journal import (
     MIN_RUN_S,
     UNKNOWN,
@@ -218,7 +218,7 @@ class Checkpointer:
         self.lead_steps = lead_steps
         self._rank: int | None = None  # None: one process; else this rank (at _begin)
         self._decisions: Decisions | None = None
-        self._planned: tuple[int, tuple[str, ...]] | None = None  # (step, tiers) agreed
+        self._planned: Decision | None = None  # the next snapshot every rank takes
 
         # SIGTERM
         self._sigterm = SigtermGuard(
@@ -291,26 +291,32 @@ class Checkpointer:
         """Under torch.distributed: take the snapshot every rank agreed to take at
         ``step`` (rank 0's decision, published ``lead_steps`` ahead). Returns True on a
         rank other than 0, whose own schedule is not consulted."""
-        assert self._decisions is not None
-        planned = self._planned or self._decisions.next()
-        if planned is not None and step >= planned[0]:
+        decisions = self._decisions
+        assert decisions is not None
+        planned = self._planned or decisions.next()
+        if planned is not None and step >= planned.step:
             self._planned = None
-            if step > planned[0]:  # the decision came late: the ranks cannot agree now
+            if step > planned.step:  # the decision came late: the ranks cannot agree now
                 log.error(
                     "step %d: the snapshot agreed for step %d was missed (the decision "
                     "arrived late; raise lead_steps): skipped",
                     step,
-                    planned[0],
+                    planned.step,
                 )
+            elif planned.final:
+                self._agreed_final(step, state)
+                return True
             else:
                 failure = self._poll()
                 if failure is not None:
                     raise failure
-                self._save(step, state, planned[1], now)
+                self._save(step, state, planned.tiers, now)
         elif planned is not None:
             self._planned = planned
         if self._rank == 0:
             return False
+        if self._sigterm.pending:  # rank 0 decides the final snapshot: ask it
+            decisions.request_final()
         if self._first_due:  # every rank's first step snapshots, with no decision needed
             self._tick(step, state, now)
         return True
@@ -463,6 +469,17 @@ class Checkpointer:
             log.warning("step() after close(): nothing is snapshotted any more")
             return
         self._begin()
+        if self._decisions is not None and (
+            self._sigterm.pending or self._decisions.final_requested
+        ):
+            # rank 0 under torch.distributed: every rank takes the final snapshot at
+            # step + lead_steps (once; a planned ordinary snapshot gives way to it)
+            if self._planned is None or not self._planned.final:
+                at = step + self.lead_steps
+                self._decisions.publish(at, self._tiers, final=True)
+                self._planned = Decision(at, self._tiers, final=True)
+            self._next_check = -math.inf
+            return
         if self._sigterm.pending:
             self._final_snapshot(step, state)
             return
@@ -482,7 +499,7 @@ class Checkpointer:
             # rank 0: every rank snapshots these tiers at step + lead_steps
             at = step + self.lead_steps
             self._decisions.publish(at, due)
-            self._planned = (at, due)
+            self._planned = Decision(at, due)
             for t in due:  # begun, as far as the schedule is concerned
                 self._last_begin[t] = now
         elif due:
@@ -697,7 +714,7 @@ class Checkpointer:
         job = current_job()  # a collective the first time: every rank begins alike
         if job is not None:
             self._rank = job.rank
-            self._decisions = Decisions(job)
+            self._decisions = Decisions(job, on_final_request=self._on_sigterm)
         self._run_start = self._clock()
         for t in self._intervals:
             self._last_begin[t] = self._run_start
@@ -737,6 +754,22 @@ class Checkpointer:
     def _on_sigterm(self) -> None:
         """The guard's handler saw a SIGTERM: the next step() snapshots (sets a field only)."""
         self._next_check = -math.inf
+
+    def _agreed_final(self, step: int, state: Any) -> None:
+        """Under torch.distributed: the final snapshot every rank takes at ``step``. A rank
+        that received the SIGTERM ends as one process does (snapshot, wait, pass the
+        signal on); the others wait until it is durable and go on."""
+        if self._sigterm.pending:
+            self._final_snapshot(step, state)
+            return
+        if self._decisions is not None:
+            self._decisions.final_requested = False  # answered
+        try:
+            h = self._save(step, state, self._tiers, self._clock())
+            self._told(h)
+            h.wait(timeout=self.grace_s)
+        except (SnapcoreError, OSError) as e:  # TimeoutError is an OSError
+            log.error("the final snapshot of step %d (another rank's SIGTERM): %s", step, e)
 
     def _final_snapshot(self, step: int, state: Any) -> None:
         """The SIGTERM path: snapshot to every tier, wait (within the grace left), journal

@@ -10,6 +10,11 @@ reads, and no rank ever talks to another on the training thread. A rank that rea
 agreed step before the decision arrived (steps shorter than the store's latency times
 ``lead``) logs it and skips that snapshot; the commit of a step needs every rank's part,
 so a snapshot the ranks disagree on fails whole instead of mixing steps.
+
+A SIGTERM is a decision too: a rank that receives one asks rank 0 (an atomic add on a
+key rank 0's watcher thread waits for); rank 0, at its next step, publishes a *final*
+snapshot at ``step + lead`` that every rank takes; the ranks that received the signal
+then pass it on, as one process does.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import itertools
 import json
 import logging
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the scheduling package stays torch-free below the Checkpointer
@@ -30,34 +37,70 @@ log = logging.getLogger(__name__)
 _ids = itertools.count(1)  # Checkpointers of this process, in creation order
 
 
+@dataclass(frozen=True)
+class Decision:
+    """Every rank snapshots ``tiers`` at ``step``; ``final``: for a SIGTERM."""
+
+    step: int
+    tiers: tuple[str, ...]
+    final: bool = False
+
+
 class Decisions:
     """The snapshot decisions of one Checkpointer of the job (see the module docstring)."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, on_final_request: Callable[[], None] | None = None) -> None:
         self.job = job
         self.cid = next(_ids)  # the same on every rank: they make Checkpointers alike
         self._sent = 0
-        self._queue: collections.deque[tuple[int, tuple[str, ...]]] = collections.deque()
+        self._queue: collections.deque[Decision] = collections.deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if job.rank != 0:
-            self._thread = threading.Thread(
-                target=self._listen, name="snapcore-decisions", daemon=True
-            )
-            self._thread.start()
+        self.final_requested = False  # rank 0: some rank received a SIGTERM
+        self._asked = False
+        self._on_final_request = on_final_request
+        target = self._listen if job.rank != 0 else self._watch
+        self._thread = threading.Thread(target=target, name="snapcore-decisions", daemon=True)
+        self._thread.start()
 
     def _key(self, n: int) -> str:
         return self.job.key("ckpt", self.cid, n)
 
-    def publish(self, step: int, tiers: tuple[str, ...]) -> None:
-        """Rank 0: every rank snapshots ``tiers`` at ``step``."""
-        self._send({"step": step, "tiers": list(tiers)})
+    def publish(self, step: int, tiers: tuple[str, ...], *, final: bool = False) -> None:
+        """Rank 0: every rank snapshots ``tiers`` at ``step`` (``final``: a SIGTERM's)."""
+        self._send({"step": step, "tiers": list(tiers), "final": final})
+
+    def request_final(self) -> None:
+        """This rank received a SIGTERM: ask rank 0 for a final snapshot (once)."""
+        if self._asked:
+            return
+        self._asked = True
+        try:
+            self.job.kv.add(self.job.key("ckpt", self.cid, "final"), 1)
+        except Exception as e:  # rank 0 is gone: the grace timer passes the signal on
+            log.warning("cannot ask rank 0 for a final snapshot: %s", e)
+
+    def _watch(self) -> None:
+        """Rank 0: wait for a rank's request of a final snapshot."""
+        key = self.job.key("ckpt", self.cid, "final")
+        while not self._stop.is_set():
+            try:
+                self.job.kv.wait([key], datetime.timedelta(hours=1))
+            except Exception as e:
+                if self._stop.is_set() or "timeout" not in str(e).lower():
+                    return
+                continue
+            if not self._stop.is_set():
+                self.final_requested = True
+                if self._on_final_request is not None:
+                    self._on_final_request()
+            return
 
     def _send(self, decision: dict[str, object]) -> None:
         self.job.kv.set(self._key(self._sent), json.dumps(decision))
         self._sent += 1
 
-    def next(self) -> tuple[int, tuple[str, ...]] | None:
+    def next(self) -> Decision | None:
         """The next decision received (other ranks), or None."""
         try:
             return self._queue.popleft()
@@ -79,7 +122,9 @@ class Decisions:
                 continue
             if got.get("stop"):
                 return
-            self._queue.append((int(got["step"]), tuple(got["tiers"])))
+            self._queue.append(
+                Decision(int(got["step"]), tuple(got["tiers"]), bool(got.get("final")))
+            )
             n += 1
 
     def close(self) -> None:
@@ -90,7 +135,9 @@ class Decisions:
         if self.job.rank == 0:
             try:
                 self._send({"stop": True})
+                # wakes this rank's watcher, which then sees the stop
+                self.job.kv.add(self.job.key("ckpt", self.cid, "final"), 0)
             except Exception as e:  # the others' listeners end with their processes
                 log.warning("cannot tell the ranks that the Checkpointer closed: %s", e)
-        elif self._thread is not None:
+        if self._thread is not None:
             self._thread.join(self.job.timeout_s)

@@ -29,7 +29,13 @@ from .sharded import PartSpec, Sharder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ShardedSave", "announce_structure", "commit_part", "part_ref"]
+__all__ = ["OutcomeUnknown", "ShardedSave", "announce_structure", "commit_part", "part_ref"]
+
+
+class OutcomeUnknown(SnapshotFailed):
+    """This rank's part was announced but the coordinator's verdict never came: the step
+    may be committed, so the part and its data must be kept (they are leftovers for
+    garbage collection if it is not)."""
 
 
 @dataclass
@@ -166,17 +172,22 @@ def commit_part(
     if job.rank == 0:
         verdict = _coordinate(job, eid, spec, tier, step, write_index)
         job.kv.set(verdict_key, json.dumps(verdict))
+        job.expect_acks(_key(job, eid, spec.seq, tier, "ack"))
         _forget(job, _key(job, eid, spec.seq - 8, tier, "verdict"))  # read long ago
     else:
         got = kv_get(job, verdict_key, job.timeout_s * 2)
         if got is None:
-            verdict = {
-                "ok": False,
-                "why": f"no verdict from the coordinator (rank 0) within {job.timeout_s * 2:g} s: "
-                "it died, or cannot be reached",
-            }
-        else:
-            verdict = json.loads(got)
+            if failed is not None:
+                raise SnapshotFailed(f"step {step}: {failed}", step=step, tier=tier)
+            raise OutcomeUnknown(
+                f"step {step}: no verdict from the coordinator (rank 0) on the {tier} tier "
+                f"within {job.timeout_s * 2:g} s (it died, or cannot be reached): the step "
+                "may or may not be committed; this rank's part is kept",
+                step=step,
+                tier=tier,
+            )
+        verdict = json.loads(got)
+        _ack(job, _key(job, eid, spec.seq, tier, "ack"))
     if failed is not None:
         raise SnapshotFailed(f"step {step}: {failed}", step=step, tier=tier)
     if not verdict["ok"]:
@@ -255,6 +266,12 @@ def part_ref(rank: int, name: str, data: bytes) -> mf.PartRef:
 def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:16]))
     return shown + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+
+
+def _ack(job: Job, key: str) -> None:
+    """Tell rank 0 that this rank has the verdict (so that its store may go away)."""
+    with contextlib.suppress(Exception):
+        job.kv.add(key, 1)
 
 
 def _forget(job: Job, key: str) -> None:

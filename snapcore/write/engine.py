@@ -236,6 +236,11 @@ class Engine:
             self.wait()
         except SnapcoreError as e:
             log.error("closing the engine of %s: %s", self.config.describe(), e)
+        if self._sharder is not None and self._sharder.job.rank == 0:
+            # rank 0 serves the job's key-value store: every rank must have its verdicts
+            short = self._sharder.job.settle()
+            if short:
+                log.warning("closing: %d verdict(s) not acknowledged by every rank", len(short))
         for pool in (self._persist, self.hasher, self.uploader, self._encoder, self._preparer):
             if pool is not None:
                 pool.shutdown(wait=True)

@@ -21,7 +21,7 @@ from ..io_types import Aborted, Location, StagingAborted, Window, WindowItem
 from ..planning.layout import Layout
 from ..staging.handle import SaveHandle
 from .chunks import Staged, chunk_list, hash_chunks, hash_window
-from .commit import ShardedSave, part_ref
+from .commit import OutcomeUnknown, ShardedSave, part_ref
 from .local import LocalWriter, commit_host
 from .manifest_builder import BlobRecord, ChunkRecord, build_manifest, staged_manifest
 from .upload import Upload
@@ -221,7 +221,11 @@ class PersistJob:
         data = m.dumps()
         name = self.pending.write_part(sh.spec.rank, data)
         pending = self.pending
-        sh.commit("local", m.step, part_ref(sh.spec.rank, name, data), pending.commit)
+        try:
+            sh.commit("local", m.step, part_ref(sh.spec.rank, name, data), pending.commit)
+        except OutcomeUnknown:
+            pending.settle()  # the step may be committed with this part: keep it
+            raise
         if not pending.committed:  # rank 0 committed it by writing the index
             pending.settle()
 

@@ -26,7 +26,7 @@ from ..io_types import ChunkKey, Location
 from ..staging.handle import SaveHandle
 from ..tiers import HostTier
 from .chunks import Staged
-from .commit import ShardedSave, part_ref
+from .commit import OutcomeUnknown, ShardedSave, part_ref
 from .manifest_builder import staged_manifest
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,12 @@ def commit_host(
         else:
             data = m.dumps()
             name = pending.write_part(sharded.spec.rank, data)
-            sharded.commit("host", s.step, part_ref(sharded.spec.rank, name, data), pending.commit)
+            try:
+                ref = part_ref(sharded.spec.rank, name, data)
+                sharded.commit("host", s.step, ref, pending.commit)
+            except OutcomeUnknown:
+                pending.settle()  # the step may be committed with this part: keep it
+                raise
             if not pending.committed:  # rank 0 committed it by writing the index
                 pending.settle()
     except BaseException:

@@ -13,7 +13,8 @@ order; the report holds one entry per action.
   {"op": "kill-save", "kind": K, "store": DIR, "step": N, "victim": R, "point": P}
       save steps N then N + 1; rank R SIGKILLs itself during the second at point P
       ("staged": when async_save returns; "writing": once its data file exists; "part":
-      once its part file exists). The others report how the second save ended.
+      once its part file exists; "index": once the step's index exists, for rank 0, the
+      coordinator). The others report how the second save ended.
 
 Run without torchrun too (the kill test starts plain processes with the env:// rendezvous
 variables), so that a killed rank does not make an agent tear the others down.
@@ -120,8 +121,12 @@ def kill_save(a: dict[str, Any]) -> dict[str, Any]:
     state["step"] = step + 1
     launch.report({"first": first, "second": second, "phase": "saving"})
     victim = rank == a["victim"]
-    if victim and a["point"] in ("writing", "part"):
-        pattern = f"data-*-r{rank}.bin" if a["point"] == "writing" else f"part-{rank:05d}-*"
+    if victim and a["point"] in ("writing", "part", "index"):
+        pattern = {
+            "writing": f"data-*-r{rank}.bin",
+            "part": f"part-{rank:05d}-*",
+            "index": "manifest.json",  # the coordinator has just committed
+        }[a["point"]]
         where = os.path.join(store, f"step-{step + 1:012d}", pattern)
 
         def watch() -> None:
@@ -183,7 +188,26 @@ def checkpointer(a: dict[str, Any]) -> dict[str, Any]:
     return {"snapshot_steps": seen, "snapshots": ckpt.stats().snapshots}
 
 
+def sigterm(a: dict[str, Any]) -> dict[str, Any]:
+    """A training loop with a Checkpointer that handles SIGTERM; each rank sends itself a
+    SIGTERM before its step ``a["term_at"][rank]``. Reports the last step it called."""
+    state, _, _ = state_of(a["kind"], a.get("seed", 0), 0)
+    ckpt = snapcore.Checkpointer(store_of(a), max_interval_s=3600, grace_s=60)
+    rank = dist.get_rank()
+    for step in range(a["steps"]):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        state["step"] = step
+        if step == a["term_at"][rank]:
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded by the handler, nothing more
+        launch.report([{"last_step": step}])
+        ckpt.step(step, state)  # the final snapshot's step() ends the process
+    ckpt.close()
+    return {"last_step": a["steps"] - 1, "survived": True}
+
+
 OPS = {
+    "sigterm": sigterm,
     "save": save,
     "restore": restore,
     "kill-save": kill_save,
@@ -198,7 +222,7 @@ def main(actions: list[dict[str, Any]]) -> None:
         out.append(OPS[a["op"]](a))
         launch.report(out)
     snapcore.close()
-    if not any(a["op"] == "kill-save" for a in actions):
+    if not any(a["op"] in ("kill-save", "sigterm") for a in actions):
         models.shutdown()
     else:  # the dead rank cannot join a barrier: leave without one
         sys.stdout.flush()

@@ -398,3 +398,36 @@ def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote
     finally:
         for path in shm:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_sigterm_gives_one_final_snapshot_of_the_same_step_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 gets SIGTERM before step 20, rank 1 before step 21 (as a preemption reaches
+    the ranks of a job): rank 0 decides one final snapshot, at step 22, which both take
+    before passing the signal on."""
+    store = tmp_path / "store"
+    actions = [{"op": "sigterm", "kind": "fsdp2", "store": str(store), "steps": 200,
+                "term_at": [20, 21]}]  # fmt: skip
+    (code0, out0), (code1, out1) = _spawn(2, actions, tmp_path, timeout_s=60)
+    logs = "\n".join((tmp_path / f"spawn{r}.log").read_text()[-2000:] for r in range(2))
+    assert code0 == code1 == -signal.SIGTERM, logs  # both ended as the signal would
+    assert out0 == out1 == [{"last_step": 22}], logs
+    assert LocalDirectory(store).committed_steps() == [0, 22]  # the first step, the final
+    assert snapcore.load(store)["step"] == 22
+
+
+def test_the_coordinator_killed_after_committing_loses_nothing(tmp_path: Path) -> None:
+    """Rank 0 dies right after writing the index: rank 1 may not have its verdict, but its
+    part is in a committed step and must stay (the step restores whole)."""
+    store = tmp_path / "store"
+    actions = [{"op": "kill-save", "kind": "fsdp2", "store": str(store), "step": 1,
+                "victim": 0, "point": "index"}]  # fmt: skip
+    (code0, _), (code1, out1) = _spawn(2, actions, tmp_path, timeout_s=3)
+    assert code0 == -signal.SIGKILL
+    assert code1 == 0, (tmp_path / "spawn1.log").read_text()[-3000:]
+    (res,) = out1
+    outcome = res["outcome"]
+    assert outcome["ok"] or "may or may not be committed" in outcome["message"], outcome
+    assert LocalDirectory(store).committed_steps() == [1, 2]
+    assert loaded_digests(store) == res["second"]
