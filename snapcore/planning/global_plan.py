@@ -88,13 +88,25 @@ class LocalItem:
         return self.box.numel() * DTYPES[self.dtype].itemsize
 
 
+def _strided(p: Any) -> bool:
+    """FSDP2 over a tensor-parallel dimension shards a dimension TP already split:
+    DTensor calls that ``_StridedShard`` (a Shard whose chunks interleave)."""
+    return type(p).__name__ == "_StridedShard" and hasattr(p, "split_factor")
+
+
+def _shards(p: Any) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return type(p) is Shard or _strided(p)
+
+
 def _check_placements(placements: Sequence[Any], ndim: int, path: str) -> None:
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
 
     for p in placements:
         if type(p) is Replicate:
             continue
-        if type(p) is Shard:
+        if _shards(p):
             if not 0 <= p.dim < ndim:
                 raise UnsupportedState(
                     f"{path}: placement {p} shards dimension {p.dim} of a {ndim}-d tensor",
@@ -102,8 +114,9 @@ def _check_placements(placements: Sequence[Any], ndim: int, path: str) -> None:
                 )
             continue
         raise UnsupportedState(
-            f"{path}: DTensor placement {p!r} is not supported (only Shard(dim) and "
-            "Replicate(); a Partial tensor must be reduced before it is saved)",
+            f"{path}: DTensor placement {p!r} is not supported (only Shard(dim), "
+            "_StridedShard and Replicate(); a Partial tensor must be reduced before it "
+            "is saved)",
             path=path,
         )
 
@@ -136,10 +149,50 @@ def shard_box(
     if any(not 0 <= c < m for c, m in zip(coordinate, mesh_shape, strict=True)):
         raise ValueError(f"{path}: coordinate {tuple(coordinate)} outside mesh {tuple(mesh_shape)}")
     _check_placements(placements, len(shape), path)
+    if any(_strided(p) for p in placements):
+        return _strided_box(shape, mesh_shape, coordinate, placements, path)
     local_shape, offsets = _compute_local_shape_and_global_offset(
         shape, tuple(mesh_shape), list(coordinate), list(placements)
     )
     return Box(tuple(int(o) for o in offsets), tuple(int(s) for s in local_shape))
+
+
+def _strided_box(
+    shape: tuple[int, ...],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Any],
+    path: str,
+) -> Box:
+    """The box of a shard some of whose placements are ``_StridedShard``: each tensor
+    dimension's global indices are followed through the placements, left to right, as
+    DTensor does; the shard must be one contiguous range per dimension (FSDP2 over
+    tensor parallel gives that), else ``UnsupportedState``."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+
+    index = [list(range(n)) for n in shape]
+    for p, n, c in zip(placements, mesh_shape, coordinate, strict=True):
+        if not _shards(p):
+            continue
+        rows = index[p.dim]
+        if _strided(p):
+            mode = _StridedShardOffsetMode.ALL
+            size, at = p.local_shard_size_and_offset(len(rows), n, c, mode)
+            index[p.dim] = [rows[i] for i in (at or [])][:size]
+        else:
+            size, start = Shard.local_shard_size_and_offset(len(rows), n, c)
+            index[p.dim] = rows[start : start + size]
+    offsets = []
+    for d, rows in enumerate(index):
+        if rows and rows != list(range(rows[0], rows[0] + len(rows))):
+            raise UnsupportedState(
+                f"{path}: placements {tuple(placements)} give this rank rows that are not "
+                f"one range of dimension {d}: not supported",
+                path=path,
+            )
+        offsets.append(rows[0] if rows else shape[d])
+    return Box(tuple(offsets), tuple(len(rows) for rows in index))
 
 
 def replica_ranks(
@@ -148,7 +201,6 @@ def replica_ranks(
     """The global ranks holding the same box as ``coordinate``: those whose coordinate
     equals it on every mesh dimension the tensor is sharded over (``mesh_ranks`` is the
     mesh's tensor of global ranks, ``DeviceMesh.mesh``)."""
-    from torch.distributed.tensor import Shard
 
     if mesh_ranks.dim() != len(coordinate) or len(coordinate) != len(placements):
         raise ValueError(
@@ -156,8 +208,7 @@ def replica_ranks(
             f"placements {tuple(placements)} differ in length"
         )
     index = tuple(
-        int(c) if type(p) is Shard else slice(None)
-        for c, p in zip(coordinate, placements, strict=True)
+        int(c) if _shards(p) else slice(None) for c, p in zip(coordinate, placements, strict=True)
     )
     return frozenset(int(r) for r in mesh_ranks[index].reshape(-1).tolist())
 

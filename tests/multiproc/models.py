@@ -132,7 +132,42 @@ def build_ddp(*, steps: int = 2, seed: int = 0) -> tuple[nn.Module, torch.optim.
     return _trained(model, steps, seed, same_batch=False)
 
 
-BUILDERS = {"fsdp2": build_fsdp2, "tp": build_tp, "hsdp": build_hsdp, "ddp": build_ddp}
+def build_fsdp_tp(*, steps: int = 2, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """FSDP2 + TP on a 2-D mesh ("dp", "tp") = (world // 2, 2): tensor parallel inside
+    each pair of ranks, then fully_shard over the data-parallel dimension (the layout of
+    torchtitan's 2-D parallelism). The ranks of a TP pair train on the same batch."""
+    init_gloo()
+    world = dist.get_world_size()
+    if world % 2:
+        raise ValueError("fsdp_tp: needs an even number of ranks")
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(
+        make_model(seed),
+        mesh["tp"],
+        {
+            "fc1": ColwiseParallel(),
+            "fc2": RowwiseParallel(),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    model = _fully_shard(model, mesh["dp"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = mesh["dp"].get_local_rank()
+    data = torch.Generator().manual_seed(1000 + seed + dp)
+    for _ in range(steps):
+        model(torch.randn(BATCH, D_IN, generator=data)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+BUILDERS = {
+    "fsdp2": build_fsdp2,
+    "tp": build_tp,
+    "hsdp": build_hsdp,
+    "ddp": build_ddp,
+    "fsdp_tp": build_fsdp_tp,
+}
 
 
 def build(kind: str, *, steps: int = 2, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

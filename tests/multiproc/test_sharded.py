@@ -124,11 +124,25 @@ def test_four_to_two_ranks_refuses_rank_local_values_then_keeps_them(fsdp4) -> N
         assert kept["bytes"] < 0.75 * total
 
 
-def test_fsdp2_to_tensor_parallel(fsdp4) -> None:
+def test_fsdp2_to_tensor_parallel_and_to_fsdp2_with_tensor_parallel(fsdp4) -> None:
     store, out = fsdp4
     res = run(2, [{"op": "restore", "kind": "tp", "store": str(store), "rank_local": "keep"}])
     for (r,) in res:
         assert r["digests"] == out[0][0]["digests"]
+    # FSDP2 on 4 ranks -> FSDP2 + TP on a 2x2 mesh (same world size: rank-local restored),
+    # whose FSDP dimension shards rows TP split already (_StridedShard); then it saves
+    two_d = store.parent / "fsdp_tp"
+    res = run(
+        4,
+        [
+            {"op": "restore", "kind": "fsdp_tp", "store": str(store)},
+            {"op": "save", "kind": "fsdp_tp", "store": str(two_d), "step": 9},
+        ],
+    )
+    for rank, (r, saved) in enumerate(res):
+        assert r["digests"] == out[0][0]["digests"] and r["pos"] == 100 * rank + 5
+        assert saved["digests"] == res[0][1]["digests"]
+    assert loaded_digests(two_d) == res[0][1]["digests"]
 
 
 def test_ddp_writes_replicated_tensors_once_and_restores_into_fsdp2(tmp_path: Path) -> None:

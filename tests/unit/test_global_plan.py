@@ -395,3 +395,33 @@ def test_plan_read_errors_name_path_and_gap() -> None:
     dup = [SavedPiece("w", Box((0,), (4,)), 4), SavedPiece("w", Box((2,), (2,)), 4)]
     with pytest.raises(StateMismatch, match="overlap each other"):
         plan_read(dup, [("w", Box((0,), (4,)))])
+
+
+def test_strided_shards_of_fsdp_over_tensor_parallel_are_boxes() -> None:
+    """FSDP2 over TP shards a dimension TP already split (_StridedShard on the data-
+    parallel mesh dimension): each rank's rows are one range, as torch computes them."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for rows in (8, 13, 3):
+        placements = [_StridedShard(0, split_factor=2), Shard(0)]
+        seen = []
+        for coord in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+            box = shard_box((rows, 5), (2, 2), coord, placements)
+            shape, offsets = _compute_local_shape_and_global_offset(
+                (rows, 5), (2, 2), list(coord), placements
+            )
+            assert box.shape == tuple(shape)
+            if box.numel():
+                assert box.offsets == tuple(offsets)
+                seen.extend(range(box.offsets[0], box.ends[0]))
+        assert sorted(seen) == list(range(rows))  # the ranks tile the tensor
+
+
+def test_strided_shards_that_interleave_are_refused() -> None:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    # torch's own example: Shard(0) then _StridedShard(0, 2) gives rank (0, 0) rows 0, 2
+    with pytest.raises(UnsupportedState, match="not one range") as e:
+        shard_box((8,), (2, 2), (0, 0), [Shard(0), _StridedShard(0, split_factor=2)], path="w")
+    assert e.value.path == "w"
