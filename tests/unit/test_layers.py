@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "snapcore.api": 7,
     "snapcore.rng": 7,
     "snapcore.scheduling": 8,
+    "snapcore.convert": 8,  # snapcore convert: formats to and from snapshots
     "snapcore.cli": 9,
     "snapcore.demo": 9,
     "snapcore.__main__": 9,
