@@ -122,7 +122,7 @@ def test_bench_distributed(tmp_path: Path) -> None:
     assert rk["world"] == 4 and len(rk["ranks"]) == 4 and rk["errors"] == {}
     unique = rk["unique_bytes"]
     assert sum(x["needed_bytes"] for x in rk["ranks"]) >= unique > 0
-    for peer in ("snapcore", "dcp_thread", "dcp_process", "dcp_save"):
+    for peer in ("snapcore", "snapcore_overlap", "dcp_thread", "dcp_process", "dcp_save"):
         runs = rk["runs"][peer]
         assert [x["first"] for x in runs] == [True, False], peer  # a first save, one timed
         for x in runs:
@@ -131,9 +131,13 @@ def test_bench_distributed(tmp_path: Path) -> None:
             assert max(x["per_rank"]["blocked_s"]) <= max(x["per_rank"]["durable_s"])
             assert x["bytes_written"] >= unique  # every save wrote the whole state
     # snapcore writes each byte of the job once: deterministic, whatever the machine's speed
-    for x in rk["runs"]["snapcore"]:
+    for x in rk["runs"]["snapcore"] + rk["runs"]["snapcore_overlap"]:
         assert x["bytes_written"] <= 1.02 * unique
         assert sum(x["per_rank"]["rank_written"]) <= x["bytes_written"]
+    # overlap=True: copies deferred, the step after the call changed the state, and the
+    # snapshot is the state at the call, bit for bit
+    for x in rk["runs"]["snapcore_overlap"]:
+        assert x["deferred"] and x["step_changed_state"] and x["restore_exact"], x
     # every restore got the saved state back; the resharding one read about half each
     rs = r["reshard2"]
     assert rs["world"] == 2 and len(rs["needed_per_rank"]) == 2
@@ -147,7 +151,7 @@ def test_bench_distributed(tmp_path: Path) -> None:
     assert [t["status"] for t in r["targets"]] and all(
         t["status"] in ("PASS", "FAIL") for t in r["targets"]
     ), r["targets"]
-    assert len(r["targets"]) == 6
+    assert len(r["targets"]) == 8  # 6, and overlap=True's stall and staged
     text = table.read_text()
     assert "| save | blocked s |" in text and "| target | measured |" in text
     assert text in out
