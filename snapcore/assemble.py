@@ -48,7 +48,7 @@ def read_sharded(
     parts: list[mf.Manifest | None] = []
     for ref in index.parts:
         data = read(ref.name, ref.size)
-        at = f"{where.rsplit('/', 2)[0]}/{ref.name}"
+        at = _part_at(where, ref)
         if data is None:
             if not partial:
                 raise InvalidManifest(f"{at}: the part is missing")
@@ -66,6 +66,12 @@ def read_sharded(
             raise InvalidManifest(f"{at}: a part of another save plan or world size")
         parts.append(part)
     return merge(index, parts, where=where)
+
+
+def _part_at(where: str, ref: mf.PartRef) -> str:
+    """Where a part is, for messages: the index's ``where`` (``.../step-N/manifest.json``)
+    with the part's store-relative name in place of the step's."""
+    return f"{where.rsplit('/', 2)[0]}/{ref.name}"
 
 
 def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf.Manifest:
@@ -87,6 +93,7 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
             trees.append(None)
             continue
         assert part.part is not None
+        at = _part_at(where, index.parts[part.part.rank])
         b0 = len(blobs)
         # Parts may name the same file: a chunk is shared by content with an earlier
         # snapshot's file, whichever rank wrote it.
@@ -98,7 +105,7 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
                 files.append(f)
             elif files[i].size != f.size:
                 raise InvalidManifest(
-                    f"{where}: rank {part.part.rank} says {f.name} has {f.size} bytes, "
+                    f"{at}: rank {part.part.rank} says {f.name} has {f.size} bytes, "
                     f"another rank {files[i].size}"
                 )
             here.append(i)
@@ -125,7 +132,7 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
                 e = tensors[i]
                 if (e.dtype, e.shape) != (t.dtype, t.shape):
                     raise InvalidManifest(
-                        f"{where}: {key}: rank {part.part.rank} saved {t.dtype}{list(t.shape)}, "
+                        f"{at}: {key}: rank {part.part.rank} saved {t.dtype}{list(t.shape)}, "
                         f"another rank {e.dtype}{list(e.shape)}"
                     )
                 e.pieces.extend(pieces)
@@ -153,6 +160,7 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
         rank_trees=trees,
         part_files=[ref.name for r, ref in enumerate(index.parts) if r not in missing],
         missing_ranks=missing,
+        missing_parts=[_part_at(where, index.parts[r]) for r in missing],
     )
     return m
 
