@@ -207,16 +207,34 @@ def _check_tiling(t: mf.TensorEntry, key: str, where: str, *, whole: bool = True
             covered[flat] = 1
 
 
-def _renumber(node: Any, remap: list[int]) -> Any:
+def _renumber(tree: Any, remap: list[int]) -> Any:
     """A part's tree with tensor references (``{"tensor": i}``, also inside value nodes)
     pointing into the merged tensors. The tree was validated: every index is in range."""
-    if isinstance(node, dict):
-        if len(node) == 1 and type(node.get("tensor")) is int:
-            return {"tensor": remap[node["tensor"]]}
-        return {k: _renumber(v, remap) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_renumber(v, remap) for v in node]
-    return node
+    return _map_tensors(tree, lambda i: {"tensor": remap[i]})
+
+
+def _map_tensors(tree: Any, fn: Callable[[int], Any]) -> Any:
+    """A copy of ``tree`` with each tensor reference ``{"tensor": i}`` replaced by
+    ``fn(i)``. Iterative: a tree nested as deep as JSON decoding allows must not exhaust
+    the stack."""
+    top: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(tree, top, 0)]
+    while stack:
+        node, into, at = stack.pop()
+        if isinstance(node, dict):
+            if len(node) == 1 and type(node.get("tensor")) is int:
+                into[at] = fn(node["tensor"])
+                continue
+            obj: dict[str, Any] = dict.fromkeys(node)  # the keys in their order
+            into[at] = obj
+            stack.extend((v, obj, k) for k, v in node.items())
+        elif isinstance(node, list):
+            items: list[Any] = [None] * len(node)
+            into[at] = items
+            stack.extend((v, items, i) for i, v in enumerate(node))
+        else:
+            into[at] = node
+    return top[0]
 
 
 def differing_paths(m: mf.Manifest) -> list[str]:
@@ -236,28 +254,26 @@ def leaf_signatures(m: mf.Manifest, tree: dict[str, Any]) -> dict[str, str]:
     the hashes of its chunks (rank-local tensors of equal content compare equal)."""
     out: dict[str, str] = {}
 
-    def content(node: Any) -> Any:
-        if isinstance(node, dict):
-            if len(node) == 1 and type(node.get("tensor")) is int:
-                t = m.tensors[node["tensor"]]
-                hashes = [c.xxh3 for p in t.pieces for c in m.blobs[p.blob].chunks]
-                return {"tensor": [t.dtype, list(t.shape), hashes]}
-            return {k: content(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [content(v) for v in node]
-        return node
+    def content(i: int) -> Any:
+        t = m.tensors[i]
+        hashes = [c.xxh3 for p in t.pieces for c in m.blobs[p.blob].chunks]
+        return {"tensor": [t.dtype, list(t.shape), hashes]}
 
-    def walk(node: dict[str, Any], path: str) -> None:
+    stack: list[tuple[dict[str, Any], str]] = [(tree, "")]
+    while stack:
+        node, path = stack.pop()
         (kind, value), *_ = node.items()
         if kind == "dict":
-            for key, child in value:
-                walk(child, f"{path}.{key}" if path else str(key))
+            stack.extend((child, f"{path}.{key}" if path else str(key)) for key, child in value)
         elif kind == "stateful":
-            walk(value["state"], path)
+            stack.append((value["state"], path))
         else:
-            out[path] = json.dumps(content(node), sort_keys=True)
-
-    walk(tree, "")
+            try:
+                out[path] = json.dumps(_map_tensors(node, content), sort_keys=True)
+            except RecursionError:
+                raise InvalidManifest(
+                    f"step {m.step}: the value at {path[:200]!r} is nested too deeply"
+                ) from None
     return out
 
 
