@@ -685,6 +685,18 @@ SHARDED: list[Case] = [
         PART1,
     ),
 ]
+
+
+def _deep(parts: list[dict[str, Any]]) -> None:
+    """A value nested 300 lists deep in every part: read without exhausting the stack."""
+    node: dict[str, Any] = {"int": 0}
+    for _ in range(300):
+        node = {"list": [node]}
+    for p in parts:
+        p["tree"]["dict"].append(["deep", node])
+
+
+SHARDED.append(Case("sharded-deep-tree", _sharded(_deep), None))
 CASES += SHARDED
 # A local directory may hold some ranks' parts only (a node's): not an error until a
 # piece of a missing part is needed (tests/integration/test_hostile.py).
