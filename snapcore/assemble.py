@@ -13,7 +13,9 @@ Pure: bytes in, a manifest out; the callers (the tiers) read the files.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +23,6 @@ import xxhash
 
 from . import manifest as mf
 from .errors import InvalidManifest
-from .sharding import Box, BoxIndex
 
 __all__ = [
     "differing_paths",
@@ -47,7 +48,7 @@ def read_sharded(
     parts: list[mf.Manifest | None] = []
     for ref in index.parts:
         data = read(ref.name, ref.size)
-        at = f"{where.rsplit('/', 2)[0]}/{ref.name}"
+        at = _part_at(where, ref)
         if data is None:
             if not partial:
                 raise InvalidManifest(f"{at}: the part is missing")
@@ -65,6 +66,12 @@ def read_sharded(
             raise InvalidManifest(f"{at}: a part of another save plan or world size")
         parts.append(part)
     return merge(index, parts, where=where)
+
+
+def _part_at(where: str, ref: mf.PartRef) -> str:
+    """Where a part is, for messages: the index's ``where`` (``.../step-N/manifest.json``)
+    with the part's store-relative name in place of the step's."""
+    return f"{where.rsplit('/', 2)[0]}/{ref.name}"
 
 
 def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf.Manifest:
@@ -86,6 +93,7 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
             trees.append(None)
             continue
         assert part.part is not None
+        at = _part_at(where, index.parts[part.part.rank])
         b0 = len(blobs)
         # Parts may name the same file: a chunk is shared by content with an earlier
         # snapshot's file, whichever rank wrote it.
@@ -97,7 +105,7 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
                 files.append(f)
             elif files[i].size != f.size:
                 raise InvalidManifest(
-                    f"{where}: rank {part.part.rank} says {f.name} has {f.size} bytes, "
+                    f"{at}: rank {part.part.rank} says {f.name} has {f.size} bytes, "
                     f"another rank {files[i].size}"
                 )
             here.append(i)
@@ -124,7 +132,7 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
                 e = tensors[i]
                 if (e.dtype, e.shape) != (t.dtype, t.shape):
                     raise InvalidManifest(
-                        f"{where}: {key}: rank {part.part.rank} saved {t.dtype}{list(t.shape)}, "
+                        f"{at}: {key}: rank {part.part.rank} saved {t.dtype}{list(t.shape)}, "
                         f"another rank {e.dtype}{list(e.shape)}"
                     )
                 e.pieces.extend(pieces)
@@ -132,7 +140,10 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
         trees.append(_renumber(part.tree, remap))
     keyed = {i: key for key, i in by_key.items()}
     for i, t in enumerate(tensors):
-        _check_tiling(t, keyed.get(i, f"<rank-local tensor {i}>"), where, whole=not missing)
+        # A rank-local tensor is its part's alone: whole even when other parts are missing.
+        _check_tiling(
+            t, keyed.get(i, f"<rank-local tensor {i}>"), where, whole=not missing or i not in keyed
+        )
     present = [t for t in trees if t is not None]
     if not present:
         raise InvalidManifest(f"{where}: none of the step's parts is in this tier")
@@ -149,38 +160,81 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
         rank_trees=trees,
         part_files=[ref.name for r, ref in enumerate(index.parts) if r not in missing],
         missing_ranks=missing,
+        missing_parts=[_part_at(where, index.parts[r]) for r in missing],
     )
     return m
 
 
 def _check_tiling(t: mf.TensorEntry, key: str, where: str, *, whole: bool = True) -> None:
-    everything = Box((0,) * len(t.shape), t.shape)
-    boxes = [Box(p.offsets, p.shape) for p in t.pieces if all(p.shape)]
-    held = sum(b.numel() for b in boxes)
-    if held > everything.numel() or (whole and held != everything.numel()):
+    """The pieces of ``t`` do not overlap and (``whole``) cover it exactly once.
+
+    By cells: each dimension is cut at every piece's boundaries, and each cell may be
+    covered once. A grid of n pieces (what DTensor placements and the save plan make) has
+    n cells, so the check is linear; a layout cut into more than ``16 n + 65536`` cells
+    is refused instead of being checked at a cost its metadata does not bound (an
+    overlap query per piece is quadratic for a hostile part: docs/format.md)."""
+    numel = math.prod(t.shape)
+    boxes = [(p.offsets, p.shape) for p in t.pieces if all(p.shape)]
+    held = sum(math.prod(s) for _, s in boxes)
+    if held > numel or (whole and held != numel):
         raise InvalidManifest(
             f"{where}: {key}: the parts' pieces hold {held} of the "
-            f"{everything.numel()} elements of shape {list(t.shape)}"
+            f"{numel} elements of shape {list(t.shape)}"
         )
-    try:
-        index = BoxIndex(boxes)
-        for i, b in enumerate(boxes):
-            if any(j != i for j, _ in index.overlaps(b)):
+    if len(boxes) < 2:
+        return
+    cuts = [
+        sorted({0, g}.union(*({o[d], o[d] + s[d]} for o, s in boxes)))
+        for d, g in enumerate(t.shape)
+    ]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > 16 * len(boxes) + (1 << 16):
+        raise InvalidManifest(
+            f"{where}: {key}: {len(boxes)} pieces cut the tensor into {cells} cells "
+            "(more than 16 per piece): not a grid of pieces"
+        )
+    at = [{v: i for i, v in enumerate(c)} for c in cuts]
+    strides = [math.prod(len(c) - 1 for c in cuts[d + 1 :]) for d in range(len(cuts))]
+    covered = bytearray(cells)
+    for o, s in boxes:
+        spans = [
+            range(at[d][o[d]] * st, at[d][o[d] + s[d]] * st, st) for d, st in enumerate(strides)
+        ]
+        for cell in itertools.product(*spans):
+            flat = sum(cell)
+            if covered[flat]:
                 raise InvalidManifest(f"{where}: {key}: two saved pieces overlap")
-    except ValueError as e:
-        raise InvalidManifest(f"{where}: {key}: {e}") from None
+            covered[flat] = 1
 
 
-def _renumber(node: Any, remap: list[int]) -> Any:
+def _renumber(tree: Any, remap: list[int]) -> Any:
     """A part's tree with tensor references (``{"tensor": i}``, also inside value nodes)
     pointing into the merged tensors. The tree was validated: every index is in range."""
-    if isinstance(node, dict):
-        if len(node) == 1 and type(node.get("tensor")) is int:
-            return {"tensor": remap[node["tensor"]]}
-        return {k: _renumber(v, remap) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_renumber(v, remap) for v in node]
-    return node
+    return _map_tensors(tree, lambda i: {"tensor": remap[i]})
+
+
+def _map_tensors(tree: Any, fn: Callable[[int], Any]) -> Any:
+    """A copy of ``tree`` with each tensor reference ``{"tensor": i}`` replaced by
+    ``fn(i)``. Iterative: a tree nested as deep as JSON decoding allows must not exhaust
+    the stack."""
+    top: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(tree, top, 0)]
+    while stack:
+        node, into, at = stack.pop()
+        if isinstance(node, dict):
+            if len(node) == 1 and type(node.get("tensor")) is int:
+                into[at] = fn(node["tensor"])
+                continue
+            obj: dict[str, Any] = dict.fromkeys(node)  # the keys in their order
+            into[at] = obj
+            stack.extend((v, obj, k) for k, v in node.items())
+        elif isinstance(node, list):
+            items: list[Any] = [None] * len(node)
+            into[at] = items
+            stack.extend((v, items, i) for i, v in enumerate(node))
+        else:
+            into[at] = node
+    return top[0]
 
 
 def differing_paths(m: mf.Manifest) -> list[str]:
@@ -200,28 +254,26 @@ def leaf_signatures(m: mf.Manifest, tree: dict[str, Any]) -> dict[str, str]:
     the hashes of its chunks (rank-local tensors of equal content compare equal)."""
     out: dict[str, str] = {}
 
-    def content(node: Any) -> Any:
-        if isinstance(node, dict):
-            if len(node) == 1 and type(node.get("tensor")) is int:
-                t = m.tensors[node["tensor"]]
-                hashes = [c.xxh3 for p in t.pieces for c in m.blobs[p.blob].chunks]
-                return {"tensor": [t.dtype, list(t.shape), hashes]}
-            return {k: content(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [content(v) for v in node]
-        return node
+    def content(i: int) -> Any:
+        t = m.tensors[i]
+        hashes = [c.xxh3 for p in t.pieces for c in m.blobs[p.blob].chunks]
+        return {"tensor": [t.dtype, list(t.shape), hashes]}
 
-    def walk(node: dict[str, Any], path: str) -> None:
+    stack: list[tuple[dict[str, Any], str]] = [(tree, "")]
+    while stack:
+        node, path = stack.pop()
         (kind, value), *_ = node.items()
         if kind == "dict":
-            for key, child in value:
-                walk(child, f"{path}.{key}" if path else str(key))
+            stack.extend((child, f"{path}.{key}" if path else str(key)) for key, child in value)
         elif kind == "stateful":
-            walk(value["state"], path)
+            stack.append((value["state"], path))
         else:
-            out[path] = json.dumps(content(node), sort_keys=True)
-
-    walk(tree, "")
+            try:
+                out[path] = json.dumps(_map_tensors(node, content), sort_keys=True)
+            except RecursionError:
+                raise InvalidManifest(
+                    f"step {m.step}: the value at {path[:200]!r} is nested too deeply"
+                ) from None
     return out
 
 

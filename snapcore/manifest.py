@@ -210,6 +210,7 @@ class Manifest:
     # Ranks whose parts a node-local tier does not hold (another node's): their trees are
     # None and their pieces absent; the chunks present are read from here.
     missing_ranks: list[int] = field(default_factory=list)
+    missing_parts: list[str] = field(default_factory=list)  # where they are, for messages
 
     @property
     def nbytes(self) -> int:
@@ -551,8 +552,15 @@ def parse_any(data: bytes, *, where: str) -> Manifest | Index:
     version = doc.get("format_version")
     if version == FORMAT_VERSION:
         return _parse_doc(doc, where, None)
-    if version == SHARDED_VERSION and doc.get("kind") == KIND:
-        return _parse_index(doc, where)
+    if version == SHARDED_VERSION:
+        kind = doc.get("kind")
+        if kind == KIND:
+            return _parse_index(doc, where)
+        what = "a part of a sharded snapshot" if kind == PART_KIND else "not a snapshot"
+        raise InvalidManifest(
+            f"{where}: kind {str(kind)[:40]!r} is {what}, not a snapshot's manifest or index "
+            f"({KIND!r})"
+        )
     raise InvalidManifest(
         f"{where}: format_version {version!r} is not supported (this snapcore reads "
         f"versions {FORMAT_VERSION} and {SHARDED_VERSION})"

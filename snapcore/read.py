@@ -400,7 +400,19 @@ class Reader:
             return out
         path = self.paths.get(i, f"<tensor {i}>")
         saved = [SavedPiece(path, Box(p.offsets, p.shape), size) for p in e.pieces]
-        (copies,) = plan_read(saved, [(path, box)])
+        try:
+            (copies,) = plan_read(saved, [(path, box)])
+        except StateMismatch as err:
+            if not self.m.missing_ranks:
+                raise
+            # The pieces were checked not to overlap: what is missing is a missing part's.
+            raise CorruptSnapshot(
+                f"step {self.m.step}: {err}: the part of rank(s) "
+                f"{_some([str(r) for r in self.m.missing_ranks])} "
+                f"({_some(self.m.missing_parts)}) is in none of the tiers read here",
+                step=self.m.step,
+                file=self.m.missing_parts[0],
+            ) from None
         need: dict[int, set[int]] = {}
         for c in copies:
             p = e.pieces[c.piece]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from hostile.corpus import CASES, STEP, Case
+from hostile.corpus import CASES, PART_MISSING, STEP, Case
 
 import snapcore
 from snapcore.cli import main
@@ -146,6 +146,23 @@ def test_cli_subprocess_prints_one_line(name, tmp_path):
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_missing_part_is_named_when_one_of_its_pieces_is_needed(tmp_path):
+    """A local directory may hold some ranks' parts only (a node's): its manifest reads,
+    verify checks the chunks it holds, and a read needing a missing part's piece raises
+    CorruptSnapshot naming that part's file."""
+    root = tmp_path / "store"
+    PART_MISSING.build(root)
+    m = LocalTier(root).read_manifest(STEP)
+    assert m.missing_ranks == [1] and m.missing_parts[0].endswith(
+        PART_MISSING.match + "0123456789ab.json"
+    )
+    for fn in (lambda: snapcore.restore(_like_state(), root), lambda: snapcore.load(root)):
+        with pytest.raises(snapcore.CorruptSnapshot, match=PART_MISSING.match) as e:
+            _bounded(root, fn)
+        assert "in none of the tiers read here" in str(e.value)
+    assert _verify(root) == []
 
 
 # -- the mechanisms behind the corpus, one at a time ------------------------------------------

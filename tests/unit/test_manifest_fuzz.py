@@ -347,3 +347,80 @@ def test_count_caps_are_enforced(monkeypatch, cap, value, message):
     monkeypatch.setattr(mf, cap, value)
     with pytest.raises(InvalidManifest, match=message):
         mf.parse(VALID_BYTES, where="fuzz")
+
+
+# -- format 3: a sharded snapshot's index (parse_any) and parts (parse_part) --------------------
+VALID_PART: dict[str, Any] = {
+    **VALID,
+    "format_version": 3,
+    "kind": "snapcore.part",
+    "rank": 1,
+    "plan": "ab" * 32,
+    "structure": "cd" * 32,
+    "keys": ["w", None],
+    "world_size": 2,
+}
+VALID_INDEX: dict[str, Any] = {
+    "format_version": 3,
+    "kind": "snapcore.snapshot",
+    "step": 7,
+    "created_unix": 1700000000.5,
+    "writer": {},
+    "world_size": 2,
+    "plan": "ab" * 32,
+    "parts": [
+        {"rank": r, "name": f"step-000000000007/part-0000{r}-x.json", "size": 9, "xxh3": "0" * 32}
+        for r in range(2)
+    ],
+}
+
+
+@st.composite
+def structural_of(draw: st.DrawFn, seed: dict[str, Any]) -> bytes:
+    doc = json.loads(json.dumps(seed))
+    for _ in range(draw(st.integers(1, 2))):
+        slots = _slots(doc, [])
+        target, key = slots[draw(st.integers(0, len(slots) - 1))]
+        action = draw(st.sampled_from(["retype"] * 3 + ["replace", "delete"]))
+        if action == "retype":
+            old = target[key]
+            kind = str if isinstance(old, str) else (int, float) if _number(old) else object
+            same = [v for v in HOSTILE if isinstance(v, kind) and not isinstance(v, bool)]
+            target[key] = draw(st.sampled_from(same)) if same else draw(JSON)
+        elif action == "replace":
+            target[key] = draw(JSON)
+        else:
+            del target[key]
+    return json.dumps(doc).encode()
+
+
+def test_the_format_3_seeds_are_valid():
+    assert mf.parse_part(json.dumps(VALID_PART).encode(), where="seed").part is not None
+    assert isinstance(mf.parse_any(json.dumps(VALID_INDEX).encode(), where="seed"), mf.Index)
+
+
+@FUZZ
+@given(structural_of(VALID_PART))
+def test_part_mutations_parse_or_raise_invalid_manifest(data):
+    try:
+        m = mf.parse_part(data, where="fuzz")
+    except InvalidManifest:
+        return
+    assert m.part is not None and len(m.part.keys) == len(m.tensors)
+    build(m.tree, lambda i, path: i)
+
+
+@FUZZ
+@given(st.one_of(structural_of(VALID_INDEX), structural_of(VALID_PART), structural_of(VALID)))
+def test_parse_any_mutations_parse_or_raise_invalid_manifest(data):
+    try:
+        doc = mf.parse_any(data, where="fuzz")
+    except InvalidManifest:
+        return
+    if isinstance(doc, mf.Index):
+        assert len(doc.parts) == doc.world_size >= 1
+        assert all(
+            r.rank == i and r.name.startswith("step-000000000007/") for i, r in enumerate(doc.parts)
+        )
+    else:
+        build(doc.tree, lambda i, path: i)

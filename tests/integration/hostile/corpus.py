@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 import snapcore
 from snapcore.errors import CorruptSnapshot, InvalidManifest, SnapcoreError
@@ -256,6 +257,455 @@ CASES: list[Case] = [
     Case("stray-step-dir-with-manifest", _stray_step_dir_with_manifest, None),
     Case("store-is-a-file", _store_is_a_file, SnapcoreError),  # api: SnapshotNotFound
 ]
+
+
+# -- sharded snapshots (format 3): an index and one part per rank ---------------------------
+PLAN = "ab" * 32  # the save plan's fingerprint (any 64 hex digits)
+STRUCTURE = "cd" * 32
+
+
+def _part_name(rank: int) -> str:
+    return f"{STEP_DIR}/part-{rank:05d}-0123456789ab.json"
+
+
+def _split(root: Path, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Two parts made from the valid snapshot's manifest: rank 0 wrote rows 0-1 of the
+    global tensor ``w``, rank 1 (into its own copy of the data file) row 2; each has its
+    rank-local ``b`` (equal on both) and the scalars."""
+    data = doc["files"][0]["name"]
+    copy = data.replace("-r0.bin", "-r1.bin")
+    (root / copy).write_bytes((root / data).read_bytes())
+    parts = []
+    for rank, (first, rows) in enumerate([(0, 2), (2, 1)]):
+        part = json.loads(json.dumps(doc))
+        part.update(format_version=3, kind="snapcore.part", world_size=2)
+        part.update(rank=rank, plan=PLAN, structure=STRUCTURE, keys=["w", None])
+        if rank:
+            part["files"][0]["name"] = copy
+        part["tensors"][0]["pieces"][0].update(
+            offsets=[first, 0], shape=[rows, 4], byte_offset=first * 16
+        )
+        parts.append(part)
+    return parts
+
+
+Hook = Callable[[Path, dict[str, Any], list[Any]], None]
+
+
+def _sharded(
+    parts_hook: Callable[[list[dict[str, Any]]], None] | None = None,
+    index_hook: Callable[[dict[str, Any]], None] | None = None,
+    after: Callable[[Path, dict[str, Any]], None] | None = None,
+    raw_part: Callable[[int, bytes], bytes] | None = None,
+    raw_index: Callable[[bytes], bytes] | None = None,
+) -> Callable[[Path], None]:
+    """A valid sharded step 200 (``_split``) made hostile: ``parts_hook`` edits the parts'
+    JSON and ``raw_part(rank, bytes)`` their bytes before the index lists them (so that
+    sizes and hashes match), ``index_hook`` and ``raw_index`` edit the index, ``after``
+    the files once written."""
+
+    def build(root: Path) -> None:
+        doc = _base(root)
+        parts = _split(root, doc)
+        if parts_hook is not None:
+            parts_hook(parts)
+        refs = []
+        for rank, part in enumerate(parts):
+            data = json.dumps(part).encode()
+            if raw_part is not None:
+                data = raw_part(rank, data)
+            (root / _part_name(rank)).write_bytes(data)
+            refs.append(
+                {
+                    "rank": rank,
+                    "name": _part_name(rank),
+                    "size": len(data),
+                    "xxh3": xxhash.xxh3_128_hexdigest(data),
+                }
+            )
+        index = {
+            "format_version": 3,
+            "kind": "snapcore.snapshot",
+            "step": STEP,
+            "created_unix": doc["created_unix"],
+            "writer": doc["writer"],
+            "world_size": len(refs),
+            "plan": PLAN,
+            "parts": refs,
+        }
+        if index_hook is not None:
+            index_hook(index)
+        data = json.dumps(index).encode()
+        _manifest(root).write_bytes(raw_index(data) if raw_index is not None else data)
+        if after is not None:
+            after(root, index)
+
+    return build
+
+
+def _each_part(mutate: Callable[[dict[str, Any]], None], rank: int = 1) -> Callable[..., None]:
+    def hook(parts: list[dict[str, Any]]) -> None:
+        mutate(parts[rank])
+
+    return hook
+
+
+def _ref(rank: int, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    def hook(index: dict[str, Any]) -> None:
+        index["parts"][rank].update(fields)
+
+    return hook
+
+
+def _replace_part(make: Callable[[Path, Path], None], rank: int = 1) -> Callable[..., None]:
+    """``make(path, root)`` puts something else where the part was (the index unchanged)."""
+
+    def after(root: Path, index: dict[str, Any]) -> None:
+        path = root / index["parts"][rank]["name"]
+        make(path, root)
+
+    return after
+
+
+def _link_part(outside: bool) -> Callable[[Path, Path], None]:
+    def make(path: Path, root: Path) -> None:
+        target = root.parent / f"{root.name}-part.json" if outside else path.with_suffix(".real")
+        path.rename(target)
+        path.symlink_to(target)
+
+    return make
+
+
+def _fifo_part(path: Path, root: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _dir_part(path: Path, root: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _linked_dir_part(root: Path, index: dict[str, Any]) -> None:
+    """The part reached through a directory that is a symlink out of the store."""
+    outside = root.parent / f"{root.name}-outside"
+    outside.mkdir()
+    (root / _part_name(1)).rename(outside / _part_name(1).rsplit("/", 1)[1])
+    (root / STEP_DIR / "linked").symlink_to(outside, target_is_directory=True)
+
+
+def _huge_part(path: Path, root: Path) -> None:
+    """The part grown (sparse) past the 64 MiB cap; the index keeps its real size."""
+    with path.open("r+b") as f:
+        f.truncate((64 << 20) + 1)
+
+
+def _many_parts(n: int) -> Callable[[dict[str, Any]], None]:
+    def hook(index: dict[str, Any]) -> None:
+        ref = index["parts"][1]
+        index["parts"] += [
+            {**ref, "rank": r, "name": f"{STEP_DIR}/part-{r:05d}-0123456789ab.json"}
+            for r in range(2, n)
+        ]
+        index["world_size"] = n
+
+    return hook
+
+
+def _rows(rank: int, first: int, rows: int) -> Callable[[list[dict[str, Any]]], None]:
+    def hook(parts: list[dict[str, Any]]) -> None:
+        parts[rank]["tensors"][0]["pieces"][0].update(
+            offsets=[first, 0], shape=[rows, 4], byte_offset=first * 16
+        )
+
+    return hook
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """Set ``doc[a][b]...`` (``path`` "a.b...", integers index lists)."""
+
+    def mutate(doc: dict[str, Any]) -> None:
+        *head, last = path.split(".")
+        obj: Any = doc
+        for k in head:
+            obj = obj[int(k)] if isinstance(obj, list) else obj[k]
+        obj[int(last) if isinstance(obj, list) else last] = value
+
+    return mutate
+
+
+def _part_as_manifest(root: Path, index: dict[str, Any]) -> None:
+    """manifest.json replaced by rank 0's part."""
+    _manifest(root).write_bytes((root / index["parts"][0]["name"]).read_bytes())
+
+
+def _no_piece(parts: list[dict[str, Any]]) -> None:
+    parts[1]["tensors"][1]["pieces"] = []  # rank 1's rank-local b
+
+
+def _duplicate_index_key(data: bytes) -> bytes:
+    out = data.replace(b'"world_size": 2', b'"world_size": 2, "world_size": 1', 1)
+    assert out != data
+    return out
+
+
+INDEX = f"{STEP_DIR}/manifest.json"
+PART0 = f"{STEP_DIR}/part-00000-"
+PART1 = f"{STEP_DIR}/part-00001-"
+SHARDED: list[Case] = [
+    Case("sharded-valid", _sharded(), None),
+    # the index: where its parts are, how many, in which order
+    Case(
+        "sharded-part-in-other-step",
+        _sharded(index_hook=_ref(1, name=f"step-{STEP - 1:012d}/part-00001-0123456789ab.json")),
+        InvalidManifest,
+        f"{INDEX}: schema violation at parts[1].name",
+    ),
+    Case(
+        "sharded-part-dotdot",
+        _sharded(index_hook=_ref(1, name=f"{STEP_DIR}/../{STEP_DIR}/part-00001-x.json")),
+        InvalidManifest,
+        f"{INDEX}: schema violation at parts[1].name",
+    ),
+    Case(
+        "sharded-part-at-store-root",
+        _sharded(index_hook=_ref(1, name="part-00001-x.json")),
+        InvalidManifest,
+        f"{INDEX}: schema violation at parts[1].name",
+    ),
+    Case(
+        "sharded-world-size-3-two-parts",
+        _sharded(index_hook=_set("world_size", 3)),
+        InvalidManifest,
+        f"{INDEX}: schema violation at parts: must list one part per rank",
+    ),
+    Case(
+        "sharded-world-size-2^40",
+        _sharded(index_hook=_set("world_size", 1 << 40)),
+        InvalidManifest,
+        f"{INDEX}: schema violation at world_size",
+    ),
+    Case(
+        "sharded-world-size-0",
+        _sharded(index_hook=lambda i: i.update(world_size=0, parts=[])),
+        InvalidManifest,
+        f"{INDEX}: schema violation at world_size",
+    ),
+    Case(
+        "sharded-100000-parts-missing",
+        _sharded(index_hook=_many_parts(100_000)),
+        InvalidManifest,
+        f"{PART0}",
+    ),
+    Case(
+        "sharded-parts-out-of-order",
+        _sharded(index_hook=lambda i: i["parts"].reverse()),
+        InvalidManifest,
+        f"{INDEX}: schema violation at parts[0].rank",
+    ),
+    Case(
+        "sharded-two-refs-one-file",
+        _sharded(index_hook=_ref(1, name=_part_name(0))),
+        InvalidManifest,
+        f"{INDEX}: two parts name the same file",
+    ),
+    Case(
+        "sharded-duplicate-json-key",
+        _sharded(raw_index=_duplicate_index_key),
+        InvalidManifest,
+        f"{INDEX}: not valid JSON: duplicate key",
+    ),
+    Case(
+        "sharded-index-kind-part",
+        _sharded(index_hook=_set("kind", "snapcore.part")),
+        InvalidManifest,
+        f"{INDEX}: kind 'snapcore.part' is a part of a sharded snapshot",
+    ),
+    Case(
+        "sharded-part-as-manifest",
+        _sharded(after=_part_as_manifest),
+        InvalidManifest,
+        f"{INDEX}: kind 'snapcore.part' is a part",
+    ),
+    Case(
+        "sharded-index-step-99",
+        _sharded(index_hook=_set("step", 99)),
+        InvalidManifest,
+        f"{INDEX}: schema violation at parts[0].name",
+    ),
+    Case(
+        "sharded-part-size-2^40",
+        _sharded(index_hook=_ref(1, size=1 << 40)),
+        InvalidManifest,
+        f"{INDEX}: schema violation at parts[1].size",
+    ),
+    # the part file: present, regular, in the store, the bytes the index names
+    Case(
+        "sharded-part-size-differs",
+        _sharded(index_hook=lambda i: i["parts"][1].update(size=i["parts"][1]["size"] - 1)),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-part-xxh3-differs",
+        _sharded(index_hook=_ref(1, xxh3="0" * 32)),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-part-symlink-out",
+        _sharded(after=_replace_part(_link_part(True))),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-part-symlink-in",
+        _sharded(after=_replace_part(_link_part(False))),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-part-through-linked-dir",
+        _sharded(
+            index_hook=_ref(1, name=f"{STEP_DIR}/linked/{_part_name(1).rsplit('/', 1)[1]}"),
+            after=_linked_dir_part,
+        ),
+        InvalidManifest,
+        f"{STEP_DIR}/linked/part-00001-",
+    ),
+    Case("sharded-part-fifo", _sharded(after=_replace_part(_fifo_part)), InvalidManifest, PART1),
+    Case("sharded-part-dir", _sharded(after=_replace_part(_dir_part)), InvalidManifest, PART1),
+    Case(
+        "sharded-part-64MiB",
+        _sharded(after=_replace_part(_huge_part)),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    # the part's own claims against the index's
+    Case(
+        "sharded-part-world-size-3",
+        _sharded(_each_part(_set("world_size", 3))),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-part-other-plan",
+        _sharded(_each_part(_set("plan", "ef" * 32))),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-part-says-rank-0",
+        _sharded(_each_part(_set("rank", 0))),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-part-other-step",
+        _sharded(_each_part(_set("step", STEP + 1))),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-part-kind-snapshot",
+        _sharded(_each_part(_set("kind", "snapcore.snapshot"))),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-part-duplicate-json-key",
+        _sharded(
+            raw_part=lambda r, d: d.replace(b'"rank": 1', b'"rank": 1, "rank": 0') if r else d
+        ),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-part-not-json",
+        _sharded(raw_part=lambda r, d: d[:-1] if r else d),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    # what the parts say of the tensors
+    Case(
+        "sharded-dtype-disagrees",
+        _sharded(_each_part(_set("tensors.0.dtype", "int32"))),
+        InvalidManifest,
+        PART1,
+    ),
+    Case(
+        "sharded-shape-disagrees",
+        _sharded(_each_part(_set("tensors.0.shape", [4, 4]))),
+        InvalidManifest,
+        PART1,
+    ),
+    Case("sharded-pieces-overlap", _sharded(_rows(1, 1, 1)), InvalidManifest, f"{INDEX}: w: "),
+    Case("sharded-pieces-gap", _sharded(_rows(0, 0, 1)), InvalidManifest, f"{INDEX}: w: "),
+    Case(
+        "sharded-pieces-overlap-and-gap",
+        _sharded(_rows(1, 1, 2)),
+        InvalidManifest,
+        f"{INDEX}: w: the parts' pieces hold 16 of the 12",
+    ),
+    Case(
+        "sharded-piece-outside",
+        _sharded(_rows(1, 3, 1)),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-keys-too-few",
+        _sharded(_each_part(_set("keys", ["w"]))),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-keys-not-strings",
+        _sharded(_each_part(_set("keys", [1, None]))),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case("sharded-rank-local-no-piece", _sharded(_no_piece), InvalidManifest, f"{INDEX}: "),
+    Case(
+        "sharded-tree-tensor-out-of-range",
+        _sharded(_each_part(_set("tree.dict.0.1.tensor", 2))),
+        InvalidManifest,
+        f"{PART1}",
+    ),
+    Case(
+        "sharded-files-disagree-on-size",
+        _sharded(
+            _each_part(
+                lambda p: p["files"][0].update(
+                    name=p["files"][0]["name"].replace("-r1", "-r0"), size=200
+                )
+            )
+        ),
+        InvalidManifest,
+        PART1,
+    ),
+]
+
+
+def _deep(parts: list[dict[str, Any]]) -> None:
+    """A value nested 300 lists deep in every part: read without exhausting the stack."""
+    node: dict[str, Any] = {"int": 0}
+    for _ in range(300):
+        node = {"list": [node]}
+    for p in parts:
+        p["tree"]["dict"].append(["deep", node])
+
+
+SHARDED.append(Case("sharded-deep-tree", _sharded(_deep), None))
+CASES += SHARDED
+# A local directory may hold some ranks' parts only (a node's): not an error until a
+# piece of a missing part is needed (tests/integration/test_hostile.py).
+PART_MISSING = Case(
+    "sharded-part-missing",
+    _sharded(after=lambda root, i: (root / i["parts"][1]["name"]).unlink()),
+    CorruptSnapshot,
+    PART1,
+)
 
 
 def write_corpus(out: Path) -> None:
