@@ -117,6 +117,9 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
             ]
             blobs.append(mf.Blob(b.nbytes, chunks, b.element_size))
         remap: list[int] = []
+        named = [k for k in part.part.keys if k is not None]
+        if len(set(named)) != len(named):
+            raise InvalidManifest(f"{at}: a key names two tensors")
         for key, t in zip(part.part.keys, part.tensors, strict=True):
             pieces = [
                 mf.Piece(p.offsets, p.shape, p.blob + b0, p.byte_offset, p.strides)
