@@ -70,11 +70,21 @@ class Pending:
         self.dir = store.root / step_dir_name(step)
         self._fd: int | None = None
         self.committed = False
+        # Another rank's collector may remove the empty directory at any time until our
+        # lock is in it, even between mkdir's EEXIST and its is_dir() check: pathlib's
+        # mkdir(exist_ok=True) then raises FileExistsError. Both mkdirs allow for that.
         if not self.dir.exists():
-            self.dir.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # the loop below makes it again
+                self.dir.mkdir(parents=True, exist_ok=True)
             fsync_dir(store.root)  # the new directory's entry must survive a power loss
         for _ in range(100):
-            self.dir.mkdir(parents=True, exist_ok=True)
+            made = not self.dir.exists()
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except FileExistsError:  # removed by a collector meanwhile: try again
+                continue
+            if made:  # made again after a collector removed it: its entry must last too
+                fsync_dir(store.root)
             self.token = secrets.token_hex(6)
             self.lock_path = self.dir / f"{self.token}{PENDING_SUFFIX}"
             try:

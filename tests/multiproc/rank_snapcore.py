@@ -13,8 +13,19 @@ order; the report holds one entry per action.
   {"op": "kill-save", "kind": K, "store": DIR, "step": N, "victim": R, "point": P}
       save steps N then N + 1; rank R SIGKILLs itself during the second at point P
       ("staged": when async_save returns; "writing": once its data file exists; "part":
+<<<<<<< HEAD
       once its part file exists; "index": once the step's index exists, for rank 0, the
       coordinator). The others report how the second save ended.
+=======
+      once its part file exists). The others report how the second save ended.
+  {"op": "dcp-vs-snapcore", "dcp": DIR, "store": DIR}
+      build an FSDP2 model (seed 0, two AdamW steps); save get_state_dict's {"model",
+      "optim"} with torch.distributed.checkpoint into "dcp" and {"app": AppState} with
+      snapcore into "store" (step 1); restore two fresh models (seed 1), one with dcp.load
+      + set_state_dict, the other with snapcore.restore; report the digests of the saved
+      state and of both restored ones, and what snapcore's restore opened in "dcp" or
+      unpickled (see `no_pickle`).
+>>>>>>> dcp-interop
 
 Run without torchrun too (the kill test starts plain processes with the env:// rendezvous
 variables), so that a killed rank does not make an agent tear the others down.
@@ -22,13 +33,16 @@ variables), so that a killed rank does not make an agent tear the others down.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import pickle
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import launch
@@ -148,6 +162,101 @@ def kill_save(a: dict[str, Any]) -> dict[str, Any]:
     return {"first": first, "second": second, "outcome": outcome}
 
 
+_watch: list[str] | None = None  # while set, what the audit hook saw
+_hooked = False
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if _watch is None:
+        return
+    if event == "open" and isinstance(args[0], str | bytes | os.PathLike):
+        _watch.append(f"open {os.fsdecode(args[0])}")
+    elif event == "pickle.find_class":
+        _watch.append(f"unpickle {args[0]}.{args[1]}")
+
+
+@contextlib.contextmanager
+def no_pickle() -> Iterator[list[str]]:
+    """Record every file opened and every unpickling done meanwhile: the audit hook sees
+    each open and each global an Unpickler looks up; pickle.load/loads, pickle.Unpickler
+    and torch.load are replaced by recorders too (an unpickling of plain containers
+    looks up no global)."""
+    global _watch, _hooked
+    if not _hooked:  # once per process: an audit hook cannot be removed
+        sys.addaudithook(_audit)
+        _hooked = True
+    seen: list[str] = []
+    patched = {
+        (pickle, "load"): pickle.load,
+        (pickle, "loads"): pickle.loads,
+        (pickle, "Unpickler"): pickle.Unpickler,
+        (torch, "load"): torch.load,
+    }
+
+    def recorder(name: str, real: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            seen.append(f"unpickle via {name}")
+            return real(*args, **kw)
+
+        return call
+
+    class Unpickler(pickle.Unpickler):  # a class: torch.load subclasses it
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            seen.append("unpickle via pickle.Unpickler")
+            super().__init__(*args, **kw)
+
+    for (mod, name), real in patched.items():
+        fake = Unpickler if name == "Unpickler" else recorder(f"{mod.__name__}.{name}", real)
+        setattr(mod, name, fake)
+    _watch = seen
+    try:
+        yield seen
+    finally:
+        _watch = None
+        for (mod, name), real in patched.items():
+            setattr(mod, name, real)
+
+
+def dcp_vs_snapcore(a: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model, optim = models.build("fsdp2", steps=2, seed=a.get("seed", 0))
+    dcp.save(models.get_model_state(model, optim), checkpoint_id=a["dcp"])
+    snapcore.save({"app": AppState(model, optim)}, a["store"], step=1)
+    saved = digests(model, optim)
+
+    dcp_model, dcp_optim = models.build("fsdp2", steps=2, seed=1)
+    sd = models.get_model_state(dcp_model, dcp_optim)
+    with no_pickle() as dcp_seen:  # the control: DCP's metadata is a pickle
+        dcp.load(sd, checkpoint_id=a["dcp"])  # in place, into the DTensor shards
+    set_state_dict(dcp_model, dcp_optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    sc_model, sc_optim = models.build("fsdp2", steps=2, seed=1)
+    before = digests(sc_model, sc_optim)
+    with no_pickle() as seen:
+        info = snapcore.restore({"app": AppState(sc_model, sc_optim)}, a["store"])
+
+    def split(seen: list[str]) -> dict[str, Any]:
+        """The files opened, by directory ("dcp", "store"), and the unpicklings."""
+        opened = [os.path.realpath(s[5:]) for s in seen if s.startswith("open ")]
+        out: dict[str, Any] = {"unpickled": sorted({s for s in seen if not s.startswith("open ")})}
+        for key in ("dcp", "store"):
+            root = os.path.realpath(a[key]) + os.sep
+            out[key] = sorted({os.path.relpath(p, root) for p in opened if p.startswith(root)})
+        return out
+
+    return {
+        "saved": saved,
+        "dcp": digests(dcp_model, dcp_optim),
+        "snapcore": digests(sc_model, sc_optim),
+        "before": before,
+        "step": info.step,
+        "dcp_load": split(dcp_seen),
+        "snapcore_restore": split(seen),
+    }
+
+
 def replan(a: dict[str, Any]) -> dict[str, Any]:
     """Save step 1; add a tensor to the state on the ranks ``a["who"]`` names; save steps 2
     and 3 and report how each ended."""
@@ -213,6 +322,7 @@ OPS = {
     "kill-save": kill_save,
     "replan": replan,
     "checkpointer": checkpointer,
+    "dcp-vs-snapcore": dcp_vs_snapcore,
 }
 
 

@@ -445,3 +445,25 @@ def test_the_coordinator_killed_after_committing_loses_nothing(tmp_path: Path) -
     assert outcome["ok"] or "may or may not be committed" in outcome["message"], outcome
     assert LocalDirectory(store).committed_steps() == [1, 2]
     assert loaded_digests(store) == res["second"]
+
+
+def test_a_dcp_checkpoint_and_a_snapcore_one_restore_to_identical_tensors(tmp_path: Path) -> None:
+    """The same FSDP2 state saved by torch.distributed.checkpoint and by snapcore, each
+    restored into a fresh model with other weights: every tensor agrees, bit for bit."""
+    dcp_dir, store = tmp_path / "dcp", tmp_path / "snapcore"
+    action = {"op": "dcp-vs-snapcore", "dcp": str(dcp_dir), "store": str(store)}
+    res = run(2, [action])
+    saved = res[0][0]["saved"]
+    assert any(k.startswith("optim.state.") for k in saved)  # AdamW's state is in it
+    for rank, (r,) in enumerate(res):
+        assert r["before"] != saved, rank  # the fresh model held other weights
+        assert r["saved"] == saved, rank
+        assert r["dcp"] == saved, rank
+        assert r["snapcore"] == saved, rank
+        assert r["step"] == 1
+        # snapcore's restore read its own directory only, and unpickled nothing; the
+        # recorders do see DCP's load open its directory and unpickle its metadata
+        sc, dc = r["snapcore_restore"], r["dcp_load"]
+        assert "step-000000000001/manifest.json" in sc["store"], sc
+        assert sc["dcp"] == [] and sc["unpickled"] == [], sc
+        assert ".metadata" in dc["dcp"] and dc["unpickled"] and dc["store"] == [], dc

@@ -86,3 +86,32 @@ def test_a_symlink_named_like_a_step_is_never_followed(tmp_path):
     snapcore.save({"x": torch.ones(1)}, store, step=1)
     assert LocalDirectory(store).collect_leftovers(full=True) == []
     assert (victim / "thesis.tex").read_text() == "years of work"
+
+
+def test_a_step_directory_removed_by_a_collector_during_begin_is_made_again(tmp_path, monkeypatch):
+    """Another rank's collector may rmdir the empty step directory just after this
+    writer's mkdir found it there: pathlib's mkdir(exist_ok=True) then raises
+    FileExistsError (EEXIST, and its is_dir() check finds nothing). begin() must make the
+    directory again, not fail the save (seen once in ~25 runs of the DCP interop test)."""
+    import errno
+
+    store = LocalDirectory(tmp_path)
+    store.ensure()
+    target = tmp_path / step_dir_name(4)
+    real_mkdir, raced = os.mkdir, []
+
+    def mkdir(path, mode=0o777, *args, **kw):
+        if os.fspath(path) == os.fspath(target) and len(raced) < 2:
+            raced.append(path)
+            if not os.path.isdir(path):
+                real_mkdir(path, mode)  # another rank made it...
+            os.rmdir(path)  # ...and a collector removed it, after our EEXIST
+            raise FileExistsError(errno.EEXIST, "File exists", os.fspath(path))
+        return real_mkdir(path, mode, *args, **kw)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    pending = store.begin(4)
+    monkeypatch.undo()
+    assert len(raced) == 2  # both of begin()'s mkdirs met the race
+    assert pending.lock_path.exists() and pending.dir == target
+    pending.abort()
