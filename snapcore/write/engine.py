@@ -90,6 +90,12 @@ class Engine:
         assert self.local is not None
         return self.local.root
 
+    @property
+    def sharder(self) -> Sharder | None:
+        """The save plan of this store under torch.distributed (None before a sharded
+        save)."""
+        return self._sharder
+
     def tier(self, name: str) -> Tier:
         return {"host": self.host, "local": self.local, "remote": self.remote}[name]
 

@@ -13,6 +13,7 @@ step's commit and every rank re-plans at its next save (docs/distributed.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -23,7 +24,14 @@ import torch
 
 from .. import manifest as mf
 from ..distributed.job import Job, all_gather_bytes
-from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_save
+from ..manifest import dtype_name
+from ..planning.global_plan import (
+    GlobalPlan,
+    LocalItem,
+    describe_local,
+    describe_sharded,
+    plan_save,
+)
 from ..planning.global_plan import structure_fingerprint as fingerprint
 from ..planning.layout import Layout, plan
 from ..sharding import Box
@@ -70,6 +78,7 @@ class Sharder:
     # index there and keeps it tidy), and whether it shares rank 0's (where the
     # coordinator writes the index).
     leaders: dict[str, bool] = field(default_factory=dict)
+    small_exchange: bool = False  # whether the last exchange needed no items (_agree)
     with_rank0: dict[str, bool] = field(default_factory=dict)
 
     def leads(self, tier: str) -> bool:
@@ -106,7 +115,7 @@ class Sharder:
         signature = _signature(flat, glob)
         if must_agree:
             items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
-            self.cached = self._agree(items, signature)
+            self.cached = self._agree(flat, glob, items, signature)
         assert self.cached is not None
         cached = self.cached
         replan = signature != cached.signature
@@ -116,22 +125,44 @@ class Sharder:
         structure = fingerprint(items, job.world_size)
         return self._spec(flat, glob, items, cached.plan, seq, structure, replan)
 
-    def _agree(self, items: list[LocalItem], signature: tuple[Any, ...]) -> _Cached:
+    def _agree(
+        self,
+        flat: Flattened,
+        glob: list[int],
+        items: list[LocalItem],
+        signature: tuple[Any, ...],
+    ) -> _Cached:
+        """The exchange. First a small one: each rank's home and a hash of its state's
+        global description (paths, dtypes, shapes, and each DTensor's mesh and
+        placements), about 200 bytes a rank. When every rank has the same description,
+        which is the case of FSDP2, TP, HSDP and DDP, every rank's boxes follow from it,
+        and each rank derives them all alone (``describe_sharded``). Only when the ranks'
+        states differ are the items themselves exchanged."""
         job = self.job
+        description = _description(flat, glob)
         mine = {
-            "items": [_item_json(i) for i in items],
+            "g": hashlib.sha256(json.dumps(description).encode()).hexdigest(),
             "host": job.host,
             "local": os.path.realpath(self.local_dir) if self.local_dir else None,
             "area": self.host_area,
         }
         every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
+        self.small_exchange = len({d["g"] for d in every}) == 1
+        if self.small_exchange:
+            per_rank = _derive(flat, glob, job.world_size)
+            if per_rank[job.rank] != items:
+                raise AssertionError("the boxes derived from the mesh differ from this rank's")
+        else:
+            mine_items = json.dumps([_item_json(i) for i in items]).encode()
+            per_rank = [
+                [_item_from(x) for x in json.loads(b)] for b in all_gather_bytes(job, mine_items)
+            ]
         # A rank's home in a node-local tier: its host and directory (or host-memory area).
         # Ranks of one home share it.
         for tier, field_name in (("local", "local"), ("host", "area")):
             homes = [(d["host"], d[field_name]) for d in every]
             self.leaders[tier] = homes.index(homes[job.rank]) == job.rank
             self.with_rank0[tier] = homes[job.rank] == homes[0]
-        per_rank = [[_item_from(x) for x in d["items"]] for d in every]
         gplan = plan_save(per_rank, job.world_size)
         return _Cached(signature, per_rank[job.rank], gplan)
 
@@ -182,6 +213,44 @@ class Sharder:
             Layout(layout.blobs, entries, layout.total),
             tuple(keys),
         )
+
+
+def _description(flat: Flattened, glob: list[int]) -> list[Any]:
+    """What every rank can know of the state's global tensors: per tensor its path,
+    dtype and global shape, and for a DTensor its mesh (global ranks) and placements."""
+    out: list[Any] = []
+    for i in glob:
+        t = flat.tensors[i]
+        record: list[Any] = [flat.paths[i], str(t.dtype), list(t.shape)]
+        if is_dtensor(t):
+            mesh = t.device_mesh  # type: ignore[attr-defined]
+            record += [mesh.mesh.tolist(), [repr(p) for p in t.placements]]  # type: ignore[attr-defined]
+        out.append(record)
+    return out
+
+
+def _derive(flat: Flattened, glob: list[int], world_size: int) -> list[list[LocalItem]]:
+    """Every rank's items, when every rank's state has this rank's global description."""
+    per_rank: list[list[LocalItem]] = [[] for _ in range(world_size)]
+    for i in glob:
+        t, path = flat.tensors[i], flat.paths[i]
+        if is_dtensor(t):
+            mesh = t.device_mesh  # type: ignore[attr-defined]
+            by_rank = describe_sharded(
+                path,
+                dtype_name(t.dtype),
+                tuple(t.shape),
+                mesh.mesh,
+                t.placements,  # type: ignore[attr-defined]
+            )
+            for rank, item in by_rank.items():
+                per_rank[rank].append(item)
+        else:
+            shape = tuple(int(s) for s in t.shape)
+            item = LocalItem(path, dtype_name(t.dtype), shape, Box((0,) * len(shape), shape), True)
+            for rank in range(world_size):
+                per_rank[rank].append(item)
+    return per_rank
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -266,6 +266,11 @@ def replan(a: dict[str, Any]) -> dict[str, Any]:
     if dist.get_rank() in a["who"]:
         state["extra"] = torch.arange(6.0)
     out = []
+    from snapcore.write.engine import engine_for
+
+    sharder = engine_for(store).sharder
+    assert sharder is not None
+    small = [sharder.small_exchange]  # the first save's exchange
     for step in (2, 3):
         state["step"] = step
         try:
@@ -273,7 +278,8 @@ def replan(a: dict[str, Any]) -> dict[str, Any]:
             out.append({"ok": True})
         except snapcore.SnapcoreError as e:
             out.append({"ok": False, "error": type(e).__name__, "message": str(e)})
-    return {"saves": out}
+    small.append(sharder.small_exchange)  # the re-plan's
+    return {"saves": out, "small_exchange": small}
 
 
 def checkpointer(a: dict[str, Any]) -> dict[str, Any]:

@@ -335,6 +335,9 @@ def test_a_structure_change_fails_that_step_and_every_rank_replans(
         assert not second["ok"] and second["error"] == "SnapshotFailed", rank
         assert f"structure changed on ranks {', '.join(map(str, who))} " in second["message"]
         assert third["ok"], third  # every rank agreed a new plan, with no hang
+        # the first plan came from ~200 bytes a rank (every rank's state alike); after a
+        # change on one rank only the ranks' states differ and the items are exchanged
+        assert r["small_exchange"] == [True, len(who) == 2], rank
     assert LocalDirectory(store).committed_steps() == [1, 3]
     tree = snapcore.load(store, rank=who[0])
     assert tree["step"] == 3 and tree["extra"].tolist() == list(range(6))
