@@ -52,7 +52,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -974,17 +973,6 @@ def render(r: Result) -> str:
     return "\n".join(lines) + "\n"
 
 
-@contextlib.contextmanager
-def work_dir(base: str | None) -> Iterator[Path]:
-    parent = base or tempfile.gettempdir()
-    Path(parent).mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="snapcore-bench-dist-", dir=parent))
-    try:
-        yield work
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size-gb", type=float, default=1.5, help="whole state, all ranks (1.5)")
@@ -1045,7 +1033,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv
     )
     t0 = time.perf_counter()
-    with work_dir(args.dir) as work:
+    with common.work_dir(args.dir, "snapcore-bench-dist-") as work:
         report: Result = {
             "command": command.strip(),
             "info": machine_info(work),

@@ -42,10 +42,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -1145,18 +1144,6 @@ def render(r: Result) -> str:
     return "\n".join(lines) + "\n"
 
 
-@contextlib.contextmanager
-def work_dir(base: str | None) -> Iterator[Path]:
-    """A fresh directory for the run's files, removed at the end."""
-    parent = base or tempfile.gettempdir()
-    Path(parent).mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="snapcore-bench-", dir=parent))
-    try:
-        yield work
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size-gb", type=float, default=4.4, help="state size (default 4.4)")
@@ -1217,7 +1204,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
     command = "python benchmarks/bench_save.py " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
-    with work_dir(args.dir) as work:
+    with common.work_dir(args.dir) as work:
         report: Result = {"command": command.strip(), "info": machine_info(work)}
         for name in PHASES:
             if name in phases:

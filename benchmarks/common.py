@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,3 +205,16 @@ def write_figures(
         Path(json_path).write_text(json.dumps(doc, indent=1))
     if markdown_path:
         Path(markdown_path).write_text(text)
+
+
+@contextlib.contextmanager
+def work_dir(base: str | None, prefix: str = "snapcore-bench-") -> Iterator[Path]:
+    """A fresh directory for a run's files (under ``base``, default the temp directory),
+    removed at the end."""
+    parent = base or tempfile.gettempdir()
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
