@@ -66,3 +66,12 @@ def commit_timeout_s() -> float:
     if not value > 0:
         raise ValueError("SNAPCORE_COMMIT_TIMEOUT_S must be a positive number of seconds")
     return value
+
+
+def request_timeout_s() -> float:
+    """SNAPCORE_REQUEST_TIMEOUT_S: the longest one request to object storage may take
+    (one attempt; a timed-out attempt is retried like a dropped connection; default 600)."""
+    value = float(_get("SNAPCORE_REQUEST_TIMEOUT_S", "600"))
+    if not value > 0:
+        raise ValueError("SNAPCORE_REQUEST_TIMEOUT_S must be a positive number of seconds")
+    return value

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
+from .. import settings
 from ..errors import RemoteError
 from .loop import Loop
 from .retry import RetryPolicy, where
@@ -142,8 +143,16 @@ class Connection:
         stop: Callable[[], bool] | None = None,
         idempotent: bool = True,
     ) -> T:
-        """``fn()`` under the tier's retry policy (RetryPolicy.run)."""
-        return await self.policy.run(op, name, fn, stop=stop, idempotent=idempotent)
+        """``fn()`` under the tier's retry policy (RetryPolicy.run), each attempt bounded
+        by SNAPCORE_REQUEST_TIMEOUT_S: a server that accepts a request and then neither
+        reads nor answers (aiohttp puts no timeout on sending a body) costs an attempt,
+        which is retried as a transient failure, never a hang."""
+        timeout = settings.request_timeout_s()
+
+        async def attempt() -> T:
+            return await asyncio.wait_for(fn(), timeout)
+
+        return await self.policy.run(op, name, attempt, stop=stop, idempotent=idempotent)
 
     async def read_range(self, name: str, offset: int, length: int) -> bytes:
         """Exactly ``length`` bytes at ``offset``; RemoteError if the object is shorter."""
