@@ -34,6 +34,7 @@ import io
 import os
 import pickle
 import shutil
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -370,10 +371,10 @@ class DcpSource:
         stream = io.BufferedReader(_FileSlice(fd, sinfo.offset, sinfo.length), 1 << 20)
         try:
             return torch.load(stream, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
+        except pickle.UnpicklingError:
             raise UnsafeCheckpoint(
-                f"{full}: refused {fqn!r}: torch.load(weights_only=True) refuses its "
-                f"payload ({str(e).splitlines()[0]})",
+                f"{full}: refused {fqn!r}: its payload is not a tensor or plain data "
+                "that torch.load(weights_only=True) allows; unpickling it could run code",
                 file=full,
             ) from None
         except Exception as e:
@@ -392,9 +393,7 @@ class DcpSource:
         for c in entry.chunks:
             offsets, sizes = tuple(c.offsets), tuple(c.sizes)
             t = self._load(info.name, offsets)
-            if not isinstance(t, torch.Tensor) or t.dtype != info.dtype or (
-                tuple(t.shape) != sizes
-            ):
+            if not isinstance(t, torch.Tensor) or t.dtype != info.dtype or tuple(t.shape) != sizes:
                 got = (
                     f"a {t.dtype} tensor of shape {list(t.shape)}"
                     if isinstance(t, torch.Tensor)
@@ -471,11 +470,14 @@ class DcpSink:
         try:
             if self._tmp.exists():
                 shutil.rmtree(self._tmp)
-            dcp.save(
-                state,
-                storage_writer=dcp.FileSystemWriter(self._tmp, sync_files=True),
-                no_dist=True,
-            )
+            with warnings.catch_warnings():
+                # no_dist=True is the point: DCP's warning that it saves in one process
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(
+                    state,
+                    storage_writer=dcp.FileSystemWriter(self._tmp, sync_files=True),
+                    no_dist=True,
+                )
             fsync_dir(self._tmp)
             _nested.commit_rename(self._tmp, self.path)
         except BaseException:

@@ -73,8 +73,8 @@ def load_weights_only(path: Path) -> Any:
         what = f"the global {name}" if name else "an object"
         raise UnsafeCheckpoint(
             f"{path}: refused: reading it would unpickle {what}, which "
-            "torch.load(weights_only=True) does not allow; snapcore never loads a "
-            f"torch file unrestricted (torch said: {str(e).splitlines()[0]})",
+            "torch.load(weights_only=True) does not allow; unpickling it could run code, "
+            "and snapcore never loads a torch file unrestricted (docs/security.md)",
             file=str(path),
             name=name,
         ) from None
