@@ -43,6 +43,18 @@ class InvalidManifest(CorruptSnapshot):
     """A manifest is not valid JSON, fails the schema, or points outside its store."""
 
 
+class UnsafeCheckpoint(InvalidManifest):
+    """A foreign checkpoint (DCP's ``.metadata``, a ``torch.save`` file) could only be read
+    by running code it names: a pickled global outside snapcore's allow-list, or a payload
+    ``torch.load(weights_only=True)`` refuses. snapcore refuses it and runs nothing
+    (docs/security.md). ``file`` names the file; ``name`` the refused global, when known.
+    """
+
+    def __init__(self, message: str, *, file: str, name: str | None = None) -> None:
+        super().__init__(message, file=file)
+        self.name = name
+
+
 class UnsupportedState(SnapcoreError, TypeError):
     """A leaf of the state tree is of a type snapcore refuses to save (it never pickles)."""
 
@@ -134,5 +146,6 @@ __all__ = [
     "StateMismatch",
     "StorageError",
     "StoreInUse",
+    "UnsafeCheckpoint",
     "UnsupportedState",
 ]

@@ -4,6 +4,7 @@ streaming tensor by tensor (docs/cli.md). The contract every format implements i
 
 from __future__ import annotations
 
+from . import dcp, torch_file  # noqa: F401  (each registers its format)
 from .base import FORMATS, Format, Sink, Source, TensorInfo, Value
 
 __all__ = ["FORMATS", "Format", "Sink", "Source", "TensorInfo", "Value"]
