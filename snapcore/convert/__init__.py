@@ -4,6 +4,19 @@ streaming tensor by tensor (docs/cli.md). The contract every format implements i
 
 from __future__ import annotations
 
+from . import safetensors_fmt, snapcore_fmt
 from .base import FORMATS, Format, Sink, Source, TensorInfo, Value
+from .run import ConvertStats, convert
 
-__all__ = ["FORMATS", "Format", "Sink", "Source", "TensorInfo", "Value"]
+__all__ = [
+    "FORMATS",
+    "ConvertStats",
+    "Format",
+    "Sink",
+    "Source",
+    "TensorInfo",
+    "Value",
+    "convert",
+    "safetensors_fmt",
+    "snapcore_fmt",
+]
