@@ -55,7 +55,11 @@ def detect(path: Path) -> bool:
 class SnapcoreSource:
     def __init__(self, path: Any, options: dict[str, Any]) -> None:
         self.store = _store(path, options)
-        self.reader = api.open_reader(self.store, step=options.get("step"))
+        try:
+            self.reader = api.open_reader(self.store, step=options.get("step"))
+        except BaseException:
+            self.close()
+            raise
         self._tensors: list[tuple[str, int]] = []
         self._values: dict[str, Value] = {}
         self.skipped: list[str] = []
