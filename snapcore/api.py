@@ -265,6 +265,19 @@ def load(
     return tree
 
 
+def open_reader(store: StoreLike, *, step: int | None = None, verify: bool = True) -> Reader:
+    """A reader of ``step`` (default: the newest step intact in some tier, as ``load``
+    takes) with rank 0's tree of a sharded snapshot selected, for callers that read one
+    tensor at a time (``Reader.tensor(i)`` then ``Reader.release(i)``): snapcore convert."""
+
+    def use(reader: Reader) -> Reader:
+        reader.select(None, 1)
+        return reader
+
+    reader, _, _ = _read(store, step, verify, use)
+    return reader
+
+
 def prepare(state: object, store: StoreLike) -> Future[None]:
     """Allocate and fault the staging memory for ``state`` in the background, so that the
     first ``async_save`` does not (memory touched for the first time can fill at well under

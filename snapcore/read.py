@@ -389,6 +389,14 @@ class Reader:
             self._tensors[i] = t
         return t
 
+    def release(self, i: int) -> None:
+        """Drop what reading tensor ``i`` kept (the tensor, its blobs' buffers), so that a
+        caller reading tensor by tensor holds one at a time; reading it again rereads it."""
+        self._tensors.pop(i, None)
+        for p in self.m.tensors[i].pieces:
+            self._blobs.pop(p.blob, None)
+            self._partial.pop(p.blob, None)
+
     def read_box(self, i: int, box: Box) -> torch.Tensor:
         """The elements of saved tensor ``i`` inside ``box`` (global coordinates), as a new
         CPU tensor. Only the chunks holding bytes of the pieces that overlap the box are

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..errors import CorruptSnapshot, SnapcoreError
-from . import gc, hosts, inspect, journal, ls, verify
+from . import convert, gc, hosts, inspect, journal, ls, verify
 from .output import clean
 from .stores import UsageError
 
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="snapcore", description="Inspect and manage snapcore stores.")
     p.add_argument("--version", action="version", version=f"snapcore {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for verb in (ls, inspect, verify, gc, journal, hosts):
+    for verb in (ls, inspect, verify, gc, journal, hosts, convert):
         verb.add_parser(sub)
     sub.add_parser("plan", help="what-if for the checkpoint interval (see snapcore plan -h)")
     return p

@@ -4,7 +4,21 @@ streaming tensor by tensor (docs/cli.md). The contract every format implements i
 
 from __future__ import annotations
 
-from . import dcp, torch_file  # noqa: F401  (each registers its format)
+from . import dcp, safetensors_fmt, snapcore_fmt, torch_file  # each registers its format
 from .base import FORMATS, Format, Sink, Source, TensorInfo, Value
+from .run import ConvertStats, convert
 
-__all__ = ["FORMATS", "Format", "Sink", "Source", "TensorInfo", "Value"]
+__all__ = [
+    "FORMATS",
+    "ConvertStats",
+    "Format",
+    "Sink",
+    "Source",
+    "TensorInfo",
+    "Value",
+    "convert",
+    "dcp",
+    "safetensors_fmt",
+    "snapcore_fmt",
+    "torch_file",
+]

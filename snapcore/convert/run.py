@@ -1,0 +1,303 @@
+"""The conversion driver: one source, one sink, tensor by tensor (docs/cli.md, "convert").
+
+``convert`` detects the source's format (or takes ``from_``), opens the source and the
+sink, and streams: the next tensor is read on a thread while the previous one is
+written, so at most two tensors are in flight besides the sink's own buffer. Names are
+filtered (``only``: globs on dotted names), stripped of a prefix, renamed (``REGEX``,
+``REPL`` pairs, applied in order) and floating tensors cast (``dtype``) on the way. The
+sink is committed at the end and aborted on any error, ``KeyboardInterrupt`` included:
+an interrupted conversion leaves no target.
+
+Besides the contract of ``base.py``, two optional methods are used when a format has
+them: ``Source.aliases()`` (name -> the name of the tensor it is the same as: tied
+weights) and ``Sink.begin(infos, aliases)`` (the tensors it will be given, in order, and
+the aliases among them, before the first ``write``). A source without ``aliases`` has
+none; a sink without ``begin`` is given aliased tensors as tensors of their own.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import FORMATS, Sink, Source, TensorInfo
+
+__all__ = ["DTYPES", "ConvertStats", "convert", "detect", "parse_size"]
+
+GB = 1000**3
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class ConvertStats:
+    """What a conversion did."""
+
+    source_format: str
+    target_format: str
+    tensors: int = 0  # tensors written (aliases not counted)
+    aliases: int = 0  # names written as aliases of another tensor
+    bytes: int = 0  # tensor bytes written
+    values: int = 0
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)  # what the source could not express
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``1GiB``, ``4096`` (bytes) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MB, 1GiB)")
+    n, unit = float(m.group(1)), (m.group(2) or "").upper().rstrip("B") or ""
+    scale = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
+    scale |= {"KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+    if unit not in scale:
+        raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MB, 1GiB)")
+    size = int(n * scale[unit])
+    if size <= 0:
+        raise ValueError(f"a size must be positive: {text!r}")
+    return size
+
+
+def _is_url(text: str) -> bool:
+    return "://" in text and not text.startswith("file://")
+
+
+def detect(src: str) -> str:
+    """The name of the format ``src`` is in; ``ValueError`` when none or several claim it."""
+    if _is_url(src):
+        return "snapcore"  # the only format read from object storage
+    path = Path(src.removeprefix("file://"))
+    if not path.exists():
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+    found = [name for name, fmt in FORMATS.items() if fmt.detect(path)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ValueError(
+            f"cannot tell the format of {src}: give --from ({', '.join(sorted(FORMATS))})"
+        )
+    raise ValueError(f"{src} looks like {' and '.join(sorted(found))}: give --from")
+
+
+def check_target(dst: str) -> None:
+    """Refuse a target that exists, unless it is an empty directory."""
+    if _is_url(dst):
+        return
+    path = Path(dst.removeprefix("file://"))
+    if path.is_dir() and not path.is_symlink():
+        if any(path.iterdir()):
+            raise FileExistsError(f"{dst} exists and is not empty: convert writes a new target")
+    elif path.exists() or path.is_symlink():
+        raise FileExistsError(f"{dst} exists: convert writes a new target")
+
+
+class _Names:
+    """--only, --strip-prefix and --rename, applied to a source name."""
+
+    def __init__(
+        self, only: Sequence[str], strip_prefix: str | None, rename: Sequence[tuple[str, str]]
+    ) -> None:
+        self.only = list(only)
+        self.strip_prefix = strip_prefix
+        try:
+            self.rename = [(re.compile(a), b) for a, b in rename]
+        except re.error as e:
+            raise ValueError(f"--rename: bad regular expression: {e}") from None
+
+    def __call__(self, name: str) -> str | None:
+        if self.only and not any(fnmatch.fnmatchcase(name, g) for g in self.only):
+            return None
+        if self.strip_prefix:
+            name = name.removeprefix(self.strip_prefix)
+        for pattern, repl in self.rename:
+            name = pattern.sub(repl, name)
+        return name
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str,
+    from_: str | None = None,
+    step: int | None = None,
+    only: Sequence[str] = (),
+    strip_prefix: str | None = None,
+    rename: Sequence[tuple[str, str]] = (),
+    dtype: torch.dtype | None = None,
+    shard_size: int = 5 * GB,
+    progress: Any = None,
+    **options: Any,
+) -> ConvertStats:
+    """Convert the checkpoint ``src`` into a new checkpoint ``dst`` in format ``to``.
+
+    ``step``: the step read from a snapcore source and the step written to a snapcore
+    target (default: the newest, and 0). ``only``: globs on dotted names (a tensor or
+    value is kept if any matches; none given keeps all). ``strip_prefix`` then
+    ``rename`` (``(REGEX, REPL)`` pairs, ``re.sub`` in order) map the names kept.
+    ``dtype``: cast floating tensors to it (others are left as they are).
+    ``shard_size``: the most bytes of one safetensors file. ``progress(done, total)``
+    is called with tensor bytes after each tensor. ``options`` go to the formats
+    (``storage_options``, ``store``: a ``snapcore.Store`` to read...).
+
+    Raises ``FileExistsError`` for a target that exists (an empty directory is fine),
+    ``ValueError`` for an unknown format or names that collide; the target is left
+    untouched by any failure.
+    """
+    t0 = time.perf_counter()
+    src, dst = os.fspath(src), os.fspath(dst)
+    if to not in FORMATS:
+        raise ValueError(f"unknown target format {to!r} (formats: {', '.join(sorted(FORMATS))})")
+    if from_ is not None and from_ not in FORMATS:
+        raise ValueError(f"unknown source format {from_!r} (formats: {', '.join(sorted(FORMATS))})")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"--dtype must be a floating type, not {dtype}")
+    names = _Names(only, strip_prefix, rename)
+    check_target(dst)
+    source_format = from_ or detect(src)
+    opts = dict(options, step=step, shard_size=shard_size)
+    source = FORMATS[source_format].source(_as_path(src), opts)
+    stats = ConvertStats(source_format, to)
+    try:
+        plan, aliases, values = _plan(source, names, dtype, stats)
+        sink = FORMATS[to].sink(_as_path(dst), opts)
+        try:
+            begin = getattr(sink, "begin", None)
+            if begin is not None:
+                begin([out for _, out in plan], dict(aliases))
+                stats.aliases = len(aliases)
+            else:  # a sink that knows no aliases gets them as tensors of their own
+                plan = _with_aliases(plan, aliases)
+            _stream(source, sink, plan, stats, progress)
+            sink.write_values(values)
+            stats.values = len(values)
+            metadata = dict(source.metadata())
+            metadata["source_format"] = source_format
+            sink.commit({k: str(v) for k, v in metadata.items()})
+        except BaseException:
+            sink.abort()
+            raise
+    finally:
+        source.close()
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _as_path(text: str) -> Any:
+    return text if _is_url(text) else Path(text.removeprefix("file://"))
+
+
+Plan = list[tuple[TensorInfo, TensorInfo]]  # (as read, as written)
+
+
+def _plan(
+    source: Source, names: _Names, dtype: torch.dtype | None, stats: ConvertStats
+) -> tuple[Plan, list[tuple[str, str]], dict[str, Any]]:
+    """The tensors to copy (as read, as written), the aliases among the names written
+    (alias -> the name written, safetensors' rule: the first name in sorted order is
+    kept), and the values, all under their new names."""
+    src_aliases: dict[str, str] = dict(getattr(source, "aliases", dict)())
+    seen: dict[str, str] = {}
+
+    def new_name(old: str) -> str | None:
+        new = names(old)
+        if new is None:
+            return None
+        if not new:
+            raise ValueError(f"{old!r} has no name left once renamed")
+        if new in seen:
+            raise ValueError(f"{seen[new]!r} and {old!r} are both renamed to {new!r}")
+        seen[new] = old
+        return new
+
+    plan: Plan = []
+    groups: dict[str, list[str]] = {}  # source tensor name -> new names of it and its aliases
+    infos: dict[str, TensorInfo] = {}
+    for info in source.tensors():
+        infos[info.name] = info
+        new = new_name(info.name)
+        if new is not None:
+            groups.setdefault(info.name, []).append(new)
+    for alias, target in src_aliases.items():
+        new = new_name(alias)
+        if new is not None and target in infos:
+            groups.setdefault(target, []).append(new)
+    aliases: list[tuple[str, str]] = []
+    for name, info in infos.items():
+        group = groups.get(name)
+        if not group:
+            continue
+        keep = sorted(group)[0]
+        out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+        plan.append((info, TensorInfo(keep, out_dtype, info.shape)))
+        aliases += [(n, keep) for n in sorted(group) if n != keep]
+    values: dict[str, Any] = {}
+    for name, value in source.values().items():
+        new = new_name(name)
+        if new is not None:
+            values[new] = value
+    stats.skipped = list(getattr(source, "skipped", []))
+    return plan, aliases, values
+
+
+def _with_aliases(plan: Plan, aliases: Iterable[tuple[str, str]]) -> Plan:
+    by_target: dict[str, list[str]] = {}
+    for alias, target in aliases:
+        by_target.setdefault(target, []).append(alias)
+    out: Plan = []
+    for src_info, out_info in plan:
+        out.append((src_info, out_info))
+        out += [(src_info, replace(out_info, name=a)) for a in by_target.get(out_info.name, [])]
+    return out
+
+
+def _stream(source: Source, sink: Sink, plan: Plan, stats: ConvertStats, progress: Any) -> None:
+    """Read tensor k+1 on a thread while tensor k is written: two tensors in flight."""
+    total = sum(out.nbytes for _, out in plan)
+    done = 0
+    stop = threading.Event()
+
+    def read(info: TensorInfo, out: TensorInfo) -> torch.Tensor:
+        if stop.is_set():
+            raise RuntimeError("conversion stopped")
+        t = source.read(info)
+        if t.dtype != info.dtype or tuple(t.shape) != info.shape:
+            raise ValueError(
+                f"{info.name}: the source gave {t.dtype} {tuple(t.shape)}, "
+                f"not {info.dtype} {info.shape}"
+            )
+        if out.dtype != t.dtype:
+            t = t.to(out.dtype)
+        return t.contiguous()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="snapcore-convert-read") as pool:
+        ahead: Future[torch.Tensor] | None = None
+        try:
+            if plan:
+                ahead = pool.submit(read, *plan[0])
+            for k, (_, out) in enumerate(plan):
+                assert ahead is not None
+                tensor = ahead.result()
+                ahead = pool.submit(read, *plan[k + 1]) if k + 1 < len(plan) else None
+                sink.write(out, tensor)
+                del tensor
+                stats.tensors += 1
+                stats.bytes += out.nbytes
+                done += out.nbytes
+                if progress is not None:
+                    progress(done, total)
+        except BaseException:
+            stop.set()
+            if ahead is not None:
+                ahead.cancel()
+            raise

@@ -1,0 +1,195 @@
+"""Format ``snapcore``: a snapcore store, read and written.
+
+Source: a committed step of a store (a directory, an fsspec URL, or the ``store`` option:
+a ``snapcore.Store`` with its host and remote tiers), read through snapcore's own reader
+(hashes checked, each chunk from the fastest tier holding it intact), one tensor at a
+time; a sharded snapshot (format 3) gives full tensors, assembled from the ranks' pieces,
+and rank 0's values. Tensors that are one tensor in the snapshot (tied weights) are
+listed once, the other paths as aliases. Non-tensor leaves become values: ints, floats,
+strings, bools and None by dotted path; other values (NumPy arrays, bytes, generators,
+enums...) have no place in the other formats and are listed in ``skipped``.
+
+Sink: the tensors and values are gathered into a nested dict by dotted path (aliases
+are the same tensor object, so they stay tied) and saved as one snapshot, step
+``step`` (default 0), by ``snapcore.save``. A snapshot is written whole by snapcore's
+engine, so this sink holds every tensor of the checkpoint in memory until ``commit``
+(plus the engine's staging copy): memory is about twice the checkpoint's size. A local
+target is written into a temporary directory beside it and renamed into place once
+committed; a URL target relies on snapcore's own commit (its manifest is written last).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import api
+from ..tiers import Store, as_store
+from ..tree import decode_float, join_path
+from .base import Format, TensorInfo, Value, register
+
+
+def _store(path: Any, options: dict[str, Any]) -> Store:
+    store = options.get("store")
+    if store is not None:
+        return store
+    base = as_store(path)
+    return Store(
+        local=base.local, remote=base.remote, storage_options=options.get("storage_options")
+    )
+
+
+def detect(path: Path) -> bool:
+    """A directory holding step directories (committed or not)."""
+    if not path.is_dir():
+        return False
+    return any(p.name.startswith("step-") and p.is_dir() for p in path.iterdir())
+
+
+class SnapcoreSource:
+    def __init__(self, path: Any, options: dict[str, Any]) -> None:
+        self.store = _store(path, options)
+        try:
+            self.reader = api.open_reader(self.store, step=options.get("step"))
+        except BaseException:
+            self.close()
+            raise
+        self._tensors: list[tuple[str, int]] = []
+        self._values: dict[str, Value] = {}
+        self.skipped: list[str] = []
+        self._walk(self.reader.tree, "")
+        self._first: dict[int, str] = {}
+        self._aliases: dict[str, str] = {}
+        self._index: dict[str, int] = {}
+        for name, i in self._tensors:
+            if i in self._first:
+                self._aliases[name] = self._first[i]
+            else:
+                self._first[i] = name
+                self._index[name] = i
+
+    def _walk(self, node: dict[str, Any], path: str) -> None:
+        (kind, value), *_ = node.items()
+        if kind == "tensor":
+            self._tensors.append((path or "<root>", value))
+        elif kind == "dict":
+            for k, v in value:
+                self._walk(v, join_path(path, k))
+        elif kind in ("list", "tuple"):
+            for i, v in enumerate(value):
+                self._walk(v, join_path(path, i))
+        elif kind == "stateful":
+            self._walk(value["state"], path)
+        elif kind == "float":
+            self._values[path] = decode_float(value)
+        elif kind in ("int", "str", "bool"):
+            self._values[path] = value
+        elif kind == "none":
+            self._values[path] = None
+        else:
+            self.skipped.append(f"{path or '<root>'} ({kind})")
+
+    def tensors(self) -> Iterator[TensorInfo]:
+        for name, i in self._index.items():
+            e = self.reader.m.tensors[i]
+            yield TensorInfo(name, e.torch_dtype, tuple(e.shape))
+
+    def aliases(self) -> dict[str, str]:
+        return dict(self._aliases)
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        i = self._index[info.name]
+        try:
+            t = self.reader.tensor(i, info.name)
+            # a view of a larger blob, or a strided one: a tensor of its own bytes, so
+            # the blob is freed now
+            if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
+                t = t.clone(memory_format=torch.contiguous_format)
+        finally:
+            self.reader.release(i)
+        return t
+
+    def values(self) -> dict[str, Value]:
+        return dict(self._values)
+
+    def metadata(self) -> dict[str, str]:
+        m = self.reader.m
+        return {"source_format": "snapcore", "snapcore.step": str(m.step)}
+
+    def close(self) -> None:
+        self.store.__exit__(None, None, None)
+
+
+class SnapcoreSink:
+    def __init__(self, path: Any, options: dict[str, Any]) -> None:
+        self.step = options.get("step") or 0
+        self.storage_options = options.get("storage_options")
+        self.target = path
+        self.tree: dict[str, Any] = {}
+        self._by_name: dict[str, torch.Tensor] = {}
+        self._aliases: dict[str, str] = {}
+        self._tmp: Path | None = None
+
+    def begin(self, infos: list[TensorInfo], aliases: dict[str, str]) -> None:
+        self._aliases = dict(aliases)
+
+    def _put(self, name: str, value: Any) -> None:
+        parts = name.split(".")
+        node = self.tree
+        for k, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"{'.'.join(parts[: k + 1])} is a leaf and a prefix of {name}")
+            node = child
+        if parts[-1] in node:
+            raise ValueError(f"{name} is given twice, or is a leaf and a prefix")
+        node[parts[-1]] = value
+
+    def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
+        self._by_name[info.name] = tensor
+        self._put(info.name, tensor)
+
+    def write_values(self, values: dict[str, Value]) -> None:
+        for name, value in values.items():
+            self._put(name, value)
+
+    def commit(self, metadata: dict[str, str]) -> None:
+        for alias, target in self._aliases.items():
+            self._put(alias, self._by_name[target])
+        if isinstance(self.target, str):  # a URL: snapcore's commit is the atomic step
+            with Store(remote=self.target, storage_options=self.storage_options) as store:
+                api.save(self.tree, store, step=self.step)
+            return
+        target = Path(self.target).absolute()
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        with Store(local=self._tmp) as store:
+            api.save(self.tree, store, step=self.step)
+        if target.is_dir():
+            target.rmdir()  # empty, as convert checked: replaced by the new store
+        os.replace(self._tmp, target)
+        self._tmp = None
+        _fsync_dir(target.parent)
+
+    def abort(self) -> None:
+        self.tree.clear()
+        self._by_name.clear()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+FORMAT = register(Format("snapcore", detect, SnapcoreSource, SnapcoreSink))
