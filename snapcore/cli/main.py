@@ -33,6 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = _run(argv)
         sys.stdout.flush()
+    except KeyboardInterrupt:
+        # Ctrl-C: what a verb was writing is aborted by the verb itself (convert removes
+        # its temporary target); one line, the shell's code for SIGINT, no traceback.
+        print("snapcore: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader went away (`snapcore ls | head`): stop quietly. Python would report
         # the failed flush of stdout at exit, so stdout now goes to /dev/null.

@@ -349,3 +349,17 @@ def test_inspect_describes_the_value_kinds(tmp_path, capsys):
     assert "r = random.Random" in out and len(out.splitlines()) < 20
     assert "Color.BLUE" in out
     assert "cfg/ (dataclass" in out and "lr = 0.5" in out and "name = 'x'" in out
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys) -> None:
+    import importlib
+
+    module = importlib.import_module("snapcore.cli.main")
+
+    def interrupted(argv: list[str]) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "_run", interrupted)
+    assert main(["ls", "anything"]) == 130
+    err = capsys.readouterr().err
+    assert err == "snapcore: interrupted\n"
