@@ -389,6 +389,13 @@ class Reader:
             self._tensors[i] = t
         return t
 
+    def release(self) -> None:
+        """Forget every tensor and blob read so far: a caller that reads tensor by tensor
+        (``snapcore diff``, ``cat``) keeps memory bounded by the largest one."""
+        self._tensors.clear()
+        self._blobs.clear()
+        self._partial.clear()
+
     def read_box(self, i: int, box: Box) -> torch.Tensor:
         """The elements of saved tensor ``i`` inside ``box`` (global coordinates), as a new
         CPU tensor. Only the chunks holding bytes of the pieces that overlap the box are
