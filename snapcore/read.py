@@ -389,9 +389,16 @@ class Reader:
             self._tensors[i] = t
         return t
 
-    def release(self, i: int) -> None:
-        """Drop what reading tensor ``i`` kept (the tensor, its blobs' buffers), so that a
-        caller reading tensor by tensor holds one at a time; reading it again rereads it."""
+    def release(self, i: int | None = None) -> None:
+        """Drop what reading tensor ``i`` kept (the tensor, its blobs' buffers), or with
+        no ``i`` everything read so far, so that a caller reading tensor by tensor
+        (``snapcore convert``, ``diff``, ``cat``) holds one at a time; reading a tensor
+        again rereads it."""
+        if i is None:
+            self._tensors.clear()
+            self._blobs.clear()
+            self._partial.clear()
+            return
         self._tensors.pop(i, None)
         for p in self.m.tensors[i].pieces:
             self._blobs.pop(p.blob, None)

@@ -6,7 +6,7 @@ import argparse
 
 from ..convert import FORMATS, convert
 from ..convert.run import DTYPES, GB, detect, parse_size
-from .output import Progress, clean, human_bytes
+from .output import add_progress_args, clean, human_bytes, progress, progress_enabled
 from .stores import UsageError, store_from
 
 
@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--remote", metavar="URL", help="snapcore source: its object-storage tier")
     p.add_argument("--host", metavar="NAME", help="snapcore source: its host-memory tier")
     p.add_argument("--storage-options", metavar="JSON", help="fsspec options (a JSON object)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_progress_args(p)
     p.set_defaults(func=run)
 
 
@@ -58,8 +58,13 @@ def run(args: argparse.Namespace) -> int:
         options["storage_options"] = store.storage_options
     elif args.host or args.remote:
         raise UsageError("--host and --remote name tiers of a snapcore source")
-    bar = Progress(f"convert to {args.to}", enabled=not args.quiet)
-    try:
+    with progress(None, f"convert to {args.to}", progress_enabled(args)) as advance:
+        done_so_far = [0]
+
+        def report(done: int, total: int) -> None:  # the driver counts from the start
+            advance(done - done_so_far[0], total=total)
+            done_so_far[0] = done
+
         stats = convert(
             args.src,
             args.dst,
@@ -71,11 +76,9 @@ def run(args: argparse.Namespace) -> int:
             rename=rename,
             dtype=DTYPES[args.dtype] if args.dtype else None,
             shard_size=shard_size or 5 * GB,
-            progress=bar.update,
+            progress=report,
             **options,
         )
-    finally:
-        bar.close()
     alias = f" ({stats.aliases} tied, written once)" if stats.aliases else ""
     print(
         clean(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import math
 import sys
 from typing import Any
 
 from .. import manifest as mf
 from .. import values
+from ..assemble import differing_paths
 from ..tree import decode_float, join_path
 from .output import clean, human_bytes
 from .stores import add_store_args, open_store
@@ -25,8 +27,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_store_args(p)
     p.add_argument("--step", type=int, help="default: the newest committed step")
     p.add_argument("--tier", choices=("host", "local", "remote"), help="read this tier's copy")
-    p.add_argument("--only", metavar="GLOB", help="only the leaves whose path matches")
-    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p.add_argument(
+        "--only", metavar="GLOB", help="only the leaves whose dotted path matches ('model.*')"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the step, its leaves and subtree sizes as JSON"
+    )
     p.set_defaults(func=run)
 
 
@@ -34,12 +40,10 @@ def run(args: argparse.Namespace) -> int:
     with open_store(args) as st:
         tier, m = st.manifest(args.step, args.tier)
     if args.json:
-        json.dump(m.to_json(), sys.stdout, indent=1)
+        json.dump(inspect_json(m, tier, args.only), sys.stdout, indent=1, allow_nan=False)
         print()
         return 0
-    print(
-        f"step {m.step} ({tier}): {len(m.tensors)} tensors, {human_bytes(m.nbytes)} of tensor data"
-    )
+    print(clean(header(m, tier)))
     if args.only:
         for path, text in leaves(m.tree, m, ""):
             if fnmatch.fnmatchcase(path, args.only):
@@ -48,6 +52,164 @@ def run(args: argparse.Namespace) -> int:
     for line in tree_lines(m.tree, m, "", 0):
         print(clean(line))
     return 0
+
+
+def header(m: mf.Manifest, tier: str) -> str:
+    """``step N (tier): T tensors, S of tensor data``, and for a sharded step its world
+    size, the ranks this tier lacks and the values that differ between ranks."""
+    text = (
+        f"step {m.step} ({tier}): {len(m.tensors)} tensors, {human_bytes(m.nbytes)} of tensor data"
+    )
+    if m.rank_trees is None:
+        return text
+    text += f"; sharded, saved by {m.world_size} ranks"
+    if m.missing_ranks:
+        text += f" (this tier holds the parts of {m.world_size - len(m.missing_ranks)})"
+    differ = differing_paths(m)
+    if differ:
+        shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+        rank = next(r for r, t in enumerate(m.rank_trees) if t is not None)
+        text += f"; rank-local values differ between ranks ({shown}): rank {rank}'s shown"
+    return text
+
+
+def inspect_json(m: mf.Manifest, tier: str, only: str | None = None) -> dict[str, Any]:
+    """What ``inspect --json`` prints (docs/cli.md): the step, every leaf (or those
+    ``only`` matches) and the tensor bytes of every subtree holding tensors."""
+    sharded = m.rank_trees is not None
+    doc: dict[str, Any] = {
+        "step": m.step,
+        "tier": tier,
+        "created_unix": m.created_unix,
+        "world_size": m.world_size,
+        "sharded": sharded,
+        "tensors": len(m.tensors),
+        "tensor_bytes": m.nbytes,
+        "stored_bytes": m.stored_bytes,
+    }
+    if sharded:
+        doc["missing_ranks"] = list(m.missing_ranks)
+        doc["rank_local"] = differing_paths(m)
+    doc["leaves"] = [
+        leaf_json(path, kind, value, m)
+        for path, kind, value in leaf_nodes(m.tree)
+        if not only or fnmatch.fnmatchcase(path, only)
+    ]
+    if not only:
+        doc["subtrees"] = [
+            {"path": path, "tensors": len(ids), "tensor_bytes": _bytes(ids, m)}
+            for path, ids in subtree_tensors(m.tree)
+            if ids
+        ]
+    return doc
+
+
+def leaf_json(path: str, kind: str, value: Any, m: mf.Manifest) -> dict[str, Any]:
+    """A leaf for scripts: ``{"path", "kind", "dtype", "shape", "nbytes"}`` for a tensor,
+    ``{"path", "kind", "value"}`` for a plain value (a float that is not finite is the
+    string ``"inf"``, ``"-inf"`` or ``"nan"``), ``{"path", "kind", "text"}`` (the printed
+    form) for the others."""
+    if kind == "tensor":
+        t = m.tensors[value]
+        return {
+            "path": path,
+            "kind": kind,
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "nbytes": t.nbytes,
+        }
+    if kind == "float":
+        try:
+            x = decode_float(value)
+        except (ValueError, OverflowError, TypeError):
+            return {"path": path, "kind": kind, "text": scalar(kind, value)}
+        return {"path": path, "kind": kind, "value": x if math.isfinite(x) else str(x)}
+    if kind in ("int", "bool", "str"):
+        return {"path": path, "kind": kind, "value": value}
+    if kind == "none":
+        return {"path": path, "kind": kind, "value": None}
+    return {"path": path, "kind": kind, "text": scalar(kind, value)}
+
+
+def leaf_nodes(node: dict[str, Any], path: str = "") -> list[tuple[str, str, Any]]:
+    """(dotted path, kind, value) of every leaf: what ``--only``, ``diff`` and ``cat``
+    name. Dicts, lists, tuples, objects with a state dict and dataclasses are walked."""
+    out: list[tuple[str, str, Any]] = []
+    _walk(node, path, out)
+    return out
+
+
+def _walk(node: dict[str, Any], path: str, out: list[tuple[str, str, Any]]) -> None:
+    (kind, value), *_ = node.items()
+    if kind == "dict":
+        for k, v in value:
+            _walk(v, join_path(path, k), out)
+    elif kind in ("list", "tuple"):
+        for i, v in enumerate(value):
+            _walk(v, join_path(path, i), out)
+    elif kind == "stateful":
+        _walk(value["state"], path, out)
+    elif kind == "dataclass":
+        for k, v in values.children(kind, value):
+            _walk(v, join_path(path, k), out)
+    else:
+        out.append((path or "<root>", kind, value))
+
+
+def subtree_tensors(node: dict[str, Any], path: str = "") -> list[tuple[str, set[int]]]:
+    """(dotted path, tensor indices under it) of every inner node, the root first (its
+    path ``""``); a tensor shared by two paths (tied weights) counts once per subtree."""
+    out: list[tuple[str, set[int]]] = []
+    _subtrees(node, path, out)
+    return out
+
+
+def _children(kind: str, value: Any, path: str) -> list[tuple[str, str, dict[str, Any]]] | None:
+    """(key, dotted path, node) of an inner node's children; None for a leaf. An object
+    saved through its state dict has the state dict's entries as children."""
+    if kind == "dict":
+        return [(str(k), join_path(path, k), v) for k, v in value]
+    if kind in ("list", "tuple"):
+        return [(str(i), join_path(path, i), v) for i, v in enumerate(value)]
+    if kind == "dataclass":
+        return [(str(k), join_path(path, k), v) for k, v in values.children(kind, value)]
+    if kind == "stateful":
+        (skind, svalue), *_ = value["state"].items()
+        if skind == "dict":
+            return [(str(k), join_path(path, k), v) for k, v in svalue]
+        return [("<state>", path, value["state"])]
+    return None
+
+
+def _subtrees(node: dict[str, Any], path: str, out: list[tuple[str, set[int]]]) -> set[int]:
+    (kind, value), *_ = node.items()
+    children = _children(kind, value, path)
+    if children is None:
+        return tensor_ids(node)
+    at = len(out)
+    out.append((path, set()))
+    ids: set[int] = set()
+    for _, p, child in children:
+        ids |= _subtrees(child, p, out)
+    out[at] = (path, ids)
+    return ids
+
+
+def tensor_ids(node: Any) -> set[int]:
+    """The tensors a node refers to, at any depth (an array's data, a generator's state)."""
+    if isinstance(node, dict):
+        if len(node) == 1 and isinstance(node.get("tensor"), int):
+            return {node["tensor"]}
+        return set().union(*(tensor_ids(v) for v in node.values())) if node else set()
+    if isinstance(node, list):
+        return set().union(*(tensor_ids(v) for v in node)) if node else set()
+    return set()
+
+
+def _bytes(ids: set[int], m: mf.Manifest | None) -> int:
+    if m is None:
+        return 0
+    return sum(m.tensors[i].nbytes for i in ids if 0 <= i < len(m.tensors))
 
 
 def describe_leaf(kind: str, value: Any, m: mf.Manifest) -> str:
@@ -85,51 +247,48 @@ def _scalars(value: list[dict[str, Any]]) -> bool:
 
 
 def tree_lines(node: dict[str, Any], m: mf.Manifest, name: str, depth: int) -> list[str]:
+    """The tree, one line per node; an inner node holding tensors says their size."""
+    return _tree(node, m, name, depth)[0]
+
+
+def _size(ids: set[int], m: mf.Manifest | None) -> str:
+    if not ids or m is None:
+        return ""
+    n = len(ids)
+    return f"  {human_bytes(_bytes(ids, m))} in {n} tensor{'s' if n > 1 else ''}"
+
+
+def _tree(
+    node: dict[str, Any], m: mf.Manifest, name: str, depth: int
+) -> tuple[list[str], set[int]]:
     (kind, value), *_ = node.items()
     pad = "  " * depth
     label = f"{pad}{name}" if name else f"{pad}<root>"
+    if kind in ("list", "tuple") and len(value) > LONG and _scalars(value):
+        kinds = sorted({next(iter(v)) for v in value})
+        head = ", ".join(scalar(*next(iter(v.items()))) for v in value[:SHOWN])
+        return [f"{label} = ({kind} of {len(value)} {'/'.join(kinds)}: {head}, ...)"], set()
+    children = _children(kind, value, "")
+    if children is None:
+        return [f"{label}{describe_leaf(kind, value, m)}"], tensor_ids(node)
     if kind == "dict":
-        out = [f"{label}/"]
-        for k, v in value:
-            out += tree_lines(v, m, str(k), depth + 1)
-        return out
-    if kind in ("list", "tuple"):
-        if len(value) > LONG and _scalars(value):
-            kinds = sorted({next(iter(v)) for v in value})
-            head = ", ".join(scalar(*next(iter(v.items()))) for v in value[:SHOWN])
-            return [f"{label} = ({kind} of {len(value)} {'/'.join(kinds)}: {head}, ...)"]
-        out = [f"{label}/ ({kind} of {len(value)})"]
-        for i, v in enumerate(value):
-            out += tree_lines(v, m, str(i), depth + 1)
-        return out
-    if kind == "dataclass":
-        out = [f"{label}/ ({values.describe(kind, value)})"]
-        for k, v in values.children(kind, value):
-            out += tree_lines(v, m, str(k), depth + 1)
-        return out
-    if kind == "stateful":
-        out = [f"{label}/ ({value['type']})"]
-        (skind, svalue), *_ = value["state"].items()
-        if skind == "dict":
-            for k, v in svalue:
-                out += tree_lines(v, m, str(k), depth + 1)
-        else:
-            out += tree_lines(value["state"], m, "<state>", depth + 1)
-        return out
-    return [f"{label}{describe_leaf(kind, value, m)}"]
+        title = f"{label}/"
+    elif kind in ("list", "tuple"):
+        title = f"{label}/ ({kind} of {len(value)})"
+    elif kind == "dataclass":
+        title = f"{label}/ ({values.describe(kind, value)})"
+    else:
+        title = f"{label}/ ({value['type']})"
+    out: list[str] = [title]
+    ids: set[int] = set()
+    for key, _, child in children:
+        lines, got = _tree(child, m, key, depth + 1)
+        out += lines
+        ids |= got
+    out[0] += _size(ids, m)
+    return out, ids
 
 
 def leaves(node: dict[str, Any], m: mf.Manifest, path: str) -> list[tuple[str, str]]:
     """(dotted path, description) of every leaf, for ``--only``."""
-    (kind, value), *_ = node.items()
-    if kind == "dict":
-        return [x for k, v in value for x in leaves(v, m, join_path(path, k))]
-    if kind in ("list", "tuple"):
-        return [x for i, v in enumerate(value) for x in leaves(v, m, join_path(path, i))]
-    if kind == "stateful":
-        return leaves(value["state"], m, path)
-    if kind == "dataclass":
-        return [
-            x for k, v in values.children(kind, value) for x in leaves(v, m, join_path(path, k))
-        ]
-    return [(path or "<root>", describe_leaf(kind, value, m))]
+    return [(p, describe_leaf(kind, value, m)) for p, kind, value in leaf_nodes(node, path)]

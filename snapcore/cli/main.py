@@ -9,18 +9,21 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..errors import CorruptSnapshot, SnapcoreError
-from . import convert, gc, hosts, inspect, journal, ls, verify
+from . import cat, convert, diff, gc, hosts, inspect, journal, ls, verify
 from .output import clean
 from .stores import UsageError
 
 USAGE_ERROR = 2  # argparse's own code for bad arguments
+# A verb whose exit 1 means an answer (diff: the snapshots differ) fails with 2, as
+# diff(1) and cmp(1) do.
+FAILED = {"diff": 2}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="snapcore", description="Inspect and manage snapcore stores.")
     p.add_argument("--version", action="version", version=f"snapcore {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for verb in (ls, inspect, verify, gc, journal, hosts, convert):
+    for verb in (ls, inspect, cat, diff, verify, gc, journal, hosts, convert):
         verb.add_parser(sub)
     sub.add_parser("plan", help="what-if for the checkpoint interval (see snapcore plan -h)")
     return p
@@ -64,7 +67,7 @@ def _run(argv: list[str]) -> int:
         print(clean(f"snapcore {args.cmd}: damaged: {e}"), file=sys.stderr)
     except (SnapcoreError, OSError, ValueError) as e:
         print(clean(f"snapcore {args.cmd}: {_message(e)}"), file=sys.stderr)
-    return 1
+    return FAILED.get(args.cmd, 1)
 
 
 def _message(e: BaseException) -> str:

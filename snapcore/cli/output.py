@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime as dt
 import sys
+from collections.abc import Callable, Iterator
 
 
 def human_bytes(n: float) -> str:
@@ -32,23 +35,78 @@ def when(unix: float) -> str:
         return "?"
 
 
-class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+def add_progress_args(p: argparse.ArgumentParser) -> None:
+    """``--quiet`` and ``--progress``: the bar is drawn on stderr when it is a terminal,
+    unless one of them says otherwise."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--progress", action="store_true", help="draw the progress bar even when not on a terminal"
+    )
 
-    def __init__(self, label: str, *, enabled: bool) -> None:
-        self.label = label
-        self.enabled = enabled and sys.stderr.isatty()
 
-    def update(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(
-            f"\r{self.label} [{bar:<30}] {frac:6.1%} {human_bytes(done)}/{human_bytes(total)}"
-        )
-        sys.stderr.flush()
+def progress_enabled(args: argparse.Namespace) -> bool:
+    """Whether the verb's progress bar is drawn: ``--progress``, else not ``--quiet`` and
+    stderr is a terminal."""
+    if getattr(args, "progress", False):
+        return True
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()
 
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+
+@contextlib.contextmanager
+def progress(
+    total: float | None, description: str, enabled: bool, *, unit: str = "bytes"
+) -> Iterator[Callable[..., None]]:
+    """A progress bar on stderr (rich): ``with progress(n, "verify") as advance:``, then
+    ``advance(k)`` as each ``k`` bytes (``unit="bytes"``: bytes/s and ETA) or items are
+    done; ``advance(k, total=n)`` also sets the total once it is known (``total=None``:
+    not known yet, no ETA). ``advance`` may be called from worker threads. Disabled
+    (``enabled=False``): ``advance`` does nothing and nothing is drawn."""
+    if not enabled:
+        yield _nothing
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    # forced: --progress on a pipe or file still gets the bar (and its final state)
+    console = Console(file=sys.stderr, force_terminal=True if not sys.stderr.isatty() else None)
+    counts = (
+        [DownloadColumn(binary_units=True), TransferSpeedColumn()]
+        if unit == "bytes"
+        else [MofNCompleteColumn()]
+    )
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        *counts,
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+        # a line printed meanwhile goes above the bar, on the terminal both share
+        redirect_stdout=sys.stdout.isatty() and sys.stderr.isatty(),
+        redirect_stderr=False,
+    )
+    with bar:
+        task = bar.add_task(clean(description), total=total)
+
+        def advance(n: float, total: float | None = None) -> None:
+            if total is not None:
+                bar.update(task, total=total)
+            bar.advance(task, n)
+
+        yield advance
+        bar.refresh()
+
+
+def _nothing(n: float, total: float | None = None) -> None:
+    pass

@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import manifest as mf
 from ..errors import SnapcoreError, SnapshotNotFound
+from ..read import Reader
 from ..tiers import HostTier, Store, Tier, as_store, open_tiers
 
 
@@ -100,6 +101,30 @@ class OpenStore:
                 first = first or e
         assert first is not None
         raise first
+
+    def reader(self, step: int | None, tier: str | None = None) -> Reader:
+        """A verifying reader of ``step`` (default: the newest) over every tier holding
+        it, fastest first (or ``tier``'s copy only), as ``snapcore.load`` reads."""
+        step, holders = self.resolve(step)
+        if tier is not None:
+            if tier not in holders:
+                raise SnapshotNotFound(f"step {step} is not committed in the {tier} tier")
+            holders = [tier]
+        sources = []
+        damaged: list[str] = []
+        first: SnapcoreError | None = None
+        for name in holders:
+            try:
+                sources.append((self.tiers[name], self.tiers[name].read_manifest(step)))
+            except SnapcoreError as e:
+                damaged.append(f"{name}: {e}")
+                first = first or e
+        if not sources:
+            assert first is not None
+            raise first
+        reader = Reader(sources, verify=True)
+        reader.damaged.extend(damaged)
+        return reader
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import sys
 
 from ..errors import CorruptSnapshot
 from ..read import verify_snapshot
-from .output import Progress, clean
+from .output import add_progress_args, clean, progress, progress_enabled
 from .stores import add_store_args, open_store
 
 
@@ -18,12 +18,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_store_args(p)
     p.add_argument("--step", type=int, help="default: the newest committed step")
     p.add_argument("--tier", choices=("host", "local", "remote"), help="only this tier's copy")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_progress_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     bad = 0
+    show = progress_enabled(args)
     with open_store(args) as st:
         step, holders = st.resolve(args.step)
         if args.tier is not None:
@@ -32,15 +33,24 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             holders = [args.tier]
         for name in holders:
-            bar = Progress(f"verify step {step} ({name})", enabled=not args.quiet)
-            try:
-                damaged = verify_snapshot(st.tiers[name], step, progress=bar.update)
-            except CorruptSnapshot as e:  # a damaged manifest, a missing or truncated file:
-                bar.close()  # nothing was read, so one line says it all
-                print(clean(f"DAMAGED ({name}): {e}"), file=sys.stderr)
+            damaged: list[CorruptSnapshot] | None = None
+            error: CorruptSnapshot | None = None
+            with progress(None, f"verify step {step} ({name})", show) as advance:
+                seen = [0]
+
+                def update(done: int, total: int, advance=advance, seen=seen) -> None:
+                    advance(done - seen[0], total=total)  # called under verify's lock
+                    seen[0] = done
+
+                try:
+                    damaged = verify_snapshot(st.tiers[name], step, progress=update)
+                except CorruptSnapshot as e:  # a damaged manifest, a missing or truncated
+                    error = e  # file: nothing was read, so one line says it all
+            if damaged is None:
+                assert error is not None
+                print(clean(f"DAMAGED ({name}): {error}"), file=sys.stderr)
                 bad += 1
                 continue
-            bar.close()
             for e in damaged:
                 print(clean(f"DAMAGED ({name}): {e}"), file=sys.stderr)
             if damaged:
