@@ -69,11 +69,13 @@ class Job:
             del self._acks[:-64]  # the latest saves' (older ones were read long ago)
 
     def settle(self, timeout_s: float | None = None) -> list[str]:
-        """Rank 0: wait (at most ``timeout_s``, default the commit timeout) until every
-        rank has read the verdicts rank 0 gave, so that ending rank 0's process (which
-        serves the key-value store) does not leave a rank without its verdict. Returns
-        the keys still short of acknowledgements."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        """Rank 0: wait (at most ``timeout_s``, default the commit timeout but no more
+        than a minute: a dead rank never answers) until every rank has read the verdicts
+        of the steps rank 0 committed, so that ending rank 0's process (which serves the
+        key-value store) does not leave a rank without its verdict. Returns the keys
+        still short of acknowledgements."""
+        limit = min(self.timeout_s, 60.0) if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
         with _lock:
             keys = list(self._acks)
         short = keys

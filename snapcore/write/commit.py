@@ -172,7 +172,8 @@ def commit_part(
     if job.rank == 0:
         verdict = _coordinate(job, eid, spec, tier, step, write_index)
         job.kv.set(verdict_key, json.dumps(verdict))
-        job.expect_acks(_key(job, eid, spec.seq, tier, "ack"))
+        if verdict["ok"]:  # a committed step: no rank may lose its part for want of it
+            job.expect_acks(_key(job, eid, spec.seq, tier, "ack"))
         _forget(job, _key(job, eid, spec.seq - 8, tier, "verdict"))  # read long ago
     else:
         got = kv_get(job, verdict_key, job.timeout_s * 2)
