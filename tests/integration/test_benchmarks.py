@@ -158,6 +158,50 @@ def test_bench_distributed(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("snapcore-bench-dist-*"))  # its work directory is removed
 
 
+def test_bench_convert(tmp_path: Path) -> None:
+    raw, table = tmp_path / "raw.json", tmp_path / "table.md"
+    out = run(
+        "bench_convert.py", "--dir", tmp_path, "--json", raw, "--markdown", table, timeout=240
+    )
+    r = json.loads(raw.read_text())
+    state = r["prepare"]["state"]
+    assert state["state_bytes"] > 0 and 0 < state["largest_bytes"] < state["state_bytes"]
+    assert set(state["bytes_by_dtype"]) == {"float32", "bfloat16"}
+    assert len(r["probes"]) == 2
+    for p in r["probes"]:
+        assert p["odirect_Bps"] > 0 and p["cold_read_Bps"] > 0
+    assert [tag for tag, _ in r["order"]] == [
+        "copy#before",
+        "convert_to_safetensors",
+        "save_file",
+        "hf_hub",
+        "consolidate",
+        "dcp_to_torch_save",
+        "copy#between",
+        "convert_to_snapcore",
+        "load_file_save",
+        "copy#after",
+    ]
+    for tag, x in r["order"]:
+        if "skipped" in x:  # only an optional peer, with its reason
+            assert tag in ("hf_hub", "consolidate") and x["skipped"], (tag, x)
+            continue
+        assert "error" not in x, (tag, x)
+        assert x["seconds"] > 0 and x["peak_rss"] >= x["baseline_rss"] > 0, (tag, x)
+        assert x["written_bytes"] >= state["state_bytes"], (tag, x)
+        if not tag.startswith("copy"):
+            # every output holds exactly the source's tensors, bit for bit
+            assert x["check"]["equal"], (tag, x["check"])
+            assert x["check"]["tensors"] == state["tensors"], (tag, x["check"])
+    # every target was judged (PASS or FAIL: a smoke run's verdicts mean nothing)
+    assert len(r["targets"]) == 6
+    assert all(t["status"] in ("PASS", "FAIL") for t in r["targets"]), r["targets"]
+    text = table.read_text()
+    assert "| # | conversion | seconds | GB/s |" in text and "| target | measured |" in text
+    assert text in out
+    assert not list(tmp_path.glob("snapcore-bench-convert-*"))  # its work directory is removed
+
+
 def test_simulate() -> None:
     out = run("simulate.py", timeout=60)
     assert "Checks against the issue's targets:" in out
