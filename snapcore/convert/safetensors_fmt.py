@@ -231,6 +231,11 @@ def _read_header(path: Path, fd: int) -> tuple[list[tuple[TensorInfo, int, int]]
             or not 0 <= offsets[0] <= offsets[1]
         ):
             raise bad(f"{where}: data_offsets {offsets!r} are not [begin, end]")
+        if offsets[1] > size - 8 - n:
+            data = size - 8 - n
+            raise bad(
+                f"{where}: data_offsets {offsets!r} past the {data} bytes of data (truncated?)"
+            )
         info = TensorInfo(name, dtype, tuple(shape))
         if offsets[1] - offsets[0] != info.nbytes:
             raise bad(
