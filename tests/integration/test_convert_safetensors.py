@@ -42,6 +42,8 @@ def _every_dtype() -> dict[str, torch.Tensor]:
         "scalar": torch.tensor(3.25),
         "empty": torch.empty(0, 4),
         "a.dotted.name": torch.ones(2, 2, dtype=torch.float16),
+        "ünï-名": torch.ones(1),  # the header is UTF-8, not \u escapes
+        'q"\\\n\x1f': torch.zeros(1),  # escapes as serde_json writes them
     }
     for name, dtype in (("u16", "uint16"), ("u32", "uint32"), ("u64", "uint64")):
         out[name] = torch.arange(0, 5).to(getattr(torch, dtype))
