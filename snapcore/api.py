@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from .distributed.job import Job, all_gather_bytes
 from .distributed.job import current as current_job
-from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StoreInUse
+from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StateMismatch, StoreInUse
 from .read import Reader, RestoreInfo
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
@@ -108,25 +108,54 @@ def _reader(engine: Engine, steps: dict[str, list[int]], step: int, verify: bool
 T = TypeVar("T")
 
 
-def _agreed_step(engine: Engine, steps: dict[str, list[int]], job: Job) -> int:
-    """Under torch.distributed: the newest step every rank can open (its index and parts
-    read, its data files present in some tier it reaches). A collective on snapcore's
-    group per step tried, at restore time only."""
+def _read_agreed(
+    engine: Engine,
+    steps: dict[str, list[int]],
+    job: Job,
+    verify: bool,
+    use: Callable[[Reader], T],
+) -> tuple[T, Reader, list[str]]:
+    """Under torch.distributed, ``step=None``: every rank takes the same step, the newest
+    committed in a tier each rank reaches that every rank could read whole. Each rank
+    tries it and the ranks tell each other how it went (a collective on snapcore's group
+    per step tried, at restore time only): a step damaged on any rank is skipped by all,
+    for the next older one, which every rank then reads again (a rank that had filled
+    its state from the newer step is overwritten alike). A refusal that is not damage
+    (the state does not fit) raises on every rank."""
     every = sorted({s for ss in steps.values() for s in ss}, reverse=True)
     heard = [json.loads(b) for b in all_gather_bytes(job, json.dumps(every).encode())]
     common = sorted(set.intersection(*(set(h) for h in heard)), reverse=True)
+    skipped: list[str] = []
     for s in common:
+        result: Any = None
+        reader: Reader | None = None
+        mine: dict[str, Any] = {"damaged": None, "refused": None}
+        error: SnapcoreError | None = None
         try:
-            _reader(engine, steps, s, verify=False)
-            ok = b"1"
+            reader = _reader(engine, steps, s, verify)
+            result = use(reader)
         except (CorruptSnapshot, SnapshotNotFound) as e:
-            log.warning("%s: step %d cannot be read here: %s", engine.config.describe(), s, e)
-            ok = b"0"
-        if all(v == b"1" for v in all_gather_bytes(job, ok)):
-            return s
+            mine["damaged"], error = str(e), e
+        except SnapcoreError as e:
+            mine["refused"], error = str(e), e
+        said = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
+        refused = [(r, d["refused"]) for r, d in enumerate(said) if d["refused"]]
+        if refused:
+            if error is not None and mine["refused"]:
+                raise error
+            r, why = refused[0]
+            raise StateMismatch(f"step {s}: rank {r} cannot restore it: {why}")
+        damaged = [(r, d["damaged"]) for r, d in enumerate(said) if d["damaged"]]
+        if not damaged:
+            assert reader is not None
+            return result, reader, skipped
+        r, why = damaged[0]
+        note = why if why.startswith(f"step {s}: ") else f"step {s}: {why}"
+        log.warning("%s: skipping %s (rank %d)", engine.config.describe(), note, r)
+        skipped.append(f"{note} (rank {r})")
     raise SnapshotNotFound(
-        f"no step of {engine.config.describe()} is committed and readable on every rank "
-        f"(steps here: {every[:8]})"
+        f"no step of {engine.config.describe()} is committed and intact on every rank "
+        f"(steps here: {every[:8]}; skipped: {skipped[:4]})"
     )
 
 
@@ -141,7 +170,7 @@ def _read(
     steps = committed(store)
     job = current_job()
     if job is not None and step is None:  # every rank takes the same step
-        step = _agreed_step(engine, steps, job)
+        return _read_agreed(engine, steps, job, verify, use)
     every = sorted({s for ss in steps.values() for s in ss})
     if not every:
         raise SnapshotNotFound(f"no committed snapshot in {engine.config.describe()}")

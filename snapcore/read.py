@@ -639,17 +639,34 @@ class Reader:
         self, job: Job, readers: dict[int, int], targets: dict[int, list[torch.Tensor]]
     ) -> None:
         """Read the tensors this rank reads for all, and receive the others: one broadcast
-        per reading rank, of its tensors' bytes one after another."""
+        per reading rank, of its tensors' bytes one after another. Every rank reads its
+        share first and the ranks tell each other whether it was intact, so that damage
+        on one rank raises on all of them instead of leaving the others in a broadcast."""
         import torch.distributed as dist
 
+        own = sorted(i for i, r in readers.items() if r == job.rank)
+        error: CorruptSnapshot | None = None
+        payload = torch.empty(0, dtype=torch.uint8)
+        try:
+            parts = [self.tensor(i).contiguous().reshape(-1).view(torch.uint8) for i in own]
+            if parts:
+                payload = torch.cat(parts)
+        except CorruptSnapshot as e:
+            error = e
+        said = all_gather_bytes(job, b"" if error is None else str(error).encode())
+        failed = [(r, b.decode()) for r, b in enumerate(said) if b]
+        if failed:
+            if error is not None:
+                raise error
+            r, why = failed[0]
+            raise CorruptSnapshot(
+                f"step {self.m.step}: rank {r} read damage: {why}", step=self.m.step
+            )
         for reader in sorted(set(readers.values())):
             mine = sorted(i for i, r in readers.items() if r == reader)
             sizes = [self.m.tensors[i].nbytes for i in mine]
-            if reader == job.rank:
-                parts = [self.tensor(i).contiguous().reshape(-1).view(torch.uint8) for i in mine]
-                buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-            else:
-                buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            mine_now = reader == job.rank
+            buf = payload if mine_now else torch.empty(sum(sizes), dtype=torch.uint8)
             dist.broadcast(buf, src=reader, group=job.group)
             pos = 0
             for i, n in zip(mine, sizes, strict=True):

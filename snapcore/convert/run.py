@@ -10,9 +10,11 @@ an interrupted conversion leaves no target.
 
 Besides the contract of ``base.py``, two optional methods are used when a format has
 them: ``Source.aliases()`` (name -> the name of the tensor it is the same as: tied
-weights) and ``Sink.begin(infos, aliases)`` (the tensors it will be given, in order, and
-the aliases among them, before the first ``write``). A source without ``aliases`` has
-none; a sink without ``begin`` is given aliased tensors as tensors of their own.
+weights) and ``Sink.begin(infos, aliases, metadata)`` (the tensors it will be given, in
+order, the aliases among them and the provenance ``commit`` will be given, before the
+first ``write``). A source without ``aliases`` has none; a sink without ``begin`` is
+given aliased tensors as tensors of their own. ``write_values`` comes first of all, so a
+sink that writes a header before its tensors knows everything that goes into it.
 """
 
 from __future__ import annotations
@@ -170,20 +172,23 @@ def convert(
     stats = ConvertStats(source_format, to)
     try:
         plan, aliases, values = _plan(source, names, dtype, stats)
+        metadata = dict(source.metadata())
+        metadata["source_format"] = source_format
+        metadata = {k: str(v) for k, v in metadata.items()}
         sink = FORMATS[to].sink(_as_path(dst), opts)
         try:
+            # values and provenance before the first tensor: a streaming sink puts them
+            # in a header it writes before the tensors (safetensors' last file)
+            sink.write_values(values)
+            stats.values = len(values)
             begin = getattr(sink, "begin", None)
             if begin is not None:
-                begin([out for _, out in plan], dict(aliases))
+                begin([out for _, out in plan], dict(aliases), metadata)
                 stats.aliases = len(aliases)
             else:  # a sink that knows no aliases gets them as tensors of their own
                 plan = _with_aliases(plan, aliases)
             _stream(source, sink, plan, stats, progress)
-            sink.write_values(values)
-            stats.values = len(values)
-            metadata = dict(source.metadata())
-            metadata["source_format"] = source_format
-            sink.commit({k: str(v) for k, v in metadata.items()})
+            sink.commit(metadata)
         except BaseException:
             sink.abort()
             raise

@@ -1,49 +1,69 @@
 """Format ``safetensors``: one ``.safetensors`` file, or a directory in Hugging Face's
 sharded layout (``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json``
-with ``metadata.total_size`` and ``weight_map``). Read and written with the
-``safetensors`` library, the format's reference implementation: no header is parsed here.
+with ``metadata.total_size`` and ``weight_map``).
 
-Source: tensors are read one at a time with ``safe_open`` (a sharded directory through
-its index, shard by shard). Aliases are safetensors' own convention (``save_model``):
-a ``__metadata__`` entry ``{removed name: kept name}`` for a tensor that shared storage
-with a kept one; values written by this module come back from ``snapcore.values``.
+snapcore reads and writes the format itself, streaming, and never imports the
+``safetensors`` library (the tests use it, and transformers, as the judges of what is
+written here). The format (https://huggingface.co/docs/safetensors): an 8-byte
+little-endian unsigned length ``N``, then ``N`` bytes of UTF-8 JSON (padded with spaces),
+then the tensors' bytes. The JSON maps each tensor's name to ``{"dtype": "F32",
+"shape": [...], "data_offsets": [begin, end]}`` (offsets into the bytes after the header,
+contiguous, covering them exactly, little-endian, C order) plus an optional
+``"__metadata__"`` of strings.
+
+Source: each file's header is read and checked before any tensor (``_read_header``:
+a bounded length, strict JSON without duplicate keys, known dtypes, sizes that match the
+offsets, offsets that tile the rest of the file exactly); anything else raises
+``InvalidManifest`` naming the file. A tensor is read with positioned reads straight into
+a new tensor: one tensor in memory at a time. Aliases are safetensors' own convention
+(``save_model``): a ``__metadata__`` entry ``{removed name: kept name}`` for a tensor that
+shared storage with a kept one; values written by this module come back from
+``snapcore.values``.
 
 Sink: a single file when every tensor fits one ``--shard-size``, else the sharded layout,
 shards cut at ``--shard-size`` the way ``save_pretrained`` cuts them (a tensor larger than
-the size gets a shard of its own). Each shard is written once its tensors have arrived,
-so memory holds at most one shard's tensors plus the one being read: a smaller
-``--shard-size`` bounds memory further. Every header's ``__metadata__`` holds
-``format: pt`` and the aliases whose kept tensor is in that file; the last file's (the
-only one's) also holds the provenance (``snapcore.*`` keys) and the values as one JSON
-object (``snapcore.values``) (tensors that
-were one tensor in the source: written once, as ``save_model`` does). Everything is
-written into a temporary name beside the target, fsynced, and renamed into place by
-``commit``; ``abort`` removes it.
+the size gets a shard of its own). ``begin`` gets every tensor up front, so each file's
+header (and every tensor's offset in it) is known before its first tensor arrives:
+tensors are laid out as the library's writer lays them out (larger items first, then by
+name, so each is aligned to its item size) and each one is written at its offset
+(``pwrite``) as it arrives and dropped: the sink holds no tensor. Every header's
+``__metadata__`` holds ``format: pt`` and the aliases whose kept tensor is in that file;
+the last file's (the only one's) also holds the provenance (``snapcore.*`` keys) and the
+values as one JSON object (``snapcore.values``); the driver gives both before the first
+tensor (values, then ``begin``'s ``metadata``). Tensors that were one tensor in the source
+are written once, as ``save_model`` does. Everything is written into a temporary directory
+beside the target, fsynced, and renamed into place by ``commit``; ``abort`` removes it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from ..errors import CorruptSnapshot, InvalidManifest
 from .base import Format, TensorInfo, Value, register
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 VALUES_KEY = "snapcore.values"
+META_KEY = "__metadata__"
+# the library's own bound on a header (its MAX_HEADER_SIZE): refused before it is read
+MAX_HEADER = 100_000_000
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 
-# safetensors' dtype names (the format's spec), for listing tensors without reading them
+# the format's dtype names (its spec) and their torch types
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -69,6 +89,24 @@ for _name, _attr in (
 ):
     if hasattr(torch, _attr):
         _DTYPES[_name] = getattr(torch, _attr)
+_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+# the order in which the library's writer lays tensors out (then by name): wider items
+# first, so that each tensor starts at a multiple of its item size
+_ORDER = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16")
+_ORDER += ("F8_E5M2FNUZ", "F8_E4M3FNUZ", "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+_RANK = {name: k for k, name in enumerate(_ORDER)}
+
+
+def _little_endian() -> None:
+    if sys.byteorder != "little":  # the format is little-endian; tensors are copied as is
+        raise NotImplementedError("safetensors: only little-endian machines are supported")
+
+
+def _buffer(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as a writable buffer (no copy). The caller
+    keeps ``t`` alive while the buffer is used."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def detect(path: Path) -> bool:
@@ -105,61 +143,185 @@ def _files(path: Path) -> list[Path]:
     return files
 
 
+# -- reading -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Entry:
+    info: TensorInfo
+    file: int  # index into the source's files
+    offset: int  # absolute, in the file
+    nbytes: int
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k!r} is given twice")
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _pread_exact(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill ``buf`` from ``offset``; returns the bytes read (fewer only at end of file)."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _read_header(path: Path, fd: int) -> tuple[list[tuple[TensorInfo, int, int]], dict[str, str]]:
+    """The tensors of an open safetensors file (info, absolute offset, bytes), in the
+    file's order, and its ``__metadata__``; ``InvalidManifest`` naming the file for
+    anything the format does not allow. Nothing is read but the length and the header."""
+
+    def bad(why: str) -> InvalidManifest:
+        return InvalidManifest(f"{path}: not a valid safetensors file: {why}", file=str(path))
+
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise bad(f"{size} bytes, too short for the header's length")
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER:
+        raise bad(f"a header of {n} bytes (the most is {MAX_HEADER})")
+    if 8 + n > size:
+        raise bad(f"a header of {n} bytes in a file of {size} bytes (truncated?)")
+    raw = bytearray(n)
+    if _pread_exact(fd, memoryview(raw), 8) != n:
+        raise bad("the header is truncated")
+    try:
+        text = raw.decode("utf-8")
+        if not text.startswith("{"):
+            raise ValueError("the header is not a JSON object")
+        header = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the header is not valid JSON: {e}") from None
+    del raw, text
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    meta = header.pop(META_KEY, None)
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad(f"{META_KEY} is not an object of strings")
+    tensors: list[tuple[TensorInfo, int, int, int]] = []  # info, begin, end, position
+    for name, spec in header.items():
+        where = f"tensor {name!r}"
+        if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+            raise bad(f"{where}: not {{dtype, shape, data_offsets}}")
+        dtype = _DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
+        if dtype is None:
+            raise bad(f"{where}: unknown dtype {spec['dtype']!r}")
+        shape, offsets = spec["shape"], spec["data_offsets"]
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+            raise bad(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 2**63:
+            raise bad(f"{where}: shape {shape!r} is too large")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise bad(f"{where}: data_offsets {offsets!r} are not [begin, end]")
+        if offsets[1] > size - 8 - n:
+            data = size - 8 - n
+            raise bad(
+                f"{where}: data_offsets {offsets!r} past the {data} bytes of data (truncated?)"
+            )
+        info = TensorInfo(name, dtype, tuple(shape))
+        if offsets[1] - offsets[0] != info.nbytes:
+            raise bad(
+                f"{where}: data_offsets {offsets!r} hold {offsets[1] - offsets[0]} bytes, "
+                f"its dtype and shape {info.nbytes}"
+            )
+        tensors.append((info, offsets[0], offsets[1], len(tensors)))
+    # the offsets tile the data exactly: no gap, no overlap, nothing after the last
+    end = 0
+    for info, b, e, _ in sorted(tensors, key=lambda t: (t[1], t[2])):
+        if b != end:
+            what = "overlaps another" if b < end else f"leaves a gap at byte {end}"
+            raise bad(f"tensor {info.name!r}: data_offsets [{b}, {e}] {what}")
+        end = e
+    if 8 + n + end != size:
+        raise bad(
+            f"the tensors end at byte {8 + n + end} of a file of {size} bytes"
+            + (" (truncated?)" if 8 + n + end > size else "")
+        )
+    out = [(info, 8 + n + b, e - b) for info, b, e, _ in tensors]
+    return out, meta
+
+
 class SafetensorsSource:
     def __init__(self, path: Any, options: dict[str, Any]) -> None:
+        _little_endian()
         self.files = _files(Path(path))
-        self._where: dict[str, int] = {}
-        self._infos: list[TensorInfo] = []
+        self._entries: dict[str, _Entry] = {}
         self._meta: dict[str, str] = {}
         self._values: dict[str, Value] = {}
         alias_entries: dict[str, str] = {}
-        self._open: tuple[int, Any] | None = None
+        self._open: tuple[int, int] | None = None  # (file index, fd)
         for k, f in enumerate(self.files):
-            with safe_open(f, framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    if name in self._where:
-                        raise ValueError(f"{name} is in {self.files[self._where[name]]} and {f}")
-                    sl = st.get_slice(name)
-                    dtype = _DTYPES.get(sl.get_dtype())
-                    if dtype is None:
-                        raise ValueError(f"{f}: {name}: dtype {sl.get_dtype()} has no torch type")
-                    self._where[name] = k
-                    self._infos.append(TensorInfo(name, dtype, tuple(sl.get_shape())))
-                for key, value in (st.metadata() or {}).items():
-                    if key == VALUES_KEY:
-                        if not self._values:
-                            try:
-                                loaded = json.loads(value)
-                            except ValueError as e:
-                                raise ValueError(f"{f}: {VALUES_KEY} is not JSON: {e}") from None
-                            if not isinstance(loaded, dict):
-                                raise ValueError(f"{f}: {VALUES_KEY} is not a JSON object")
-                            self._values = loaded
-                    else:
-                        alias_entries[key] = value
-                        self._meta.setdefault(key, value)
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                tensors, meta = _read_header(f, fd)
+            finally:
+                os.close(fd)
+            for info, offset, nbytes in tensors:
+                if info.name in self._entries:
+                    first = self.files[self._entries[info.name].file]
+                    raise ValueError(f"{info.name} is in {first} and {f}")
+                self._entries[info.name] = _Entry(info, k, offset, nbytes)
+            for key, value in meta.items():
+                if key == VALUES_KEY:
+                    if not self._values:
+                        try:
+                            loaded = json.loads(value)
+                        except ValueError as e:
+                            raise ValueError(f"{f}: {VALUES_KEY} is not JSON: {e}") from None
+                        if not isinstance(loaded, dict):
+                            raise ValueError(f"{f}: {VALUES_KEY} is not a JSON object")
+                        self._values = loaded
+                else:
+                    alias_entries[key] = value
+                    self._meta.setdefault(key, value)
         # save_model's convention: {removed name: kept name}, a name no tensor has
         self._aliases = {
             k: v
             for k, v in alias_entries.items()
-            if k not in self._where and v in self._where and k != "format"
+            if k not in self._entries and v in self._entries and k != "format"
         }
         for k in self._aliases:
             self._meta.pop(k, None)
 
     def tensors(self) -> Iterator[TensorInfo]:
-        return iter(self._infos)
+        return (e.info for e in self._entries.values())
 
     def aliases(self) -> dict[str, str]:
         return dict(self._aliases)
 
     def read(self, info: TensorInfo) -> torch.Tensor:
-        k = self._where[info.name]
-        if self._open is None or self._open[0] != k:
+        entry = self._entries[info.name]
+        if self._open is None or self._open[0] != entry.file:
             self._close()
-            handle = safe_open(self.files[k], framework="pt")
-            self._open = (k, handle.__enter__())
-        return self._open[1].get_tensor(info.name).contiguous()
+            self._open = (entry.file, os.open(self.files[entry.file], os.O_RDONLY))
+        t = torch.empty(entry.info.shape, dtype=entry.info.dtype)
+        if entry.nbytes and _pread_exact(self._open[1], _buffer(t), entry.offset) != entry.nbytes:
+            where = str(self.files[entry.file])
+            raise CorruptSnapshot(
+                f"{where}: {info.name}: the file ends inside the tensor (truncated since it "
+                "was opened?)",
+                tensor=info.name,
+                file=where,
+            )
+        return t
 
     def values(self) -> dict[str, Value]:
         return dict(self._values)
@@ -171,28 +333,121 @@ class SafetensorsSource:
 
     def _close(self) -> None:
         if self._open is not None:
-            self._open[1].__exit__(None, None, None)
+            os.close(self._open[1])
             self._open = None
 
     def close(self) -> None:
         self._close()
 
 
+# -- writing -----------------------------------------------------------------------------
+def _layout(infos: list[TensorInfo]) -> dict[str, tuple[int, int]]:
+    """Each tensor's data_offsets in its file, in the library writer's order (``_ORDER``,
+    then by name): every tensor starts at a multiple of its item size, as the header is
+    padded to 8 bytes, and a file is byte for byte the one ``save_file`` would write."""
+    out: dict[str, tuple[int, int]] = {}
+    at = 0
+    for info in sorted(infos, key=lambda i: (_RANK[_NAMES[i.dtype]], i.name)):
+        out[info.name] = (at, at + info.nbytes)
+        at += info.nbytes
+    return out
+
+
+class _File:
+    """One file being written: its header is on disk before the first tensor, each tensor
+    goes to its offset as it arrives."""
+
+    def __init__(self, path: Path, infos: list[TensorInfo], meta: dict[str, str]) -> None:
+        self.path = path
+        self.infos = infos
+        self.meta = meta
+        self.offsets = _layout(infos)
+        self.missing = {i.name for i in infos}
+        self.fd: int | None = None
+        self.data_start = 0
+        self.finished = False
+
+    def header(self) -> bytes:
+        by_name = {i.name: i for i in self.infos}
+        header: dict[str, Any] = {META_KEY: self.meta}
+        for name, (b, e) in sorted(self.offsets.items(), key=lambda kv: kv[1]):
+            info = by_name[name]
+            header[name] = {
+                "dtype": _NAMES[info.dtype],
+                "shape": list(info.shape),
+                "data_offsets": [b, e],
+            }
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        return len(raw).to_bytes(8, "little") + raw
+
+    def open(self) -> None:
+        head = self.header()
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        _pwrite_all(self.fd, memoryview(head), 0)
+        self.data_start = len(head)
+
+    def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
+        if self.fd is None:
+            self.open()
+        assert self.fd is not None
+        b, e = self.offsets[info.name]
+        if e > b:
+            _pwrite_all(self.fd, _buffer(tensor), self.data_start + b)
+        self.missing.discard(info.name)
+
+    def finish(self) -> None:
+        """Every tensor is in: size, fsync, close."""
+        if self.missing:
+            raise ValueError(f"{self.path.name}: {sorted(self.missing)[0]} was never written")
+        if self.fd is None:
+            self.open()  # a file with no tensor
+        assert self.fd is not None
+        os.ftruncate(self.fd, self.data_start + sum(i.nbytes for i in self.infos))
+        os.fsync(self.fd)
+        self.close()
+        self.finished = True
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        done += os.pwrite(fd, buf[done:], offset + done)
+
+
 class SafetensorsSink:
     def __init__(self, path: Any, options: dict[str, Any]) -> None:
+        _little_endian()
         self.target = Path(path).absolute()
         self.shard_size = int(options.get("shard_size") or 5 * 1000**3)
         self._tmp: Path | None = None
         self._shards: list[list[TensorInfo]] = []
         self._shard_of: dict[str, int] = {}
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self._planned: dict[str, TensorInfo] = {}
+        self._files: dict[int, _File] = {}
         self._aliases: dict[str, str] = {}
         self._values: dict[str, Value] = {}
-        self._written: list[Path] = []
+        self._metadata: dict[str, str] = {}
         self._began = False
 
     # -- planning ----------------------------------------------------------------------
-    def begin(self, infos: list[TensorInfo], aliases: dict[str, str]) -> None:
+    def begin(
+        self,
+        infos: list[TensorInfo],
+        aliases: dict[str, str],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        """The tensors to come, in order, the aliases among them and the provenance
+        ``commit`` will be given (the last file's header needs it before its first tensor;
+        a different one at ``commit`` rewrites that header, copying the file)."""
+        for info in infos:
+            if info.dtype not in _NAMES:
+                raise ValueError(f"{info.name}: safetensors has no dtype for {info.dtype}")
         shards: list[list[TensorInfo]] = []
         size = 0
         for info in infos:
@@ -203,7 +458,11 @@ class SafetensorsSink:
             size += info.nbytes
         self._shards = shards or [[]]
         self._shard_of = {i.name: k for k, s in enumerate(self._shards) for i in s}
+        self._planned = {i.name: i for i in infos}
+        if len(self._shard_of) != len(infos):
+            raise ValueError("a tensor name is given twice")
         self._aliases = dict(aliases)
+        self._metadata = dict(metadata or {})
         self._began = True
         if self.target.suffix == ".safetensors" and len(self._shards) > 1:
             total = sum(i.nbytes for i in infos)
@@ -219,24 +478,12 @@ class SafetensorsSink:
             return self.target.name if self.target.suffix == ".safetensors" else SINGLE
         return f"model-{k + 1:05d}-of-{len(self._shards):05d}.safetensors"
 
-    # -- writing -----------------------------------------------------------------------
-    def write_values(self, values: dict[str, Value]) -> None:
-        self._values = dict(values)
-
-    def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
-        if not self._began:
-            raise RuntimeError("safetensors sink: begin() was not called")
-        k = self._shard_of[info.name]
-        self._pending.setdefault(k, {})[info.name] = tensor
-        if len(self._pending[k]) == len(self._shards[k]) and k < len(self._shards) - 1:
-            self._flush(k, None)  # the last shard waits for the values and provenance
-
-    def _header(self, k: int, metadata: dict[str, str] | None) -> dict[str, str]:
+    def _meta(self, k: int) -> dict[str, str]:
         meta = {"format": "pt"}
-        if metadata is not None:
+        if k == len(self._shards) - 1:
             meta |= {
                 (key if key.startswith("snapcore.") else f"snapcore.{key}"): str(v)
-                for key, v in metadata.items()
+                for key, v in self._metadata.items()
             }
             if self._values:
                 meta[VALUES_KEY] = json.dumps(self._values, separators=(",", ":"))
@@ -244,23 +491,54 @@ class SafetensorsSink:
         meta |= {a: t for a, t in sorted(self._aliases.items()) if t in names}
         return meta
 
-    def _flush(self, k: int, metadata: dict[str, str] | None) -> None:
-        assert self._tmp is not None
-        tensors = self._pending.pop(k, {})
-        path = self._tmp / self._name(k)
-        save_file(tensors, path, metadata=self._header(k, metadata))
-        del tensors
-        _fsync(path)
-        self._written.append(path)
+    def _file(self, k: int) -> _File:
+        if k not in self._files:
+            assert self._tmp is not None
+            self._files[k] = _File(self._tmp / self._name(k), self._shards[k], self._meta(k))
+        return self._files[k]
+
+    # -- writing -----------------------------------------------------------------------
+    def write_values(self, values: dict[str, Value]) -> None:
+        self._values = dict(values)
+
+    def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
+        if not self._began:
+            raise RuntimeError("safetensors sink: begin() was not called")
+        k = self._shard_of.get(info.name)
+        if k is None:
+            raise ValueError(f"{info.name}: not a tensor given to begin()")
+        planned = self._planned[info.name]
+        if (
+            planned != info
+            or tensor.dtype != info.dtype
+            or tuple(tensor.shape) != info.shape
+            or tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+        ):
+            raise ValueError(
+                f"{info.name}: given {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}, "
+                f"planned {planned.dtype} {planned.shape} (CPU, contiguous)"
+            )
+        f = self._file(k)
+        if info.name not in f.missing:
+            raise ValueError(f"{info.name}: written twice")
+        f.write(info, tensor)
+        if not f.missing and k < len(self._shards) - 1:
+            f.finish()  # the last file is finished by commit
 
     def commit(self, metadata: dict[str, str]) -> None:
         if not self._began:
-            self.begin([], {})
+            self.begin([], {}, metadata)
         assert self._tmp is not None
         last = len(self._shards) - 1
-        # the shards before the last were written as they filled: the last one's header
-        # takes the values and the provenance
-        self._flush(last, metadata)
+        for k in range(last):
+            if not self._file(k).finished:
+                self._file(k).finish()  # raises: a tensor is missing
+        self._metadata = dict(metadata)
+        f = self._file(last)
+        f.finish()
+        if self._meta(last) != f.meta:  # values or provenance other than begin's
+            _rewrite_header(f, self._meta(last))
         if len(self._shards) > 1:
             self._write_index()
         _fsync(self._tmp)
@@ -284,10 +562,39 @@ class SafetensorsSink:
         _fsync(path)
 
     def abort(self) -> None:
-        self._pending.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+def _rewrite_header(f: _File, meta: dict[str, str]) -> None:
+    """Give a finished file another ``__metadata__``: a new file with the new header and
+    the old one's tensor bytes (copied in the kernel where it can), renamed over it."""
+    new = _File(f.path.with_name(f.path.name + ".new"), f.infos, meta)
+    new.open()
+    assert new.fd is not None
+    length = sum(i.nbytes for i in f.infos)
+    src = os.open(f.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < length:
+            a, b = f.data_start + done, new.data_start + done
+            if hasattr(os, "copy_file_range"):
+                n = os.copy_file_range(src, new.fd, min(length - done, 1 << 30), a, b)
+            else:
+                n = os.pwrite(new.fd, os.pread(src, min(length - done, 1 << 24), a), b)
+            if n <= 0:
+                raise OSError(f"{f.path}: ends before its tensors")
+            done += n
+        os.fsync(new.fd)
+    finally:
+        os.close(src)
+        new.close()
+    os.replace(new.path, f.path)
+    f.meta, f.data_start = meta, new.data_start
 
 
 def _fsync(path: Path) -> None:

@@ -136,7 +136,12 @@ class SnapcoreSink:
         self._aliases: dict[str, str] = {}
         self._tmp: Path | None = None
 
-    def begin(self, infos: list[TensorInfo], aliases: dict[str, str]) -> None:
+    def begin(
+        self,
+        infos: list[TensorInfo],
+        aliases: dict[str, str],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         self._aliases = dict(aliases)
 
     def _put(self, name: str, value: Any) -> None:

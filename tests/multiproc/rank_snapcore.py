@@ -116,6 +116,7 @@ def restore(a: dict[str, Any]) -> dict[str, Any]:
         "step": info.step,
         "bytes": info.bytes,
         "tier": info.tier,
+        "skipped": info.skipped,
         "pos": state["data"].value["pos"],
         "saved_step": state["step"],
         "rng_next": torch.rand(1).item(),

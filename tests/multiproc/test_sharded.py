@@ -470,3 +470,27 @@ def test_a_dcp_checkpoint_and_a_snapcore_one_restore_to_identical_tensors(tmp_pa
         assert "step-000000000001/manifest.json" in sc["store"], sc
         assert sc["dcp"] == [] and sc["unpickled"] == [], sc
         assert ".metadata" in dc["dcp"] and dc["unpickled"] and dc["store"] == [], dc
+
+
+def test_a_step_damaged_on_one_rank_is_skipped_by_every_rank(tmp_path: Path) -> None:
+    """Rank 1's data of step 2 is damaged: rank 0 alone could read step 2, but every rank
+    must restore the same step, so both take step 1 and say why."""
+    store = tmp_path / "store"
+    saved = run(
+        2,
+        [
+            {"op": "save", "kind": "fsdp2", "store": str(store), "step": 1, "seed": 0},
+            {"op": "save", "kind": "fsdp2", "store": str(store), "step": 2, "seed": 5},
+        ],
+    )
+    first = saved[0][0]["digests"]
+    assert saved[0][1]["digests"] != first  # the two steps hold different tensors
+    (victim,) = (store / "step-000000000002").glob("data-*-r1.bin")
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in rank 1's shards
+    victim.write_bytes(bytes(data))
+    res = run(2, [{"op": "restore", "kind": "fsdp2", "store": str(store)}])
+    for (r,) in res:
+        assert r["step"] == 1 and r["digests"] == first
+        assert len(r["skipped"]) == 1 and r["skipped"][0].startswith("step 2: ")
+        assert "(rank 1)" in r["skipped"][0]
