@@ -206,3 +206,37 @@ def test_simulate() -> None:
     out = run("simulate.py", timeout=60)
     assert "Checks against the issue's targets:" in out
     assert out.count("PASS") + out.count("FAIL") >= 4
+
+
+def test_bench_training(tmp_path: Path) -> None:
+    raw, table = tmp_path / "raw.json", tmp_path / "table.md"
+    out = run(
+        "bench_training.py", "--dir", tmp_path, "--json", raw, "--markdown", table, timeout=120
+    )
+    r = json.loads(raw.read_text())
+    modes = ["none", "snapcore", "snapcore_overlap", "dcp"]
+    assert r["config"]["modes"] == modes and r["config"]["device"] in ("cpu", "cuda")
+    steps, every = r["config"]["steps"], r["config"]["every"]
+    assert [s["mode"] for s in r["segments"]] == modes  # one round, in order
+    for seg in r["segments"]:
+        assert len(seg["steps"]) == steps and seg["tokens_per_s"] > 0
+        assert all(
+            x["s"] > 0 and x["kind"] in ("clean", "staging", "persist") for x in seg["steps"]
+        )
+        snaps = seg["snapshots"]
+        assert len(snaps) == (0 if seg["mode"] == "none" else -(-steps // every))
+        for x in snaps:  # every snapshot was staged and became durable after its call
+            assert 0 <= x["prev_wait_s"] <= x["stall_s"] and 0 <= x["staged_s"] <= x["durable_s"]
+    s, snapshots = r["summary"], -(-steps // every)
+    for mode in modes:
+        assert s[mode]["tokens_per_s_median"] > 0 and s[mode]["ratio_vs_none_median"] > 0
+        assert 0 < s[mode]["step_p50_s"] <= s[mode]["step_p99_s"]
+        assert s[mode]["staging_steps"] == snapshots - ((steps - 1) % every == 0)
+    assert s["none"]["ratio_vs_none_median"] == 1.0 and s["snapcore_vs_dcp_median"] > 0
+    # the last snapshot of each mode, restored into a fresh model and AdamW: bit for bit
+    assert r["restore_exact"] == {"snapcore": True, "snapcore_overlap": True, "dcp": True}
+    assert [t["status"] in ("PASS", "FAIL") for t in r["targets"]] == [True] * 3
+    text = table.read_text()
+    assert "| mode | tokens/s | x no snapshots |" in text and "| target | measured |" in text
+    assert text in out
+    assert not list(tmp_path.glob("snapcore-bench-train-*"))  # its work directory is removed
