@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 def cuda_available() -> bool:
     """
-    Whether libcuda.so.1 loaded, cuInit succeeded and a device exists. Never raises.
+    Whether libcuda.so.1 loaded, cuInit succeeded and a device exists. False in a
+    child forked after the driver was loaded. Never raises.
     """
 
 def cuda_status() -> str:
@@ -40,7 +41,8 @@ class Arena:
     ) -> None:
         """
         Maps `size` bytes. With `shm_path`, the file is created (0600) or reused,
-        sized, mapped shared and never unlinked. `pin` registers the memory with CUDA
+        sized, mapped shared and never unlinked; without, the memory is private and
+        not inherited by fork() (MADV_DONTFORK). `pin` registers the memory with CUDA
         when CUDA is available and does nothing otherwise. `threads` (0 = all)
         prefault it.
         """

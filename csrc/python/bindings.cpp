@@ -83,7 +83,8 @@ NB_MODULE(_native, m) {
   nb::register_exception_translator(translate);
 
   m.def("cuda_available", &snapcore::shim::CudaDriver::is_available,
-        "Whether libcuda.so.1 loaded, cuInit succeeded and a device exists. Never raises.");
+        "Whether libcuda.so.1 loaded, cuInit succeeded and a device exists. False in a\n"
+        "child forked after the driver was loaded. Never raises.");
   m.def("cuda_status", &snapcore::shim::CudaDriver::status,
         "'ok: N device(s)', or why CUDA is unavailable.");
   m.def("page_size", &snapcore::page_size,
@@ -110,7 +111,8 @@ NB_MODULE(_native, m) {
           "size"_a, nb::kw_only(), "shm_path"_a = nb::none(), "huge_pages"_a = true,
           "pin"_a = true, "prefault"_a = true, "threads"_a = 0, release_gil(),
           "Maps `size` bytes. With `shm_path`, the file is created (0600) or reused,\n"
-          "sized, mapped shared and never unlinked. `pin` registers the memory with CUDA\n"
+          "sized, mapped shared and never unlinked; without, the memory is private and\n"
+          "not inherited by fork() (MADV_DONTFORK). `pin` registers the memory with CUDA\n"
           "when CUDA is available and does nothing otherwise. `threads` (0 = all)\n"
           "prefault it.")
       .def_prop_ro("address", &snapcore::Arena::address,

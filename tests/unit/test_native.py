@@ -141,6 +141,38 @@ def test_arena_without_cuda_is_not_pinned():
         assert arena.bytes_pinned == 0
 
 
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_anonymous_arena_is_not_inherited_by_fork(huge_pages):
+    """MADV_DONTFORK ("dc"): a child forked after a save (a DataLoader worker) neither
+    copies the arena (pinned pages are copied at once by fork) nor sees it."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps")
+    with _native.Arena(4 * MiB + 1, pin=False, huge_pages=huge_pages) as arena:
+        assert "dc" in vm_flags(arena.address)
+        assert "dc" in vm_flags(arena.address + arena.bytes_held - 1)
+
+
+def test_shared_arena_stays_visible_to_a_forked_child(shm_path):
+    """A shared mapping is not copied by fork: it is left inheritable."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps")
+    with _native.Arena(PAGE, shm_path=shm_path, pin=False) as arena:
+        assert "dc" not in vm_flags(arena.address)
+
+
 def test_arena_close_is_idempotent_and_final():
     arena = _native.Arena(PAGE, pin=False)
     assert arena.closed is False and arena.shm_path is None
@@ -286,7 +318,9 @@ def test_copy_host_pool_survives_fork():
         "_native.copy_host([(a.address + (4 << 20), a.address, 4 << 20)], threads=4)\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    _native.copy_host([(a.address + (4 << 20), a.address, 4 << 20)], threads=4)\n"
+        # The parent's anonymous arena is not mapped in the child (MADV_DONTFORK).
+        "    b = _native.Arena(8 << 20, pin=False)\n"
+        "    _native.copy_host([(b.address + (4 << 20), b.address, 4 << 20)], threads=4)\n"
         "    os._exit(0)\n"
         "_, status = os.waitpid(pid, 0)\n"
         "raise SystemExit(os.waitstatus_to_exitcode(status))\n"
@@ -638,6 +672,60 @@ def test_cuda_init_failure_is_reported_not_raised(fake_driver_dir):
     result = run_with_fake_driver(fake_driver_dir, code, FAKE_CUDA_NO_DEVICE="1")
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.decode().startswith("cuInit failed: CUDA_ERROR_NO_DEVICE (100)")
+
+
+FORKED_CHILD_SCENARIO = """
+import ctypes, os
+from snapcore import _native
+from snapcore.errors import CudaError
+
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_cuda_log.restype = ctypes.c_char_p
+def log(): return fake.fake_cuda_log().decode().splitlines()
+
+assert _native.cuda_available()
+arena = _native.Arena(1 << 20)
+assert arena.pinned
+copier = _native.CudaCopier(0)
+size = arena.bytes_held
+pid = os.fork()
+if pid == 0:
+    try:
+        calls = len(log())
+        assert _native.cuda_available() is False
+        assert "fork" in _native.cuda_status(), _native.cuda_status()
+        try:
+            _native.CudaCopier(0)
+            raise AssertionError("a CudaCopier in a forked child")
+        except CudaError as e:
+            assert "fork" in str(e), e
+        fresh = _native.Arena(size)  # may take the address range the parent's arena had
+        assert not fresh.pinned
+        copier.close()  # the parent's stream and registration are not the child's to free
+        arena.close()
+        ctypes.memset(fresh.address, 7, size)  # still mapped: arena.close() unmapped nothing
+        fresh.close()
+        assert len(log()) == calls, log()[calls:]  # the child made no driver call
+    except BaseException as e:
+        print("child:", repr(e), flush=True)
+        os._exit(1)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0
+assert _native.cuda_available()  # the parent is unaffected
+copier.close()
+arena.close()
+print("fork-ok")
+"""
+
+
+def test_cuda_is_unavailable_in_a_forked_child(fake_driver_dir):
+    """A CUDA context does not survive fork(): a child forked after the driver was loaded
+    sees CUDA unavailable, and freeing what it inherited calls no driver function."""
+    result = run_with_fake_driver(fake_driver_dir, FORKED_CHILD_SCENARIO)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    assert "fork-ok" in out
 
 
 # --- GPU --------------------------------------------------------------------------------

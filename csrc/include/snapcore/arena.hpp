@@ -1,5 +1,7 @@
 // The host arena: one block of host memory, sized exactly, optionally backed by a shared
-// memory file, prefaulted and pinned once, then reused for every snapshot.
+// memory file, prefaulted and pinned once, then reused for every snapshot. An anonymous
+// arena is not inherited by fork() (MADV_DONTFORK): fork would copy its pinned pages at
+// once into every child (a DataLoader worker), which never needs them.
 #pragma once
 
 #include <cstddef>
@@ -56,6 +58,10 @@ class Arena {
   std::optional<std::string> shm_path_;
   int fd_ = -1;
   void* base_ = nullptr;
+  // Anonymous arenas are MADV_DONTFORK: a forked child does not have them mapped, and must
+  // not unmap their range (which it may have reused) when it frees its copy of this object.
+  bool dontfork_ = false;
+  long owner_pid_ = 0;
   bool huge_pages_ = false;
   bool pinned_ = false;
   std::unique_ptr<PrimaryContext> pin_ctx_;  // held while the registration lives
