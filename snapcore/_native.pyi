@@ -36,6 +36,7 @@ class Arena:
         shm_path: str | None = None,
         huge_pages: bool = True,
         pin: bool = True,
+        device: int = 0,
         prefault: bool = True,
         threads: int = 0,
     ) -> None:
@@ -43,6 +44,7 @@ class Arena:
         Maps `size` bytes. With `shm_path`, the file is created (0600) or reused,
         sized, mapped shared and never unlinked; without, the memory is private and
         not inherited by fork() (MADV_DONTFORK). `pin` registers the memory with CUDA
+        (portable, in `device`'s primary context: the device the state lives on)
         when CUDA is available and does nothing otherwise. `threads` (0 = all)
         prefault it.
         """

@@ -99,20 +99,22 @@ NB_MODULE(_native, m) {
       .def(
           "__init__",
           [](snapcore::Arena* self, std::size_t size, std::optional<std::string> shm_path,
-             bool huge_pages, bool pin, bool prefault, std::size_t threads) {
+             bool huge_pages, bool pin, int device, bool prefault, std::size_t threads) {
             snapcore::ArenaOptions options;
             options.shm_path = std::move(shm_path);
             options.huge_pages = huge_pages;
             options.pin = pin;
+            options.device = device;
             options.prefault = prefault;
             options.threads = threads;
             new (self) snapcore::Arena(size, std::move(options));
           },
           "size"_a, nb::kw_only(), "shm_path"_a = nb::none(), "huge_pages"_a = true,
-          "pin"_a = true, "prefault"_a = true, "threads"_a = 0, release_gil(),
+          "pin"_a = true, "device"_a = 0, "prefault"_a = true, "threads"_a = 0, release_gil(),
           "Maps `size` bytes. With `shm_path`, the file is created (0600) or reused,\n"
           "sized, mapped shared and never unlinked; without, the memory is private and\n"
           "not inherited by fork() (MADV_DONTFORK). `pin` registers the memory with CUDA\n"
+          "(portable, in `device`'s primary context: the device the state lives on)\n"
           "when CUDA is available and does nothing otherwise. `threads` (0 = all)\n"
           "prefault it.")
       .def_prop_ro("address", &snapcore::Arena::address,

@@ -51,7 +51,7 @@ Arena::Arena(std::size_t size, ArenaOptions options)
       prefault(options.threads);
     }
     if (options.pin && shim::CudaDriver::is_available()) {
-      pin();
+      pin(options.device);
     }
   } catch (...) {
     try {
@@ -155,9 +155,9 @@ void Arena::prefault(std::size_t threads) {
   });
 }
 
-void Arena::pin() {
+void Arena::pin(int device) {
   const shim::CudaDriver& cu = shim::CudaDriver::instance();
-  auto ctx = std::make_unique<PrimaryContext>(0);
+  auto ctx = std::make_unique<PrimaryContext>(device);
   {
     ScopedContext current(ctx->get());
     CU_TRY(cu.MemHostRegister(base_, held_, cu::CU_MEMHOSTREGISTER_PORTABLE));

@@ -728,6 +728,83 @@ def test_cuda_is_unavailable_in_a_forked_child(fake_driver_dir):
     assert "fork-ok" in out
 
 
+FAKE_LOG = """
+import ctypes
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_cuda_log.restype = ctypes.c_char_p
+fake.fake_cuda_state.restype = ctypes.c_longlong
+def log(): return fake.fake_cuda_log().decode().splitlines()
+def state(*names): return [fake.fake_cuda_state(n.encode()) for n in names]
+"""
+
+PIN_DEVICE_SCENARIO = (
+    FAKE_LOG
+    + """
+from snapcore import _native
+assert _native.cuda_status() == "ok: 2 device(s)"
+arena = _native.Arena(4096, device=1)
+assert arena.pinned
+arena.close()
+assert log() == ["PrimaryCtxRetain 1", "MemHostRegister 4096 ctx1",
+                 "MemHostUnregister ctx1", "PrimaryCtxRelease 1"], log()
+try:
+    _native.Arena(4096, device=2)
+    raise AssertionError("an arena pinned on a device that does not exist")
+except ValueError as e:
+    assert "does not exist" in str(e), e
+assert state("ctx_refs", "registered") == [0, 0]
+print("pin-device-ok")
+"""
+)
+
+
+def test_arena_is_pinned_in_the_context_of_the_device_asked_for(fake_driver_dir):
+    """Not GPU 0's on every rank: a context on GPU 0 costs each rank memory there, and
+    breaks every rank but one in EXCLUSIVE_PROCESS mode."""
+    result = run_with_fake_driver(fake_driver_dir, PIN_DEVICE_SCENARIO, FAKE_CUDA_DEVICES="2")
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"pin-device-ok" in result.stdout
+
+
+CPU_STATE_SCENARIO = (
+    FAKE_LOG
+    + """
+import sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import torch
+import snapcore
+from snapcore import _native
+assert _native.cuda_available()
+state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 3}
+snapcore.prepare(state, sys.argv[1]).result()
+snapcore.save(state, sys.argv[1], step=1)
+snapcore.async_save(state, sys.argv[1], step=2).wait()
+snapcore.close()
+assert not [c for c in log() if "Register" in c or "PrimaryCtx" in c], log()
+print("cpu-state-ok")
+"""
+)
+
+
+def test_a_cpu_only_state_is_never_pinned(fake_driver_dir, tmp_path):
+    """Pinning a state with no CUDA tensor would only cost a context and locked memory."""
+    code = CPU_STATE_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
+    result = run_with_fake_driver(fake_driver_dir, code)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"cpu-state-ok" in result.stdout
+
+
+def test_pin_device_is_the_first_cuda_tensors():
+    torch = pytest.importorskip("torch")
+    from snapcore.staging.arena import pin_device
+
+    cpu, cuda0, cuda1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert pin_device([cpu, cpu]) is None
+    assert pin_device([]) is None
+    assert pin_device([cpu, cuda1, cuda0]) == 1
+    assert pin_device([cuda0, cuda1]) == 0
+
+
 # --- GPU --------------------------------------------------------------------------------
 
 

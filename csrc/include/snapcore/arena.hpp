@@ -20,6 +20,10 @@ struct ArenaOptions {
   std::optional<std::string> shm_path;
   bool huge_pages = true;  // madvise(MADV_HUGEPAGE); failure is recorded, not raised
   bool pin = true;         // cuMemHostRegister when CUDA is available
+  // The device whose primary context registers the memory (PORTABLE: every context may
+  // use it). The one the state lives on: a context of its own on another GPU costs memory
+  // there, and fails where that GPU is in EXCLUSIVE_PROCESS mode.
+  int device = 0;
   bool prefault = true;    // touch every page now, in parallel
   std::size_t threads = 0;  // for prefaulting; 0 = hardware_threads()
 };
@@ -51,7 +55,7 @@ class Arena {
  private:
   void map(bool huge_pages);
   void prefault(std::size_t threads);
-  void pin();
+  void pin(int device);
 
   std::size_t size_ = 0;
   std::size_t held_ = 0;
