@@ -45,7 +45,8 @@ class Arena:
         sized, mapped shared and never unlinked; without, the memory is private and
         not inherited by fork() (MADV_DONTFORK). `pin` registers the memory with CUDA
         (portable, in `device`'s primary context: the device the state lives on)
-        when CUDA is available and does nothing otherwise. `threads` (0 = all)
+        when CUDA is available and does nothing otherwise; if the driver refuses, the
+        arena stays unpinned and `pin_error` says why. `threads` (0 = all)
         prefault it.
         """
 
@@ -67,6 +68,12 @@ class Arena:
 
     @property
     def pinned(self) -> bool: ...
+    @property
+    def pin_error(self) -> str | None:
+        """
+        Why the driver refused to pin it (the arena is then unpinned), or None.
+        """
+
     @property
     def huge_pages(self) -> bool:
         """Whether madvise(MADV_HUGEPAGE) succeeded."""

@@ -115,7 +115,8 @@ NB_MODULE(_native, m) {
           "sized, mapped shared and never unlinked; without, the memory is private and\n"
           "not inherited by fork() (MADV_DONTFORK). `pin` registers the memory with CUDA\n"
           "(portable, in `device`'s primary context: the device the state lives on)\n"
-          "when CUDA is available and does nothing otherwise. `threads` (0 = all)\n"
+          "when CUDA is available and does nothing otherwise; if the driver refuses, the\n"
+          "arena stays unpinned and `pin_error` says why. `threads` (0 = all)\n"
           "prefault it.")
       .def_prop_ro("address", &snapcore::Arena::address,
                    "Start address; ValueError once closed.")
@@ -125,6 +126,8 @@ NB_MODULE(_native, m) {
       .def_prop_ro("bytes_pinned", &snapcore::Arena::bytes_pinned,
                    "Bytes registered with CUDA (0 when not pinned).")
       .def_prop_ro("pinned", &snapcore::Arena::pinned)
+      .def_prop_ro("pin_error", &snapcore::Arena::pin_error,
+                   "Why the driver refused to pin it (the arena is then unpinned), or None.")
       .def_prop_ro("huge_pages", &snapcore::Arena::huge_pages,
                    "Whether madvise(MADV_HUGEPAGE) succeeded.")
       .def_prop_ro("shm_path", &snapcore::Arena::shm_path)

@@ -51,7 +51,11 @@ Arena::Arena(std::size_t size, ArenaOptions options)
       prefault(options.threads);
     }
     if (options.pin && shim::CudaDriver::is_available()) {
-      pin(options.device);
+      try {
+        pin(options.device);
+      } catch (const CudaError& e) {
+        pin_error_ = e.what();  // unpinned memory works, slower; the caller warns
+      }
     }
   } catch (...) {
     try {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -39,6 +40,14 @@ class HostArena:
             prefault=True,
             threads=settings.threads(),
         )
+        if self.native.pin_error is not None:
+            warnings.warn(
+                f"the staging arena ({size} bytes) is unpinned: pinning it on CUDA device "
+                f"{device} failed ({self.native.pin_error}); copies from the GPU will be "
+                "slower",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.size = size
         self.device = device  # asked for; self.native.pinned says whether it is pinned
         self.address = self.native.address

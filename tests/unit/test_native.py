@@ -615,8 +615,14 @@ assert state(*LEAKS) == [0] * 5, state(*LEAKS)
 assert "does not exist" in str(expect_raises(ValueError, _native.CudaCopier, 1))
 
 os.environ["FAKE_CUDA_FAIL"] = "cuMemHostRegister"
-e = expect_raises(CudaError, _native.Arena, 4096)
-assert e.code == 2 and "CUDA_ERROR_OUT_OF_MEMORY" in str(e) and "MemHostRegister" in str(e)
+unpinned = _native.Arena(4096)  # pinning failed: the arena is unpinned, and says why
+assert not unpinned.pinned and unpinned.bytes_pinned == 0
+e = unpinned.pin_error
+assert "CUDA_ERROR_OUT_OF_MEMORY" in e and "MemHostRegister" in e, e
+assert state("ctx_refs", "depth") == [0, 0]  # the context was let go of
+ctypes.memset(unpinned.address, 1, 4096)
+unpinned.close()
+assert _native.Arena(4096, pin=False).pin_error is None
 os.environ["FAKE_CUDA_FAIL"] = "cuMemcpyDtoHAsync"
 copier = _native.CudaCopier(0)
 e = expect_raises(CudaError, copier.d2h, [(dev.address, src.address, 10)], 0)
@@ -803,6 +809,43 @@ def test_pin_device_is_the_first_cuda_tensors():
     assert pin_device([]) is None
     assert pin_device([cpu, cuda1, cuda0]) == 1
     assert pin_device([cuda0, cuda1]) == 0
+
+
+PIN_FAILURE_SCENARIO = (
+    FAKE_LOG
+    + """
+import os, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+from snapcore.staging.arena import HostArena
+os.environ["FAKE_CUDA_FAIL"] = "cuMemHostRegister"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    arena = HostArena(1 << 20, device=0)
+assert not arena.native.pinned
+messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+assert len(messages) == 1 and "unpinned" in messages[0], messages
+assert "CUDA_ERROR_OUT_OF_MEMORY" in messages[0], messages
+arena.u8[:] = 3  # usable all the same
+assert int(arena.u8.sum()) == 3 << 20
+arena.close()
+del os.environ["FAKE_CUDA_FAIL"]
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    pinned = HostArena(1 << 20, device=0)
+assert pinned.native.pinned
+pinned.close()
+assert state("ctx_refs", "registered", "depth") == [0, 0, 0]
+print("pin-failure-ok")
+"""
+)
+
+
+def test_a_failed_pinning_warns_and_falls_back_to_unpinned_memory(fake_driver_dir):
+    """cuMemHostRegister can fail (locked-memory limits, a GPU in EXCLUSIVE_PROCESS mode):
+    the snapshot is then staged through pageable memory, slower, instead of failing."""
+    result = run_with_fake_driver(fake_driver_dir, PIN_FAILURE_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"pin-failure-ok" in result.stdout
 
 
 # --- GPU --------------------------------------------------------------------------------

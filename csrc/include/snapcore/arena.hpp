@@ -30,8 +30,10 @@ struct ArenaOptions {
 
 class Arena {
  public:
-  // Maps round_up(size, page_size()) bytes. Throws std::invalid_argument for size 0,
-  // IoError when a system call fails, CudaError when pinning fails with CUDA available.
+  // Maps round_up(size, page_size()) bytes. Throws std::invalid_argument for size 0 or a
+  // device that does not exist, IoError when a system call fails. When the driver refuses
+  // to pin (locked-memory limits, a GPU in EXCLUSIVE_PROCESS mode), the arena stays
+  // unpinned and pin_error() says why: staging is slower, not impossible.
   Arena(std::size_t size, ArenaOptions options);
   ~Arena();
   Arena(const Arena&) = delete;
@@ -47,6 +49,10 @@ class Arena {
   [[nodiscard]] std::size_t bytes_pinned() const noexcept { return pinned_ ? held_ : 0; }
   [[nodiscard]] bool pinned() const noexcept { return pinned_; }
   [[nodiscard]] bool huge_pages() const noexcept { return huge_pages_; }
+  // Why pinning was asked for, with CUDA available, and failed; nullopt otherwise.
+  [[nodiscard]] const std::optional<std::string>& pin_error() const noexcept {
+    return pin_error_;
+  }
   [[nodiscard]] bool closed() const noexcept { return base_ == nullptr; }
   [[nodiscard]] const std::optional<std::string>& shm_path() const noexcept {
     return shm_path_;
@@ -68,6 +74,7 @@ class Arena {
   long owner_pid_ = 0;
   bool huge_pages_ = false;
   bool pinned_ = false;
+  std::optional<std::string> pin_error_;
   std::unique_ptr<PrimaryContext> pin_ctx_;  // held while the registration lives
 };
 
