@@ -16,7 +16,8 @@ cu::CUstream as_stream(std::uintptr_t handle) {
 CudaEvent::CudaEvent(std::shared_ptr<PrimaryContext> ctx) : ctx_(std::move(ctx)) {
   const shim::CudaDriver& cu = shim::CudaDriver::instance();
   ScopedContext current(ctx_->get());
-  CU_TRY(cu.EventCreate(&event_, cu::CU_EVENT_DISABLE_TIMING));
+  // Blocking sync: a thread waiting for the copies sleeps instead of spinning a core.
+  CU_TRY(cu.EventCreate(&event_, cu::CU_EVENT_BLOCKING_SYNC | cu::CU_EVENT_DISABLE_TIMING));
 }
 
 CudaEvent::~CudaEvent() {

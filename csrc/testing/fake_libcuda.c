@@ -8,7 +8,7 @@
  * real driver needs one, balanced push/pop and retain/release, every stream and event
  * destroyed. It records each call in a log the test reads back:
  *   fake_cuda_log()          the calls so far, one per line
- *   fake_cuda_state(name)    ctx_refs, streams, events, registered, depth
+ *   fake_cuda_state(name)    ctx_refs, streams, events, registered, depth, event_flags
  * FAKE_CUDA_FAIL=<function> makes that function fail with CUDA_ERROR_OUT_OF_MEMORY;
  * FAKE_CUDA_NO_DEVICE=1 makes cuInit fail with CUDA_ERROR_NO_DEVICE;
  * FAKE_CUDA_DEVICES=<n> (1 to 8, default 1) is the number of devices, each with a primary
@@ -44,6 +44,7 @@ static size_t log_len;
 static int next_id = 1;
 static int ctx_refs, streams, events;
 static long long registered;
+static int event_flags = -1; /* of the last cuEventCreate */
 #define MAX_DEVICES 8
 static __thread int depth;
 static __thread int stack[64]; /* the devices of this thread's current contexts */
@@ -133,6 +134,7 @@ long long fake_cuda_state(const char* what) {
   if (strcmp(what, "events") == 0) return events;
   if (strcmp(what, "registered") == 0) return registered;
   if (strcmp(what, "depth") == 0) return depth;
+  if (strcmp(what, "event_flags") == 0) return event_flags;
   return -1;
 }
 
@@ -224,7 +226,9 @@ CUresult cuStreamWaitEvent(void* stream, void* event, unsigned int flags) {
 
 CUresult cuEventCreate(void** event, unsigned int flags) {
   NEED_CONTEXT();
-  if (flags != 2) return INVALID_VALUE; /* snapcore wants CU_EVENT_DISABLE_TIMING */
+  event_flags = (int)flags;
+  /* CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING: a host wait sleeps, no spinning. */
+  if (flags != 3) return INVALID_VALUE;
   struct handle* h = make('e');
   __sync_fetch_and_add(&events, 1);
   *event = h;

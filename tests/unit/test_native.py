@@ -848,6 +848,29 @@ def test_a_failed_pinning_warns_and_falls_back_to_unpinned_memory(fake_driver_di
     assert b"pin-failure-ok" in result.stdout
 
 
+EVENT_FLAGS_SCENARIO = (
+    FAKE_LOG
+    + """
+from snapcore import _native
+copier = _native.CudaCopier(0)
+event = copier.d2h([], 0)
+BLOCKING_SYNC, DISABLE_TIMING = 0x1, 0x2  # CU_EVENT_*
+assert state("event_flags") == [BLOCKING_SYNC | DISABLE_TIMING], state("event_flags")
+event.synchronize()
+del event
+copier.close()
+print("event-flags-ok")
+"""
+)
+
+
+def test_completion_events_block_instead_of_spinning(fake_driver_dir):
+    """Without CU_EVENT_BLOCKING_SYNC, waiting for the copies spins a CPU core."""
+    result = run_with_fake_driver(fake_driver_dir, EVENT_FLAGS_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"event-flags-ok" in result.stdout
+
+
 # --- GPU --------------------------------------------------------------------------------
 
 

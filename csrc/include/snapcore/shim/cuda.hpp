@@ -24,6 +24,7 @@ inline constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 inline constexpr CUresult CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712;
 
 inline constexpr unsigned int CU_STREAM_NON_BLOCKING = 0x1;
+inline constexpr unsigned int CU_EVENT_BLOCKING_SYNC = 0x1;
 inline constexpr unsigned int CU_EVENT_DISABLE_TIMING = 0x2;
 inline constexpr unsigned int CU_EVENT_WAIT_DEFAULT = 0x0;
 inline constexpr unsigned int CU_MEMHOSTREGISTER_PORTABLE = 0x1;
