@@ -8,6 +8,7 @@
  * real driver needs one, balanced push/pop and retain/release, every stream and event
  * destroyed. It records each call in a log the test reads back:
  *   fake_cuda_log()          the calls so far, one per line
+ *   fake_cuda_mark(text)     adds a line of the caller's to that log
  *   fake_cuda_state(name)    ctx_refs, streams, events, registered, depth, event_flags
  * FAKE_CUDA_FAIL=<function> makes that function fail with CUDA_ERROR_OUT_OF_MEMORY;
  * FAKE_CUDA_NO_DEVICE=1 makes cuInit fail with CUDA_ERROR_NO_DEVICE;
@@ -127,6 +128,9 @@ static CUresult destroy(void* h, char kind) {
 }
 
 const char* fake_cuda_log(void) { return log_buf; }
+
+/* A line of the test's own in the log, to place host work among the driver calls. */
+void fake_cuda_mark(const char* text) { note("%s", text); }
 
 long long fake_cuda_state(const char* what) {
   if (strcmp(what, "ctx_refs") == 0) return ctx_refs;

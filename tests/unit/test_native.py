@@ -871,6 +871,85 @@ def test_completion_events_block_instead_of_spinning(fake_driver_dir):
     assert b"event-flags-ok" in result.stdout
 
 
+STAGING_ORDER_SCENARIO = (
+    FAKE_LOG
+    + """
+import warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import torch
+from snapcore import _native
+from snapcore.io_types import Window
+from snapcore.planning.layout import BlobPlan
+from snapcore.staging import copy as staging_copy
+from snapcore.staging.arena import HostArena
+
+class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch
+    def __init__(self, device): self.cuda_stream = 1000 + device.index
+torch.cuda.current_stream = Stream
+
+def copy_host(*args, **kwargs):  # the CPU copies, placed in the driver's log
+    fake.fake_cuda_mark(b"copy_host")
+    native_copy_host(*args, **kwargs)
+native_copy_host = _native.copy_host
+_native.copy_host = copy_host
+
+class Blob(BlobPlan):  # "device memory" is host memory to the fake driver
+    def __init__(self, offset, source, device):
+        super().__init__(offset, source.nbytes, source, True, source.data_ptr(), [0])
+        self._device = torch.device(device)
+    @property
+    def device(self): return self._device
+
+sources = [torch.full((256,), i, dtype=torch.uint8) for i in range(5)]
+devices = ["cuda:0", "cpu", "cuda:1", "cuda:0", "cuda:1"]
+blobs = [Blob(256 * i, s, d) for i, (s, d) in enumerate(zip(sources, devices))]
+arena = HostArena(256 * 5, device=0)
+stager = staging_copy.Stager()
+for wait_gpu in ("cpu", "stream"):
+    w = Window(arena, 0, 256 * 5, 0, 0)
+    start = len(log())
+    stager.copy(blobs, w, defer=False, wait_gpu=wait_gpu)
+    calls = [c for c in log()[start:] if not c.startswith("PrimaryCtx")
+             and not c.startswith("StreamCreate")]
+    last_copy = max(i for i, c in enumerate(calls) if c.startswith("MemcpyDtoHAsync"))
+    waits = [i for i, c in enumerate(calls)
+             if c.startswith("EventSynchronize") or c.startswith("StreamWaitEvent ext")]
+    # every device's copies queued, then the CPU copies, then the waits
+    assert calls.index("copy_host") > last_copy, calls
+    assert len(waits) == 2 and min(waits) > calls.index("copy_host"), calls
+    assert [c.split()[1] for c in calls if c.startswith("StreamWaitEvent ext")] == (
+        [] if wait_gpu == "cpu" else ["ext:1000", "ext:1001"]), calls
+    assert bytes(arena.u8) == b"".join(bytes(s) for s in sources)
+    arena.u8.zero_()
+
+def failing_copy_host(*args, **kwargs):
+    fake.fake_cuda_mark(b"copy_host failed")
+    raise OSError("a CPU copy failed")
+_native.copy_host = failing_copy_host
+start = len(log())
+try:
+    stager.copy(blobs, Window(arena, 0, 256 * 5, 0, 0), defer=False, wait_gpu="stream")
+    raise AssertionError("the CPU copy's failure was lost")
+except OSError:
+    pass
+calls = log()[start:]
+after = calls[calls.index("copy_host failed"):]
+# the GPUs' copies were queued already: they are waited for before the error goes up
+assert len([c for c in after if c.startswith("EventSynchronize")]) == 2, calls
+stager.close()
+arena.close()
+print("staging-order-ok")
+"""
+)
+
+
+def test_default_staging_queues_every_device_then_copies_on_cpu_then_waits(fake_driver_dir):
+    """The GPUs' copies run while the CPU copies do, and no device waits for another's."""
+    result = run_with_fake_driver(fake_driver_dir, STAGING_ORDER_SCENARIO, FAKE_CUDA_DEVICES="2")
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"staging-order-ok" in result.stdout
+
+
 # --- GPU --------------------------------------------------------------------------------
 
 
