@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 def cuda_available() -> bool:
     """
-    Whether libcuda.so.1 loaded, cuInit succeeded and a device exists. Never raises.
+    Whether libcuda.so.1 loaded, cuInit succeeded and a device exists. False in a
+    child forked after the driver was loaded. Never raises.
     """
 
 def cuda_status() -> str:
@@ -35,13 +36,17 @@ class Arena:
         shm_path: str | None = None,
         huge_pages: bool = True,
         pin: bool = True,
+        device: int = 0,
         prefault: bool = True,
         threads: int = 0,
     ) -> None:
         """
         Maps `size` bytes. With `shm_path`, the file is created (0600) or reused,
-        sized, mapped shared and never unlinked. `pin` registers the memory with CUDA
-        when CUDA is available and does nothing otherwise. `threads` (0 = all)
+        sized, mapped shared and never unlinked; without, the memory is private and
+        not inherited by fork() (MADV_DONTFORK). `pin` registers the memory with CUDA
+        (portable, in `device`'s primary context: the device the state lives on)
+        when CUDA is available and does nothing otherwise; if the driver refuses, the
+        arena stays unpinned and `pin_error` says why. `threads` (0 = all)
         prefault it.
         """
 
@@ -63,6 +68,12 @@ class Arena:
 
     @property
     def pinned(self) -> bool: ...
+    @property
+    def pin_error(self) -> str | None:
+        """
+        Why the driver refused to pin it (the arena is then unpinned), or None.
+        """
+
     @property
     def huge_pages(self) -> bool:
         """Whether madvise(MADV_HUGEPAGE) succeeded."""

@@ -83,7 +83,8 @@ NB_MODULE(_native, m) {
   nb::register_exception_translator(translate);
 
   m.def("cuda_available", &snapcore::shim::CudaDriver::is_available,
-        "Whether libcuda.so.1 loaded, cuInit succeeded and a device exists. Never raises.");
+        "Whether libcuda.so.1 loaded, cuInit succeeded and a device exists. False in a\n"
+        "child forked after the driver was loaded. Never raises.");
   m.def("cuda_status", &snapcore::shim::CudaDriver::status,
         "'ok: N device(s)', or why CUDA is unavailable.");
   m.def("page_size", &snapcore::page_size,
@@ -98,20 +99,24 @@ NB_MODULE(_native, m) {
       .def(
           "__init__",
           [](snapcore::Arena* self, std::size_t size, std::optional<std::string> shm_path,
-             bool huge_pages, bool pin, bool prefault, std::size_t threads) {
+             bool huge_pages, bool pin, int device, bool prefault, std::size_t threads) {
             snapcore::ArenaOptions options;
             options.shm_path = std::move(shm_path);
             options.huge_pages = huge_pages;
             options.pin = pin;
+            options.device = device;
             options.prefault = prefault;
             options.threads = threads;
             new (self) snapcore::Arena(size, std::move(options));
           },
           "size"_a, nb::kw_only(), "shm_path"_a = nb::none(), "huge_pages"_a = true,
-          "pin"_a = true, "prefault"_a = true, "threads"_a = 0, release_gil(),
+          "pin"_a = true, "device"_a = 0, "prefault"_a = true, "threads"_a = 0, release_gil(),
           "Maps `size` bytes. With `shm_path`, the file is created (0600) or reused,\n"
-          "sized, mapped shared and never unlinked. `pin` registers the memory with CUDA\n"
-          "when CUDA is available and does nothing otherwise. `threads` (0 = all)\n"
+          "sized, mapped shared and never unlinked; without, the memory is private and\n"
+          "not inherited by fork() (MADV_DONTFORK). `pin` registers the memory with CUDA\n"
+          "(portable, in `device`'s primary context: the device the state lives on)\n"
+          "when CUDA is available and does nothing otherwise; if the driver refuses, the\n"
+          "arena stays unpinned and `pin_error` says why. `threads` (0 = all)\n"
           "prefault it.")
       .def_prop_ro("address", &snapcore::Arena::address,
                    "Start address; ValueError once closed.")
@@ -121,6 +126,8 @@ NB_MODULE(_native, m) {
       .def_prop_ro("bytes_pinned", &snapcore::Arena::bytes_pinned,
                    "Bytes registered with CUDA (0 when not pinned).")
       .def_prop_ro("pinned", &snapcore::Arena::pinned)
+      .def_prop_ro("pin_error", &snapcore::Arena::pin_error,
+                   "Why the driver refused to pin it (the arena is then unpinned), or None.")
       .def_prop_ro("huge_pages", &snapcore::Arena::huge_pages,
                    "Whether madvise(MADV_HUGEPAGE) succeeded.")
       .def_prop_ro("shm_path", &snapcore::Arena::shm_path)

@@ -51,7 +51,11 @@ Arena::Arena(std::size_t size, ArenaOptions options)
       prefault(options.threads);
     }
     if (options.pin && shim::CudaDriver::is_available()) {
-      pin();
+      try {
+        pin(options.device);
+      } catch (const CudaError& e) {
+        pin_error_ = e.what();  // unpinned memory works, slower; the caller warns
+      }
     }
   } catch (...) {
     try {
@@ -116,7 +120,13 @@ void Arena::map(bool huge_pages) {
     SYSCALL_CHECK(base == MAP_FAILED ? -1 : 0, "mmap arena", what);
   }
   base_ = base;
+  owner_pid_ = static_cast<long>(::getpid());
 
+  if (!shm_path_) {
+    // Private memory that fork() would copy into every child, all at once once pinned.
+    SYSCALL_CHECK(::madvise(base_, held_, MADV_DONTFORK), "madvise MADV_DONTFORK", what);
+    dontfork_ = true;
+  }
   if (huge_pages) {
     huge_pages_ = ::madvise(base_, held_, MADV_HUGEPAGE) == 0;
   }
@@ -149,9 +159,9 @@ void Arena::prefault(std::size_t threads) {
   });
 }
 
-void Arena::pin() {
+void Arena::pin(int device) {
   const shim::CudaDriver& cu = shim::CudaDriver::instance();
-  auto ctx = std::make_unique<PrimaryContext>(0);
+  auto ctx = std::make_unique<PrimaryContext>(device);
   {
     ScopedContext current(ctx->get());
     CU_TRY(cu.MemHostRegister(base_, held_, cu::CU_MEMHOSTREGISTER_PORTABLE));
@@ -162,16 +172,22 @@ void Arena::pin() {
 
 void Arena::close() {
   std::exception_ptr first;
+  const bool forked = owner_pid_ != 0 && owner_pid_ != static_cast<long>(::getpid());
   if (pinned_) {
     pinned_ = false;
-    try {
-      const shim::CudaDriver& cu = shim::CudaDriver::instance();
-      ScopedContext current(pin_ctx_->get());
-      CU_TRY(cu.MemHostUnregister(base_));
-    } catch (...) {
-      first = std::current_exception();
+    // In a forked child the registration is the parent's (and CUDA is unusable).
+    if (const shim::CudaDriver* cu = shim::CudaDriver::in_process(); cu != nullptr && !forked) {
+      try {
+        ScopedContext current(pin_ctx_->get());
+        CU_TRY(cu->MemHostUnregister(base_));
+      } catch (...) {
+        first = std::current_exception();
+      }
     }
     pin_ctx_.reset();
+  }
+  if (base_ != nullptr && dontfork_ && forked) {
+    base_ = nullptr;  // never mapped in this child; the range may hold its own mappings now
   }
   if (base_ != nullptr) {
     const int rc = ::munmap(base_, held_);

@@ -15,7 +15,10 @@ PrimaryContext::PrimaryContext(int device) : device_(device) {
 
 PrimaryContext::~PrimaryContext() {
   // Nothing to report to from a destructor; the driver keeps the context for other users.
-  (void)shim::CudaDriver::instance().DevicePrimaryCtxRelease(handle_);
+  // In a forked child the retain was the parent's: nothing to release.
+  if (const shim::CudaDriver* cu = shim::CudaDriver::in_process()) {
+    (void)cu->DevicePrimaryCtxRelease(handle_);
+  }
 }
 
 ScopedContext::ScopedContext(cu::CUcontext ctx) {
@@ -24,7 +27,9 @@ ScopedContext::ScopedContext(cu::CUcontext ctx) {
 
 ScopedContext::~ScopedContext() {
   cu::CUcontext popped = nullptr;
-  (void)shim::CudaDriver::instance().CtxPopCurrent(&popped);
+  if (const shim::CudaDriver* cu = shim::CudaDriver::in_process()) {
+    (void)cu->CtxPopCurrent(&popped);
+  }
 }
 
 }  // namespace snapcore

@@ -16,12 +16,13 @@ cu::CUstream as_stream(std::uintptr_t handle) {
 CudaEvent::CudaEvent(std::shared_ptr<PrimaryContext> ctx) : ctx_(std::move(ctx)) {
   const shim::CudaDriver& cu = shim::CudaDriver::instance();
   ScopedContext current(ctx_->get());
-  CU_TRY(cu.EventCreate(&event_, cu::CU_EVENT_DISABLE_TIMING));
+  // Blocking sync: a thread waiting for the copies sleeps instead of spinning a core.
+  CU_TRY(cu.EventCreate(&event_, cu::CU_EVENT_BLOCKING_SYNC | cu::CU_EVENT_DISABLE_TIMING));
 }
 
 CudaEvent::~CudaEvent() {
-  if (event_ == nullptr) {
-    return;
+  if (event_ == nullptr || shim::CudaDriver::in_process() == nullptr) {
+    return;  // in a forked child the event is the parent's
   }
   try {
     // Destroying an event whose work is pending is allowed: the driver frees it later.
@@ -84,6 +85,12 @@ std::uintptr_t CudaCopier::stream() const {
 
 void CudaCopier::close() {
   if (stream_ == nullptr) {
+    return;
+  }
+  if (shim::CudaDriver::in_process() == nullptr) {
+    // A forked child: the stream and the context are the parent's; let go of them only.
+    stream_ = nullptr;
+    ctx_.reset();
     return;
   }
   const shim::CudaDriver& cu = shim::CudaDriver::instance();

@@ -8,9 +8,12 @@
  * real driver needs one, balanced push/pop and retain/release, every stream and event
  * destroyed. It records each call in a log the test reads back:
  *   fake_cuda_log()          the calls so far, one per line
- *   fake_cuda_state(name)    ctx_refs, streams, events, registered, depth
+ *   fake_cuda_mark(text)     adds a line of the caller's to that log
+ *   fake_cuda_state(name)    ctx_refs, streams, events, registered, depth, event_flags
  * FAKE_CUDA_FAIL=<function> makes that function fail with CUDA_ERROR_OUT_OF_MEMORY;
- * FAKE_CUDA_NO_DEVICE=1 makes cuInit fail with CUDA_ERROR_NO_DEVICE.
+ * FAKE_CUDA_NO_DEVICE=1 makes cuInit fail with CUDA_ERROR_NO_DEVICE;
+ * FAKE_CUDA_DEVICES=<n> (1 to 8, default 1) is the number of devices, each with a primary
+ * context of its own; calls made in a context log it as "ctx<device>".
  */
 #include <pthread.h>
 #include <stdarg.h>
@@ -42,8 +45,20 @@ static size_t log_len;
 static int next_id = 1;
 static int ctx_refs, streams, events;
 static long long registered;
+static int event_flags = -1; /* of the last cuEventCreate */
+#define MAX_DEVICES 8
 static __thread int depth;
-static char primary_ctx;
+static __thread int stack[64]; /* the devices of this thread's current contexts */
+static char primary_ctx[MAX_DEVICES];
+
+static int device_count(void) {
+  const char* n = getenv("FAKE_CUDA_DEVICES");
+  int count = n != NULL ? atoi(n) : 1;
+  return count < 1 ? 1 : count > MAX_DEVICES ? MAX_DEVICES : count;
+}
+
+/* The device of the current context (call after NEED_CONTEXT). */
+static int current(void) { return stack[depth - 1]; }
 
 static void note(const char* fmt, ...) {
   va_list ap;
@@ -114,12 +129,16 @@ static CUresult destroy(void* h, char kind) {
 
 const char* fake_cuda_log(void) { return log_buf; }
 
+/* A line of the test's own in the log, to place host work among the driver calls. */
+void fake_cuda_mark(const char* text) { note("%s", text); }
+
 long long fake_cuda_state(const char* what) {
   if (strcmp(what, "ctx_refs") == 0) return ctx_refs;
   if (strcmp(what, "streams") == 0) return streams;
   if (strcmp(what, "events") == 0) return events;
   if (strcmp(what, "registered") == 0) return registered;
   if (strcmp(what, "depth") == 0) return depth;
+  if (strcmp(what, "event_flags") == 0) return event_flags;
   return -1;
 }
 
@@ -137,39 +156,43 @@ CUresult cuInit(unsigned int flags) {
 }
 
 CUresult cuDeviceGetCount(int* count) {
-  *count = 1;
+  *count = device_count();
   return SUCCESS;
 }
 
 CUresult cuDeviceGet(int* device, int ordinal) {
-  if (ordinal != 0) return INVALID_DEVICE;
-  *device = 0;
+  if (ordinal < 0 || ordinal >= device_count()) return INVALID_DEVICE;
+  *device = ordinal;
   return SUCCESS;
 }
 
 CUresult cuDevicePrimaryCtxRetain(void** ctx, int device) {
-  if (device != 0) return INVALID_DEVICE;
+  if (device < 0 || device >= device_count()) return INVALID_DEVICE;
   __sync_fetch_and_add(&ctx_refs, 1);
-  *ctx = &primary_ctx;
+  note("PrimaryCtxRetain %d", device);
+  *ctx = &primary_ctx[device];
   return SUCCESS;
 }
 
 CUresult cuDevicePrimaryCtxRelease_v2(int device) {
-  if (device != 0) return INVALID_DEVICE;
+  if (device < 0 || device >= device_count()) return INVALID_DEVICE;
   __sync_fetch_and_sub(&ctx_refs, 1);
+  note("PrimaryCtxRelease %d", device);
   return SUCCESS;
 }
 
 CUresult cuCtxPushCurrent_v2(void* ctx) {
-  if (ctx != &primary_ctx) return INVALID_CONTEXT;
-  depth++;
+  char* c = (char*)ctx;
+  if (c < primary_ctx || c >= primary_ctx + device_count()) return INVALID_CONTEXT;
+  if (depth == (int)(sizeof stack / sizeof stack[0])) return INVALID_VALUE;
+  stack[depth++] = (int)(c - primary_ctx);
   return SUCCESS;
 }
 
 CUresult cuCtxPopCurrent_v2(void** ctx) {
   if (depth == 0) return INVALID_CONTEXT;
   depth--;
-  if (ctx != NULL) *ctx = &primary_ctx;
+  if (ctx != NULL) *ctx = &primary_ctx[stack[depth]];
   return SUCCESS;
 }
 
@@ -207,7 +230,9 @@ CUresult cuStreamWaitEvent(void* stream, void* event, unsigned int flags) {
 
 CUresult cuEventCreate(void** event, unsigned int flags) {
   NEED_CONTEXT();
-  if (flags != 2) return INVALID_VALUE; /* snapcore wants CU_EVENT_DISABLE_TIMING */
+  event_flags = (int)flags;
+  /* CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING: a host wait sleeps, no spinning. */
+  if (flags != 3) return INVALID_VALUE;
   struct handle* h = make('e');
   __sync_fetch_and_add(&events, 1);
   *event = h;
@@ -261,14 +286,14 @@ CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned int flags) {
   if (failing("cuMemHostRegister")) return OUT_OF_MEMORY;
   if (flags != 1 || p == NULL) return INVALID_VALUE; /* CU_MEMHOSTREGISTER_PORTABLE */
   registered += (long long)n;
-  note("MemHostRegister %zu", n);
+  note("MemHostRegister %zu ctx%d", n, current());
   return SUCCESS;
 }
 
 CUresult cuMemHostUnregister(void* p) {
   NEED_CONTEXT();
   (void)p;
-  note("MemHostUnregister");
+  note("MemHostUnregister ctx%d", current());
   registered = 0;
   return SUCCESS;
 }

@@ -3,6 +3,7 @@ torch gather for strided ones), CUDA tensors with the native copier on a side st
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Any
@@ -82,9 +83,11 @@ class Stager:
     def copy(self, blobs: list[BlobPlan], w: Window, *, defer: bool, wait_gpu: str) -> list[Any]:
         """Copy the parts of ``blobs`` inside window ``w`` into the arena.
 
-        CPU copies run now, or on the persist thread when ``defer``; CUDA copies are
-        enqueued on the side stream and then waited for as ``wait_gpu`` says: "cpu"
-        (block), "stream" (make the current stream wait), "none" (the caller decides).
+        Every device's CUDA copies are queued on its side stream first, then the CPU
+        copies run (now, or on the persist thread when ``defer``) while the GPUs copy, then
+        the CUDA copies are waited for as ``wait_gpu`` says: "cpu" (block), "stream" (make
+        the current stream wait), "none" (the caller decides). If queueing fails on one
+        device, the copies already queued on the others are waited for before raising.
         """
         host: list[tuple[int, int, int]] = []
         gathers: list[tuple[BlobPlan, int, int]] = []
@@ -132,20 +135,28 @@ class Stager:
                     flat = b.source.contiguous().view(-1).view(torch.uint8)
                     arena.u8[lo : lo + e - s].copy_(flat[s - b.offset : e - b.offset])
 
-        if defer:
-            w.deferred.append(cpu_copies)
-        else:
-            cpu_copies()
-        events = []
-        for device, copies in d2h.items():
-            stream = torch.cuda.current_stream(device).cuda_stream
-            ev = self.copier(device).d2h(copies, stream)
+        events: list[tuple[torch.device, Any]] = []
+        streams: list[int] = []
+        try:
+            for device, copies in d2h.items():
+                stream = torch.cuda.current_stream(device).cuda_stream
+                events.append((device, self.copier(device).d2h(copies, stream)))
+                streams.append(stream)
+            w.events.extend(ev for _, ev in events)
+            if defer:
+                w.deferred.append(cpu_copies)
+            else:
+                cpu_copies()  # while the GPUs copy
+        except BaseException:
+            for _, ev in events:  # nothing they read or write may be freed before they ran
+                with contextlib.suppress(Exception):
+                    ev.synchronize()
+            raise
+        for (_, ev), stream in zip(events, streams, strict=True):
             if wait_gpu == "cpu":
                 ev.synchronize()
             elif wait_gpu == "stream":
                 ev.make_stream_wait(stream)
-            w.events.append(ev)
-            events.append((device, ev))
         return events
 
 

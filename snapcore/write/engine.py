@@ -30,7 +30,7 @@ from ..distributed.job import current as current_job
 from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, WindowItem
 from ..planning.layout import Layout, align_up, plan
-from ..staging.arena import HostArena
+from ..staging.arena import HostArena, pin_device
 from ..staging.copy import Stager
 from ..staging.handle import SaveHandle, SaveStats
 from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, Tier, as_store, on_store_exit
@@ -162,7 +162,8 @@ class Engine:
                 for other in self._slot_steps[:slot] + self._slot_steps[slot + 1 :]:
                     other.discard(step)  # a re-saved step's manifest will name this slot
             size = self._arena_size(layout, budget if streaming else None)
-            arena = self._arena(slot, size)
+            device = pin_device(b.device for b in layout.blobs)
+            arena = self._arena(slot, size, device)
             stats = SaveStats(step, layout.data_bytes, layout.total, streaming=streaming)
             handle = SaveHandle(step, stats, want, t0=t0)
             windows: queue.Queue[WindowItem] = queue.Queue()
@@ -200,7 +201,7 @@ class Engine:
                 handle.mark_staged()
             stats.stall_s = time.perf_counter() - t0
             if self.slots > 1 and not streaming:
-                self._prepare_slot(1 - slot, size)  # the next save's, while training runs
+                self._prepare_slot(1 - slot, size, device)  # the next save's, while training runs
             return handle
 
     def _sharded(self, djob: Job, flat: Flattened) -> ShardedSave:
@@ -228,12 +229,13 @@ class Engine:
         time fills at well under 1 GB/s on some machines)."""
         tensors = [t.to_local() if is_dtensor(t) else t for t in flatten(state).tensors]
         size = self._arena_size(plan(tensors), None)
+        device = pin_device(t.device for t in tensors)
         if self.host is not None:
             # Slot files may hold committed host snapshots until a save claims the area;
             # the second slot is prepared in the background after the first save.
             return _done()
         with self._lock:
-            return self._prepare_slot(0, size) or _done()
+            return self._prepare_slot(0, size, device) or _done()
 
     def close(self) -> None:
         """Wait for what is in flight, stop the threads, free the arenas, close the remote
@@ -362,26 +364,29 @@ class Engine:
             fut.result()
         return slot
 
-    def _prepare_slot(self, slot: int, size: int) -> Future[None] | None:
+    def _prepare_slot(self, slot: int, size: int, device: int | None) -> Future[None] | None:
         """Allocate and fault a slot's arena in the background (off the training thread)
         unless it is big enough or in use; the next save of that slot waits for it."""
         arena, busy = self.arenas[slot], self._slot_free[slot]
-        if (arena is not None and arena.size >= size) or (busy is not None and not busy.done()):
+        fits = arena is not None and arena.fits(size, device)
+        if fits or (busy is not None and not busy.done()):
             return None
         if self._preparer is None:
             self._preparer = ThreadPoolExecutor(1, thread_name_prefix="snapcore-prepare")
-        fut = self._slot_free[slot] = self._preparer.submit(self._try_arena, slot, size)
+        fut = self._slot_free[slot] = self._preparer.submit(self._try_arena, slot, size, device)
         return fut
 
-    def _try_arena(self, slot: int, size: int) -> None:
+    def _try_arena(self, slot: int, size: int, device: int | None) -> None:
         try:
-            self._arena(slot, size)
+            self._arena(slot, size, device)
         except Exception as e:  # the next save allocates it again, and raises then
             log.warning("could not prepare arena slot %d in the background: %s", slot, e)
 
-    def _arena(self, slot: int, size: int) -> HostArena:
+    def _arena(self, slot: int, size: int, device: int | None) -> HostArena:
+        """Slot ``slot``'s arena, (re)made if it is too small, or unpinned while the state
+        now has CUDA tensors; pinned on ``device`` (None: not pinned)."""
         arena = self.arenas[slot]
-        if arena is None or arena.size < size:
+        if arena is None or not arena.fits(size, device):
             if arena is not None:
                 arena.close()
                 self.arenas[slot] = None
@@ -389,7 +394,7 @@ class Engine:
             if shm is not None:
                 with contextlib.suppress(FileNotFoundError):
                     shm.unlink()  # a fresh file: its old size and contents mean nothing now
-            arena = self.arenas[slot] = HostArena(size, shm)
+            arena = self.arenas[slot] = HostArena(size, shm, device)
         return arena
 
     @staticmethod

@@ -141,6 +141,38 @@ def test_arena_without_cuda_is_not_pinned():
         assert arena.bytes_pinned == 0
 
 
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_anonymous_arena_is_not_inherited_by_fork(huge_pages):
+    """MADV_DONTFORK ("dc"): a child forked after a save (a DataLoader worker) neither
+    copies the arena (pinned pages are copied at once by fork) nor sees it."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps")
+    with _native.Arena(4 * MiB + 1, pin=False, huge_pages=huge_pages) as arena:
+        assert "dc" in vm_flags(arena.address)
+        assert "dc" in vm_flags(arena.address + arena.bytes_held - 1)
+
+
+def test_shared_arena_stays_visible_to_a_forked_child(shm_path):
+    """A shared mapping is not copied by fork: it is left inheritable."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps")
+    with _native.Arena(PAGE, shm_path=shm_path, pin=False) as arena:
+        assert "dc" not in vm_flags(arena.address)
+
+
 def test_arena_close_is_idempotent_and_final():
     arena = _native.Arena(PAGE, pin=False)
     assert arena.closed is False and arena.shm_path is None
@@ -286,7 +318,9 @@ def test_copy_host_pool_survives_fork():
         "_native.copy_host([(a.address + (4 << 20), a.address, 4 << 20)], threads=4)\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    _native.copy_host([(a.address + (4 << 20), a.address, 4 << 20)], threads=4)\n"
+        # The parent's anonymous arena is not mapped in the child (MADV_DONTFORK).
+        "    b = _native.Arena(8 << 20, pin=False)\n"
+        "    _native.copy_host([(b.address + (4 << 20), b.address, 4 << 20)], threads=4)\n"
         "    os._exit(0)\n"
         "_, status = os.waitpid(pid, 0)\n"
         "raise SystemExit(os.waitstatus_to_exitcode(status))\n"
@@ -581,8 +615,14 @@ assert state(*LEAKS) == [0] * 5, state(*LEAKS)
 assert "does not exist" in str(expect_raises(ValueError, _native.CudaCopier, 1))
 
 os.environ["FAKE_CUDA_FAIL"] = "cuMemHostRegister"
-e = expect_raises(CudaError, _native.Arena, 4096)
-assert e.code == 2 and "CUDA_ERROR_OUT_OF_MEMORY" in str(e) and "MemHostRegister" in str(e)
+unpinned = _native.Arena(4096)  # pinning failed: the arena is unpinned, and says why
+assert not unpinned.pinned and unpinned.bytes_pinned == 0
+e = unpinned.pin_error
+assert "CUDA_ERROR_OUT_OF_MEMORY" in e and "MemHostRegister" in e, e
+assert state("ctx_refs", "depth") == [0, 0]  # the context was let go of
+ctypes.memset(unpinned.address, 1, 4096)
+unpinned.close()
+assert _native.Arena(4096, pin=False).pin_error is None
 os.environ["FAKE_CUDA_FAIL"] = "cuMemcpyDtoHAsync"
 copier = _native.CudaCopier(0)
 e = expect_raises(CudaError, copier.d2h, [(dev.address, src.address, 10)], 0)
@@ -638,6 +678,276 @@ def test_cuda_init_failure_is_reported_not_raised(fake_driver_dir):
     result = run_with_fake_driver(fake_driver_dir, code, FAKE_CUDA_NO_DEVICE="1")
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.decode().startswith("cuInit failed: CUDA_ERROR_NO_DEVICE (100)")
+
+
+FORKED_CHILD_SCENARIO = """
+import ctypes, os
+from snapcore import _native
+from snapcore.errors import CudaError
+
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_cuda_log.restype = ctypes.c_char_p
+def log(): return fake.fake_cuda_log().decode().splitlines()
+
+assert _native.cuda_available()
+arena = _native.Arena(1 << 20)
+assert arena.pinned
+copier = _native.CudaCopier(0)
+size = arena.bytes_held
+pid = os.fork()
+if pid == 0:
+    try:
+        calls = len(log())
+        assert _native.cuda_available() is False
+        assert "fork" in _native.cuda_status(), _native.cuda_status()
+        try:
+            _native.CudaCopier(0)
+            raise AssertionError("a CudaCopier in a forked child")
+        except CudaError as e:
+            assert "fork" in str(e), e
+        fresh = _native.Arena(size)  # may take the address range the parent's arena had
+        assert not fresh.pinned
+        copier.close()  # the parent's stream and registration are not the child's to free
+        arena.close()
+        ctypes.memset(fresh.address, 7, size)  # still mapped: arena.close() unmapped nothing
+        fresh.close()
+        assert len(log()) == calls, log()[calls:]  # the child made no driver call
+    except BaseException as e:
+        print("child:", repr(e), flush=True)
+        os._exit(1)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0
+assert _native.cuda_available()  # the parent is unaffected
+copier.close()
+arena.close()
+print("fork-ok")
+"""
+
+
+def test_cuda_is_unavailable_in_a_forked_child(fake_driver_dir):
+    """A CUDA context does not survive fork(): a child forked after the driver was loaded
+    sees CUDA unavailable, and freeing what it inherited calls no driver function."""
+    result = run_with_fake_driver(fake_driver_dir, FORKED_CHILD_SCENARIO)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    assert "fork-ok" in out
+
+
+FAKE_LOG = """
+import ctypes
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_cuda_log.restype = ctypes.c_char_p
+fake.fake_cuda_state.restype = ctypes.c_longlong
+def log(): return fake.fake_cuda_log().decode().splitlines()
+def state(*names): return [fake.fake_cuda_state(n.encode()) for n in names]
+"""
+
+PIN_DEVICE_SCENARIO = (
+    FAKE_LOG
+    + """
+from snapcore import _native
+assert _native.cuda_status() == "ok: 2 device(s)"
+arena = _native.Arena(4096, device=1)
+assert arena.pinned
+arena.close()
+assert log() == ["PrimaryCtxRetain 1", "MemHostRegister 4096 ctx1",
+                 "MemHostUnregister ctx1", "PrimaryCtxRelease 1"], log()
+try:
+    _native.Arena(4096, device=2)
+    raise AssertionError("an arena pinned on a device that does not exist")
+except ValueError as e:
+    assert "does not exist" in str(e), e
+assert state("ctx_refs", "registered") == [0, 0]
+print("pin-device-ok")
+"""
+)
+
+
+def test_arena_is_pinned_in_the_context_of_the_device_asked_for(fake_driver_dir):
+    """Not GPU 0's on every rank: a context on GPU 0 costs each rank memory there, and
+    breaks every rank but one in EXCLUSIVE_PROCESS mode."""
+    result = run_with_fake_driver(fake_driver_dir, PIN_DEVICE_SCENARIO, FAKE_CUDA_DEVICES="2")
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"pin-device-ok" in result.stdout
+
+
+CPU_STATE_SCENARIO = (
+    FAKE_LOG
+    + """
+import sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import torch
+import snapcore
+from snapcore import _native
+assert _native.cuda_available()
+state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 3}
+snapcore.prepare(state, sys.argv[1]).result()
+snapcore.save(state, sys.argv[1], step=1)
+snapcore.async_save(state, sys.argv[1], step=2).wait()
+snapcore.close()
+assert not [c for c in log() if "Register" in c or "PrimaryCtx" in c], log()
+print("cpu-state-ok")
+"""
+)
+
+
+def test_a_cpu_only_state_is_never_pinned(fake_driver_dir, tmp_path):
+    """Pinning a state with no CUDA tensor would only cost a context and locked memory."""
+    code = CPU_STATE_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
+    result = run_with_fake_driver(fake_driver_dir, code)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"cpu-state-ok" in result.stdout
+
+
+def test_pin_device_is_the_first_cuda_tensors():
+    torch = pytest.importorskip("torch")
+    from snapcore.staging.arena import pin_device
+
+    cpu, cuda0, cuda1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert pin_device([cpu, cpu]) is None
+    assert pin_device([]) is None
+    assert pin_device([cpu, cuda1, cuda0]) == 1
+    assert pin_device([cuda0, cuda1]) == 0
+
+
+PIN_FAILURE_SCENARIO = (
+    FAKE_LOG
+    + """
+import os, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+from snapcore.staging.arena import HostArena
+os.environ["FAKE_CUDA_FAIL"] = "cuMemHostRegister"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    arena = HostArena(1 << 20, device=0)
+assert not arena.native.pinned
+messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+assert len(messages) == 1 and "unpinned" in messages[0], messages
+assert "CUDA_ERROR_OUT_OF_MEMORY" in messages[0], messages
+arena.u8[:] = 3  # usable all the same
+assert int(arena.u8.sum()) == 3 << 20
+arena.close()
+del os.environ["FAKE_CUDA_FAIL"]
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    pinned = HostArena(1 << 20, device=0)
+assert pinned.native.pinned
+pinned.close()
+assert state("ctx_refs", "registered", "depth") == [0, 0, 0]
+print("pin-failure-ok")
+"""
+)
+
+
+def test_a_failed_pinning_warns_and_falls_back_to_unpinned_memory(fake_driver_dir):
+    """cuMemHostRegister can fail (locked-memory limits, a GPU in EXCLUSIVE_PROCESS mode):
+    the snapshot is then staged through pageable memory, slower, instead of failing."""
+    result = run_with_fake_driver(fake_driver_dir, PIN_FAILURE_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"pin-failure-ok" in result.stdout
+
+
+EVENT_FLAGS_SCENARIO = (
+    FAKE_LOG
+    + """
+from snapcore import _native
+copier = _native.CudaCopier(0)
+event = copier.d2h([], 0)
+BLOCKING_SYNC, DISABLE_TIMING = 0x1, 0x2  # CU_EVENT_*
+assert state("event_flags") == [BLOCKING_SYNC | DISABLE_TIMING], state("event_flags")
+event.synchronize()
+del event
+copier.close()
+print("event-flags-ok")
+"""
+)
+
+
+def test_completion_events_block_instead_of_spinning(fake_driver_dir):
+    """Without CU_EVENT_BLOCKING_SYNC, waiting for the copies spins a CPU core."""
+    result = run_with_fake_driver(fake_driver_dir, EVENT_FLAGS_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"event-flags-ok" in result.stdout
+
+
+STAGING_ORDER_SCENARIO = (
+    FAKE_LOG
+    + """
+import warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import torch
+from snapcore import _native
+from snapcore.io_types import Window
+from snapcore.planning.layout import BlobPlan
+from snapcore.staging import copy as staging_copy
+from snapcore.staging.arena import HostArena
+
+class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch
+    def __init__(self, device): self.cuda_stream = 1000 + device.index
+torch.cuda.current_stream = Stream
+
+def copy_host(*args, **kwargs):  # the CPU copies, placed in the driver's log
+    fake.fake_cuda_mark(b"copy_host")
+    native_copy_host(*args, **kwargs)
+native_copy_host = _native.copy_host
+_native.copy_host = copy_host
+
+class Blob(BlobPlan):  # "device memory" is host memory to the fake driver
+    def __init__(self, offset, source, device):
+        super().__init__(offset, source.nbytes, source, True, source.data_ptr(), [0])
+        self._device = torch.device(device)
+    @property
+    def device(self): return self._device
+
+sources = [torch.full((256,), i, dtype=torch.uint8) for i in range(5)]
+devices = ["cuda:0", "cpu", "cuda:1", "cuda:0", "cuda:1"]
+blobs = [Blob(256 * i, s, d) for i, (s, d) in enumerate(zip(sources, devices))]
+arena = HostArena(256 * 5, device=0)
+stager = staging_copy.Stager()
+for wait_gpu in ("cpu", "stream"):
+    w = Window(arena, 0, 256 * 5, 0, 0)
+    start = len(log())
+    stager.copy(blobs, w, defer=False, wait_gpu=wait_gpu)
+    calls = [c for c in log()[start:] if not c.startswith("PrimaryCtx")
+             and not c.startswith("StreamCreate")]
+    last_copy = max(i for i, c in enumerate(calls) if c.startswith("MemcpyDtoHAsync"))
+    waits = [i for i, c in enumerate(calls)
+             if c.startswith("EventSynchronize") or c.startswith("StreamWaitEvent ext")]
+    # every device's copies queued, then the CPU copies, then the waits
+    assert calls.index("copy_host") > last_copy, calls
+    assert len(waits) == 2 and min(waits) > calls.index("copy_host"), calls
+    assert [c.split()[1] for c in calls if c.startswith("StreamWaitEvent ext")] == (
+        [] if wait_gpu == "cpu" else ["ext:1000", "ext:1001"]), calls
+    assert bytes(arena.u8) == b"".join(bytes(s) for s in sources)
+    arena.u8.zero_()
+
+def failing_copy_host(*args, **kwargs):
+    fake.fake_cuda_mark(b"copy_host failed")
+    raise OSError("a CPU copy failed")
+_native.copy_host = failing_copy_host
+start = len(log())
+try:
+    stager.copy(blobs, Window(arena, 0, 256 * 5, 0, 0), defer=False, wait_gpu="stream")
+    raise AssertionError("the CPU copy's failure was lost")
+except OSError:
+    pass
+calls = log()[start:]
+after = calls[calls.index("copy_host failed"):]
+# the GPUs' copies were queued already: they are waited for before the error goes up
+assert len([c for c in after if c.startswith("EventSynchronize")]) == 2, calls
+stager.close()
+arena.close()
+print("staging-order-ok")
+"""
+)
+
+
+def test_default_staging_queues_every_device_then_copies_on_cpu_then_waits(fake_driver_dir):
+    """The GPUs' copies run while the CPU copies do, and no device waits for another's."""
+    result = run_with_fake_driver(fake_driver_dir, STAGING_ORDER_SCENARIO, FAKE_CUDA_DEVICES="2")
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"staging-order-ok" in result.stdout
 
 
 # --- GPU --------------------------------------------------------------------------------

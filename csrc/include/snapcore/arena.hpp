@@ -1,5 +1,7 @@
 // The host arena: one block of host memory, sized exactly, optionally backed by a shared
-// memory file, prefaulted and pinned once, then reused for every snapshot.
+// memory file, prefaulted and pinned once, then reused for every snapshot. An anonymous
+// arena is not inherited by fork() (MADV_DONTFORK): fork would copy its pinned pages at
+// once into every child (a DataLoader worker), which never needs them.
 #pragma once
 
 #include <cstddef>
@@ -18,14 +20,20 @@ struct ArenaOptions {
   std::optional<std::string> shm_path;
   bool huge_pages = true;  // madvise(MADV_HUGEPAGE); failure is recorded, not raised
   bool pin = true;         // cuMemHostRegister when CUDA is available
+  // The device whose primary context registers the memory (PORTABLE: every context may
+  // use it). The one the state lives on: a context of its own on another GPU costs memory
+  // there, and fails where that GPU is in EXCLUSIVE_PROCESS mode.
+  int device = 0;
   bool prefault = true;    // touch every page now, in parallel
   std::size_t threads = 0;  // for prefaulting; 0 = hardware_threads()
 };
 
 class Arena {
  public:
-  // Maps round_up(size, page_size()) bytes. Throws std::invalid_argument for size 0,
-  // IoError when a system call fails, CudaError when pinning fails with CUDA available.
+  // Maps round_up(size, page_size()) bytes. Throws std::invalid_argument for size 0 or a
+  // device that does not exist, IoError when a system call fails. When the driver refuses
+  // to pin (locked-memory limits, a GPU in EXCLUSIVE_PROCESS mode), the arena stays
+  // unpinned and pin_error() says why: staging is slower, not impossible.
   Arena(std::size_t size, ArenaOptions options);
   ~Arena();
   Arena(const Arena&) = delete;
@@ -41,6 +49,10 @@ class Arena {
   [[nodiscard]] std::size_t bytes_pinned() const noexcept { return pinned_ ? held_ : 0; }
   [[nodiscard]] bool pinned() const noexcept { return pinned_; }
   [[nodiscard]] bool huge_pages() const noexcept { return huge_pages_; }
+  // Why pinning was asked for, with CUDA available, and failed; nullopt otherwise.
+  [[nodiscard]] const std::optional<std::string>& pin_error() const noexcept {
+    return pin_error_;
+  }
   [[nodiscard]] bool closed() const noexcept { return base_ == nullptr; }
   [[nodiscard]] const std::optional<std::string>& shm_path() const noexcept {
     return shm_path_;
@@ -49,15 +61,20 @@ class Arena {
  private:
   void map(bool huge_pages);
   void prefault(std::size_t threads);
-  void pin();
+  void pin(int device);
 
   std::size_t size_ = 0;
   std::size_t held_ = 0;
   std::optional<std::string> shm_path_;
   int fd_ = -1;
   void* base_ = nullptr;
+  // Anonymous arenas are MADV_DONTFORK: a forked child does not have them mapped, and must
+  // not unmap their range (which it may have reused) when it frees its copy of this object.
+  bool dontfork_ = false;
+  long owner_pid_ = 0;
   bool huge_pages_ = false;
   bool pinned_ = false;
+  std::optional<std::string> pin_error_;
   std::unique_ptr<PrimaryContext> pin_ctx_;  // held while the registration lives
 };
 

@@ -13,7 +13,8 @@ namespace snapcore {
 
 class PrimaryContext;
 
-// A CUDA event (timing disabled) in a device's primary context.
+// A CUDA event in a device's primary context: timing disabled, and blocking sync, so that
+// synchronize() sleeps in the driver instead of spinning a CPU core.
 class CudaEvent {
  public:
   explicit CudaEvent(std::shared_ptr<PrimaryContext> ctx);  // throws CudaError

@@ -1,6 +1,7 @@
 #include "snapcore/shim/cuda.hpp"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <sstream>
 #include <utility>
@@ -14,6 +15,8 @@ struct CudaDriverLoader {
   CudaDriver driver;
   bool ok = false;
   std::string reason;
+  // The process that loaded the driver: in a child forked from it CUDA is unusable.
+  pid_t pid = ::getpid();
 
   CudaDriverLoader() {
     try {
@@ -85,6 +88,8 @@ struct CudaDriverLoader {
   }
 
   // Error text from the driver's own tables; usable before `ok` is set.
+  bool forked() const noexcept { return pid != ::getpid(); }
+
   std::string describe(cu::CUresult rc) const noexcept {
     try {
       const char* name = nullptr;
@@ -114,6 +119,11 @@ CudaDriverLoader& loader() {
   static CudaDriverLoader* instance = new CudaDriverLoader();
   return *instance;
 }
+
+constexpr const char* kForked =
+    "this process was forked from the one that loaded the CUDA driver (CUDA does not "
+    "survive fork)";
+
 }  // namespace
 
 const CudaDriver& CudaDriver::instance() {
@@ -121,20 +131,29 @@ const CudaDriver& CudaDriver::instance() {
   if (!l.ok) {
     throw CudaError(-1, "CUDA is unavailable: " + l.reason);
   }
+  if (l.forked()) {
+    throw CudaError(-1, std::string("CUDA is unavailable: ") + kForked);
+  }
   return l.driver;
 }
 
-bool CudaDriver::is_available() noexcept {
+const CudaDriver* CudaDriver::in_process() noexcept {
   try {
-    return loader().ok;
+    CudaDriverLoader& l = loader();
+    return l.ok && !l.forked() ? &l.driver : nullptr;
   } catch (...) {
-    return false;
+    return nullptr;
   }
 }
+
+bool CudaDriver::is_available() noexcept { return in_process() != nullptr; }
 
 std::string CudaDriver::status() noexcept {
   try {
     CudaDriverLoader& l = loader();
+    if (l.ok && l.forked()) {
+      return kForked;
+    }
     if (l.ok) {
       return "ok: " + std::to_string(l.driver.device_count()) + " device(s)";
     }

@@ -24,6 +24,7 @@ inline constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 inline constexpr CUresult CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712;
 
 inline constexpr unsigned int CU_STREAM_NON_BLOCKING = 0x1;
+inline constexpr unsigned int CU_EVENT_BLOCKING_SYNC = 0x1;
 inline constexpr unsigned int CU_EVENT_DISABLE_TIMING = 0x2;
 inline constexpr unsigned int CU_EVENT_WAIT_DEFAULT = 0x0;
 inline constexpr unsigned int CU_MEMHOSTREGISTER_PORTABLE = 0x1;
@@ -39,7 +40,12 @@ class CudaDriver {
  public:
   // The loaded driver; throws snapcore::CudaError saying why when it is unavailable.
   static const CudaDriver& instance();
-  // Whether the driver loaded, cuInit succeeded and at least one device exists. Never throws.
+  // The loaded driver, or null when it is unavailable in this process. Never throws: for
+  // destructors and clean-up, which must not call the driver in a forked child.
+  static const CudaDriver* in_process() noexcept;
+  // Whether the driver loaded, cuInit succeeded and at least one device exists, in this
+  // process: a child forked after the driver was loaded has no usable CUDA (contexts,
+  // streams and registrations do not survive fork). Never throws.
   static bool is_available() noexcept;
   // "ok: N device(s)" or the reason CUDA is unavailable. Never throws.
   static std::string status() noexcept;
