@@ -581,7 +581,8 @@ def table_save_report(doc: Result) -> str:
         sys.path.insert(0, str(HERE))
     import bench_save  # the script's renderer: the same text its --markdown writes
 
-    return bench_save.render(doc["runs"][0]["result"])
+    run = doc["runs"][0]
+    return bench_save.render({**run["result"], "command": run["command"]})
 
 
 def table_scaling(doc: Result) -> str:
@@ -628,14 +629,21 @@ def load_results(results: Path) -> dict[str, Result]:
     return docs
 
 
-def regenerate(text: str, docs: dict[str, Result]) -> tuple[str, list[str], list[str]]:
-    """(new text, names rewritten, names kept as they were: no result for them)."""
+def regenerate(
+    text: str, docs: dict[str, Result], allow_quick: bool = False
+) -> tuple[str, list[str], list[str]]:
+    """(new text, names rewritten, names kept as they were). A region is kept where the
+    results have no figures for it, and, unless ``allow_quick``, where they come from a
+    --quick run (whose figures mean nothing)."""
     done, kept = [], []
     for name in marked_names(text):
         scenario, render = TABLES.get(name, (None, None))
         doc = docs.get(scenario) if scenario else None
         if render is None or doc is None or not doc["runs"] or not doc["runs"][0].get("result"):
             kept.append(name)
+            continue
+        if doc.get("quick") and not allow_quick:
+            kept.append(f"{name} (a --quick run)")
             continue
         text = replace_marked(text, name, render(doc))
         done.append(name)
@@ -658,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("docs", help="rewrite the marked regions of the docs from a results folder")
     d.add_argument("results", type=Path)
     d.add_argument("--doc", type=Path, default=DOC)
+    d.add_argument("--allow-quick", action="store_true", help="take --quick runs' figures too")
+    g = sub.add_parser("plot", help="redraw the plots of a results folder from its JSON")
+    g.add_argument("results", type=Path)
     args = p.parse_args(argv)
     known = scenarios()
 
@@ -673,10 +684,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "docs":
         docs = load_results(args.results)
         text = args.doc.read_text()
-        new, done, kept = regenerate(text, docs)
+        new, done, kept = regenerate(text, docs, args.allow_quick)
         if new != text:
             args.doc.write_text(new)
         print(f"{args.doc}: rewrote {done or 'nothing'}; kept {kept or 'nothing'}")
+        return 0
+
+    if args.cmd == "plot":
+        for name, doc in load_results(args.results).items():
+            sc = next((s for s in SCENARIOS if s.name == name), None)
+            if sc and sc.plot:
+                for path in sc.plot(doc, args.results):
+                    print(path)
         return 0
 
     names = args.names or ([s.name for s in known.values() if s.in_quick] if args.quick else [])
