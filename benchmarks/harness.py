@@ -201,27 +201,32 @@ def plot_save(doc: Result, out: Path) -> list[Path]:
     return [path]
 
 
+SCALING_PANELS = (
+    ("stall_s", "stall (blocked in the call)"),
+    ("staged_s", "until the state may change (staged)"),
+    ("durable_s", "time to durable"),
+    ("restore_s", "restore (page cache dropped)"),
+)
+
+
 def plot_scaling(doc: Result, out: Path) -> list[Path]:
-    """Cost against state size, log-log: stall, time to durable and restore per peer."""
+    """Cost against state size, log-log: stall, staged, time to durable and restore per
+    peer (points: medians; bars: best to worst run)."""
     s = doc.get("summary") or {}
     if not s.get("sizes"):
         return []
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
-    for ax, (key, title) in zip(
-        axes,
-        (
-            ("stall_s", "stall (blocked in the call)"),
-            ("durable_s", "time to durable"),
-            ("restore_s", "restore (page cache dropped)"),
-        ),
-        strict=True,
-    ):
-        for peer, series in s[key].items():
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    fig, axes = plt.subplots(1, len(SCALING_PANELS), figsize=(19, 5))
+    for ax, (key, title) in zip(axes, SCALING_PANELS, strict=True):
+        gbs: set[float] = set()
+        for peer, series in s.get(key, {}).items():
             pts = [(x["state_gb"], x["figure"]) for x in series if x["figure"]]
             if not pts:
                 continue
             xs = [p[0] for p in pts]
+            gbs.update(xs)
             med = [p[1]["median"] for p in pts]
             err = [
                 [p[1]["median"] - p[1]["min"] for p in pts],
@@ -230,6 +235,9 @@ def plot_scaling(doc: Result, out: Path) -> list[Path]:
             ax.errorbar(xs, med, yerr=err, marker="o", capsize=2, label=peer)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(sorted(gbs))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:.2g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("state size, GB (log)")
         ax.set_ylabel("seconds (log)")
         ax.set_title(title)
@@ -238,7 +246,7 @@ def plot_scaling(doc: Result, out: Path) -> list[Path]:
     fig.suptitle("bench_save across state sizes; " + _subtitle(doc), fontsize=8)
     fig.tight_layout()
     path = out / f"{doc['scenario']}.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path]
 
@@ -370,7 +378,7 @@ def summarise_scaling(doc: Result) -> Result:
         "dcp.async_save thread": "dcp.load",
     }
     sizes: list[Result] = []
-    out: Result = {"sizes": sizes, "stall_s": {}, "durable_s": {}, "restore_s": {}}
+    out: Result = {"sizes": sizes, "stall_s": {}, "staged_s": {}, "durable_s": {}, "restore_s": {}}
     for run in doc["runs"]:
         if not run.get("result"):
             continue
@@ -380,7 +388,7 @@ def summarise_scaling(doc: Result) -> Result:
             {"label": run["label"], "state_bytes": s["state_bytes"], "errors": s["errors"]}
         )
         for peer, fig in s["peers"].items():
-            for key in ("stall_s", "durable_s"):
+            for key in ("stall_s", "staged_s", "durable_s"):
                 out[key].setdefault(peer, []).append({"state_gb": gb, "figure": fig[key]})
         for name, fig in s["restore"].items():
             out["restore_s"].setdefault(name, []).append({"state_gb": gb, "figure": fig})
@@ -599,12 +607,19 @@ def table_scaling(doc: Result) -> str:
         _made_by(doc),
         "",
         "Seconds: the median of the warm runs, best-worst in parentheses (one run: no "
-        "parentheses). Stall: time blocked in the call; durable: until fsynced and "
-        "committed; restore: from a dropped page cache.",
+        "parentheses). Stall: time blocked in the call; staged: until the state may change "
+        "again; durable: until fsynced and committed; restore: from a dropped page cache.",
         "",
     ]
-    for key, title in (("stall_s", "stall"), ("durable_s", "durable"), ("restore_s", "restore")):
-        peers = list(s[key])
+    for key, title in (
+        ("stall_s", "stall"),
+        ("staged_s", "staged"),
+        ("durable_s", "durable"),
+        ("restore_s", "restore"),
+    ):
+        peers = list(s.get(key, {}))
+        if not peers:
+            continue
         gbs = sorted({x["state_gb"] for p in peers for x in s[key][p]})
         lines += [
             f"| {title}: state GB | " + " | ".join(peers) + " |",
@@ -701,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "plot":
         for name, doc in load_results(args.results).items():
             sc = next((s for s in SCENARIOS if s.name == name), None)
+            if sc and sc.summarise:  # from the runs: the summary of this version of the code
+                doc["summary"] = sc.summarise(doc)
+                (args.results / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
             if sc and sc.plot:
                 for path in sc.plot(doc, args.results):
                     print(path)
