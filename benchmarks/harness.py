@@ -184,7 +184,7 @@ def plot_save(doc: Result, out: Path) -> list[Path]:
     a.invert_yaxis()
     a.set_xscale("log")
     a.set_xlabel("seconds (log)")
-    a.legend(loc="lower right", fontsize=8)
+    a.legend(loc="best", fontsize=8)
     gb = (s["state_bytes"] or 0) / GB
     a.set_title(f"save, {gb:.2f} GB state (warm runs)")
     rnames = list(s["restore"])
