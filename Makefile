@@ -1,5 +1,5 @@
-# The two commands of the README: `make test` and `make demo`. Both set up .venv on a
-# fresh machine. Torch comes from $(TORCH) and is installed only when it is missing, so
+# The commands of the README: `make test`, `make demo` and `make bench-quick`. Each sets
+# up .venv on a fresh machine. Torch comes from $(TORCH) and is installed only when it is missing, so
 # that CI can pin the CPU wheel (TORCH=torch==2.13.0) instead of pulling CUDA packages.
 PY ?= python3
 TORCH ?= torch
@@ -7,7 +7,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench bench-quick clean
 
 $(PYTHON):
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,12 @@ bench: install
 	$(PIP) install -q -e ".[bench]" --no-build-isolation
 	$(PYTHON) benchmarks/bench_save.py
 	$(PYTHON) benchmarks/simulate.py
+
+# Every quick scenario of the benchmark harness (python -m benchmarks), under two minutes:
+# one JSON per scenario and PNG plots in benchmarks/results/<date>-<host>/.
+bench-quick: install
+	$(PIP) install -q -e ".[bench]" --no-build-isolation
+	$(PYTHON) -m benchmarks run --quick
 
 clean:
 	rm -rf build $(VENV)

@@ -28,6 +28,7 @@ The test suite runs only its --smoke run (tests/integration/test_benchmarks.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -238,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quiet-cores", type=float, default=0.2)
     parser.add_argument("--max-wait", type=float, default=60.0, help="seconds")
     parser.add_argument("--markdown", help="also write the table to this file")
+    parser.add_argument("--json", help="also write the figures (bytes per second) as JSON")
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -263,9 +265,19 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, t in data:
         rows += measure(name, t.contiguous(), settings)
-    text = markdown(rows, shuffle_speed(settings), command)
+    shuffles = shuffle_speed(settings)
+    text = markdown(rows, shuffles, command)
     print(text)
-    common.write_figures(None, None, args.markdown, text)
+    doc = {
+        "command": command,
+        "size_mb": args.size_mb,
+        "repeats": args.repeats,
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "shuffle": {
+            str(es): {"shuffle_Bps": s, "unshuffle_Bps": u} for es, (s, u) in shuffles.items()
+        },
+    }
+    common.write_figures(args.json, doc, args.markdown, text)
 
 
 if __name__ == "__main__":
