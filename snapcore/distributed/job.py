@@ -118,6 +118,19 @@ def current() -> Job | None:
         return _job
 
 
+def forget() -> None:
+    """Drop this process's job objects (snapcore's key-value store and its connections)
+    while the interpreter is whole: at exit, after the engines are closed, rather than in
+    the interpreter's teardown, where a C++ object's threads may outlive what they use.
+    A later sharded save makes them again (a collective)."""
+    global _job
+    with _lock:
+        job, _job = _job, None
+    if job is not None:
+        job.server = None
+        job._threads = threading.local()
+
+
 def _make() -> Job:
     import torch.distributed as dist
 

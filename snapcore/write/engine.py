@@ -27,6 +27,7 @@ from .. import manifest as mf
 from .. import settings
 from ..distributed.job import Job
 from ..distributed.job import current as current_job
+from ..distributed.job import forget as forget_job
 from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, WindowItem
 from ..planning.layout import Layout, align_up, plan
@@ -494,6 +495,7 @@ def _close_at_exit() -> None:
         close_all()
     except Exception as e:  # never a traceback at exit: said once, in the log
         log.error("closing snapcore at exit: %s", e)
+    forget_job()  # the job's store and connections go now, not in the teardown
 
 
 atexit.register(_close_at_exit)
