@@ -160,7 +160,12 @@ def _read_agreed(
 
 
 def _read(
-    store: StoreLike, step: int | None, verify: bool, use: Callable[[Reader], T]
+    store: StoreLike,
+    step: int | None,
+    verify: bool,
+    use: Callable[[Reader], T],
+    *,
+    agree: bool = True,
 ) -> tuple[T, Reader, list[str]]:
     """``use(reader)`` on ``step``, or with ``step=None`` on the newest committed step
     that is intact in some tier: a step whose manifest, data files or chunks are damaged
@@ -168,7 +173,7 @@ def _read(
     Returns what ``use`` returned, its reader, and the skipped steps ("step N: why")."""
     engine = engine_for(store)
     steps = committed(store)
-    job = current_job()
+    job = current_job() if agree else None
     if job is not None and step is None:  # every rank takes the same step
         return _read_agreed(engine, steps, job, verify, use)
     every = sorted({s for ss in steps.values() for s in ss})
@@ -290,7 +295,8 @@ def load(
             reader.select_rank_tree(rank)
         return reader.load_tree()
 
-    tree, _, _ = _read(store, step, verify, use)
+    # A local read: one rank may load alone under a process group (no collective).
+    tree, _, _ = _read(store, step, verify, use, agree=False)
     return tree
 
 
@@ -303,7 +309,7 @@ def open_reader(store: StoreLike, *, step: int | None = None, verify: bool = Tru
         reader.select(None, 1)
         return reader
 
-    reader, _, _ = _read(store, step, verify, use)
+    reader, _, _ = _read(store, step, verify, use, agree=False)  # a local read
     return reader
 
 

@@ -103,6 +103,15 @@ def save(a: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def load_alone(a: dict[str, Any]) -> dict[str, Any]:
+    """Only rank 0 loads (an export under a process group): no collective, so no hang."""
+    models.init_gloo()
+    if dist.get_rank() == 0:
+        tree = snapcore.load(store_of(a))
+        return {"step": tree["step"]}
+    return {}
+
+
 def restore(a: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(99)
     state, model, optim = state_of(a["kind"], a.get("seed", 1), -1)
@@ -323,6 +332,7 @@ def sigterm(a: dict[str, Any]) -> dict[str, Any]:
 
 
 OPS = {
+    "load-alone": load_alone,
     "sigterm": sigterm,
     "save": save,
     "restore": restore,

@@ -93,6 +93,12 @@ def test_a_sharded_step_is_an_index_of_parts(fsdp4) -> None:
     assert not list(step_dir.glob("*.pending"))  # every rank's lock is gone
 
 
+def test_one_rank_loads_alone_under_a_process_group(fsdp4) -> None:
+    store, _ = fsdp4
+    res = run(2, [{"op": "load-alone", "store": str(store)}])
+    assert res[0] == [{"step": 5}] and res[1] == [{}]
+
+
 def test_load_with_no_process_group_assembles_full_tensors(fsdp4) -> None:
     store, out = fsdp4
     saved = out[0][0]["digests"]
