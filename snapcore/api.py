@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from .distributed.job import Job, all_gather_bytes
 from .distributed.job import current as current_job
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StateMismatch, StoreInUse
-from .read import Reader, RestoreInfo
+from .read import Reader, RestoreInfo, exchange_plan
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
 from .tree import RestorePlan
@@ -133,11 +133,20 @@ def _read_agreed(
         error: SnapcoreError | None = None
         try:
             reader = _reader(engine, steps, s, verify)
-            result = use(reader)
+        except SnapcoreError as e:
+            # the others enter the restore's exchange: take part in it, with the refusal
+            exchange_plan(job, s, [], e)
+            damage = isinstance(e, CorruptSnapshot | SnapshotNotFound)
+            mine["damaged" if damage else "refused"], error = str(e), e
+        try:
+            if reader is not None:
+                result = use(reader)
         except (CorruptSnapshot, SnapshotNotFound) as e:
             mine["damaged"], error = str(e), e
         except SnapcoreError as e:
             mine["refused"], error = str(e), e
+        # whose damage or refusal it is: another rank's when the restore's exchange told us
+        mine["origin"] = getattr(error, "rank", job.rank)
         said = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
         refused = [(r, d["refused"]) for r, d in enumerate(said) if d["refused"]]
         if refused:
@@ -149,7 +158,8 @@ def _read_agreed(
         if not damaged:
             assert reader is not None
             return result, reader, skipped
-        r, why = damaged[0]
+        own = [(r, why) for r, why in damaged if said[r]["origin"] == r]  # not hearsay
+        r, why = (own or damaged)[0]
         note = why if why.startswith(f"step {s}: ") else f"step {s}: {why}"
         log.warning("%s: skipping %s (rank %d)", engine.config.describe(), note, r)
         skipped.append(f"{note} (rank {r})")

@@ -615,17 +615,9 @@ class Reader:
                 for i, ts in targets.items()
                 if self.whole(i) and not any(is_dtensor(t) for t in ts)
             }
-        mine = {"error": None if error is None else str(error), "need": sorted(need)}
-        every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
-        failed = [r for r, d in enumerate(every) if d["error"]]
-        if failed:
-            if error is not None:
-                return {}
-            first = every[failed[0]]["error"]
-            raise StateMismatch(
-                f"step {self.m.step}: ranks {failed[:16]} cannot restore it (rank "
-                f"{failed[0]}: {first})"
-            )
+        every = exchange_plan(job, self.m.step, sorted(need), error)
+        if error is not None:
+            return {}
         common = set.intersection(*(set(d["need"]) for d in every))
         load = [0] * job.world_size
         readers = {}
@@ -838,6 +830,31 @@ def verify_snapshot(tier: Any, step: int, progress: Any = None) -> list[CorruptS
 def _some(paths: list[str], n: int = 8) -> str:
     shown = ", ".join(paths[:n])
     return shown + (f" and {len(paths) - n} more" if len(paths) > n else "")
+
+
+def exchange_plan(
+    job: Job, step: int, need: list[int], error: SnapcoreError | None
+) -> list[dict[str, Any]]:
+    """The one exchange of a restore under a job, made by every rank that takes part in
+    the step, even one that could not open it or match its state (``error``): each
+    rank's needs, or its refusal. With no ``error`` of its own, a rank raises when
+    another refused: ``CorruptSnapshot`` when that rank found the step damaged (every
+    rank then moves to an older step together), else ``StateMismatch``."""
+    mine = {
+        "error": None if error is None else str(error),
+        "damaged": isinstance(error, CorruptSnapshot | SnapshotNotFound),
+        "need": need,
+    }
+    every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
+    failed = [r for r, d in enumerate(every) if d["error"]]
+    if failed and error is None:
+        damaged = [r for r in failed if every[r]["damaged"]]
+        r = (damaged or failed)[0]
+        why = f"step {step}: rank {r} cannot restore it: {every[r]['error']}"
+        err: SnapcoreError = CorruptSnapshot(why, step=step) if damaged else StateMismatch(why)
+        err.rank = r  # type: ignore[attr-defined]  # whose refusal this is
+        raise err
+    return every
 
 
 def _same_chunks(a: mf.Manifest, b: mf.Manifest) -> bool:

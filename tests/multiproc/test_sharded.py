@@ -500,3 +500,43 @@ def test_a_step_damaged_on_one_rank_is_skipped_by_every_rank(tmp_path: Path) -> 
         assert r["step"] == 1 and r["digests"] == first
         assert len(r["skipped"]) == 1 and r["skipped"][0].startswith("step 2: ")
         assert "(rank 1)" in r["skipped"][0]
+
+
+def test_a_step_one_node_cannot_open_is_skipped_by_every_rank(tmp_path: Path, s3_bucket) -> None:
+    """Two nodes of one rank each, a directory each, and object storage. Step 2: node 1's
+    own part is damaged and object storage no longer holds the step, so node 1 cannot
+    even open step 2 while node 0 can; both ranks restore step 1."""
+    from snapcore.tiers import RemoteStoreTier
+
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    spec = {
+        "local": "$SNAPCORE_TEST_LOCAL",
+        "remote": s3_bucket.url,
+        "storage_options": s3_bucket.storage_options,
+    }
+    nodes = [{"SNAPCORE_TEST_LOCAL": str(d)} for d in dirs]
+
+    def launch(actions: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        results = run_nodes(
+            SCRIPT, 1, [json.dumps(actions)], timeout=TIMEOUT, node_envs=nodes, env=ENV
+        )
+        return [r.result for r in results]
+
+    saved = launch(
+        [
+            {"op": "save", "kind": "fsdp2", "store": spec, "step": 1, "seed": 0},
+            {"op": "save", "kind": "fsdp2", "store": spec, "step": 2, "seed": 5},
+        ]
+    )
+    first = saved[0][0]["digests"]
+    (part,) = (dirs[1] / "step-000000000002").glob("part-00001-*.json")
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0x01  # its xxh3 no longer matches the index
+    part.write_bytes(bytes(data))
+    remote = RemoteStoreTier(s3_bucket.url, s3_bucket.storage_options)
+    remote.uncommit(2)
+    remote.close()
+    res = launch([{"op": "restore", "kind": "fsdp2", "store": spec}])
+    for (r,) in res:
+        assert r.get("step") == 1 and r["digests"] == first, r
+        assert "(rank 1)" in r["skipped"][0]
