@@ -29,11 +29,9 @@ and ``.metadata`` fsynced by DCP), fsyncs that directory and renames it onto the
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import pickle
-import shutil
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -443,52 +441,29 @@ class DcpSource:
 # ---------------------------------------------------------------------------------------
 
 
-class DcpSink:
+class DcpSink(_nested.WholeStateSink):
     """Collects the state and writes it with DCP's ``FileSystemWriter`` at ``commit``
     (memory: the whole checkpoint, see the module's docstring)."""
 
     def __init__(self, path: Path, options: dict[str, Any] | None = None) -> None:
-        self.path = Path(path)
+        super().__init__(path, options)
         if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
             raise StorageError(
                 17, f"{self.path}: the target exists (DCP writes a new directory)", str(path)
             )
-        self._tmp = _nested.temp_name(self.path)
-        self._leaves: dict[str, Any] = {}
 
-    def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
-        # a copy: the caller may reuse its buffer for the next tensor
-        self._leaves[info.name] = tensor.detach().clone()
-
-    def write_values(self, values: dict[str, Value]) -> None:
-        self._leaves.update(values)
-
-    def commit(self, metadata: dict[str, str]) -> None:
+    def _write(self, state: dict[str, Any], tmp: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
-        state = _nested.unflatten(self._leaves)
-        try:
-            if self._tmp.exists():
-                shutil.rmtree(self._tmp)
-            with warnings.catch_warnings():
-                # no_dist=True is the point: DCP's warning that it saves in one process
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(
-                    state,
-                    storage_writer=dcp.FileSystemWriter(self._tmp, sync_files=True),
-                    no_dist=True,
-                )
-            fsync_dir(self._tmp)
-            _nested.commit_rename(self._tmp, self.path)
-        except BaseException:
-            self.abort()
-            raise
-        self._leaves.clear()
-
-    def abort(self) -> None:
-        self._leaves.clear()
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(self._tmp)
+        with warnings.catch_warnings():
+            # no_dist=True is the point: DCP's warning that it saves in one process
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                no_dist=True,
+            )
+        fsync_dir(tmp)
 
 
 FORMAT = register(

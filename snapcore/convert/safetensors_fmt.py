@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from ..durable import fsync_dir, fsync_file
 from ..errors import CorruptSnapshot, InvalidManifest
 from .base import Format, TensorInfo, Value, register
 
@@ -541,7 +542,7 @@ class SafetensorsSink:
             _rewrite_header(f, self._meta(last))
         if len(self._shards) > 1:
             self._write_index()
-        _fsync(self._tmp)
+        fsync_dir(self._tmp)
         if self.target.suffix == ".safetensors":
             os.replace(self._tmp / self._name(0), self.target)
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -550,7 +551,7 @@ class SafetensorsSink:
                 self.target.rmdir()  # empty, as convert checked
             os.replace(self._tmp, self.target)
         self._tmp = None
-        _fsync(self.target.parent)
+        fsync_dir(self.target.parent)
 
     def _write_index(self) -> None:
         assert self._tmp is not None
@@ -559,7 +560,7 @@ class SafetensorsSink:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         path = self._tmp / INDEX
         path.write_text(json.dumps(index, indent=2) + "\n")
-        _fsync(path)
+        fsync_file(path)
 
     def abort(self) -> None:
         for f in self._files.values():
@@ -595,14 +596,6 @@ def _rewrite_header(f: _File, meta: dict[str, str]) -> None:
         new.close()
     os.replace(new.path, f.path)
     f.meta, f.data_start = meta, new.data_start
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 FORMAT = register(Format("safetensors", detect, SafetensorsSource, SafetensorsSink))

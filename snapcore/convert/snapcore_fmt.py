@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .. import api
+from ..durable import fsync_dir
 from ..tiers import Store, as_store
 from ..tree import decode_float, join_path
 from .base import Format, TensorInfo, Value, register
@@ -179,7 +180,7 @@ class SnapcoreSink:
             target.rmdir()  # empty, as convert checked: replaced by the new store
         os.replace(self._tmp, target)
         self._tmp = None
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
     def abort(self) -> None:
         self.tree.clear()
@@ -187,14 +188,6 @@ class SnapcoreSink:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 FORMAT = register(Format("snapcore", detect, SnapcoreSource, SnapcoreSink))

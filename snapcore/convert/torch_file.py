@@ -120,39 +120,15 @@ class TorchSource:
         self._tensors.clear()
 
 
-class TorchSink:
+class TorchSink(_nested.WholeStateSink):
     """Collects the tensors and writes one ``torch.save`` file at ``commit`` (memory: the
     whole checkpoint, see the module's docstring)."""
 
-    def __init__(self, path: Path, options: dict[str, Any] | None = None) -> None:
-        self.path = Path(path)
-        self._tmp = _nested.temp_name(self.path)
-        self._leaves: dict[str, Any] = {}
-
-    def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
-        # a copy: the caller may reuse its buffer for the next tensor
-        self._leaves[info.name] = tensor.detach().clone()
-
-    def write_values(self, values: dict[str, Value]) -> None:
-        self._leaves.update(values)
-
-    def commit(self, metadata: dict[str, str]) -> None:
-        nested = _nested.unflatten(self._leaves)
-        try:
-            with open(self._tmp, "wb") as f:
-                torch.save(nested, f)
-                f.flush()
-                os.fsync(f.fileno())
-            _nested.commit_rename(self._tmp, self.path)
-        except BaseException:
-            self.abort()
-            raise
-        self._leaves.clear()
-
-    def abort(self) -> None:
-        self._leaves.clear()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._tmp)
+    def _write(self, state: dict[str, Any], tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 FORMAT = register(
