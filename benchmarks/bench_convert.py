@@ -55,6 +55,8 @@ from pathlib import Path
 from typing import Any
 
 import common
+from common import fmt_gb as _gbs
+from common import fmt_s as _s
 from common import status_bytes
 
 GB = 1e9
@@ -634,14 +636,6 @@ def check_targets(r: Result) -> list[Result]:
     return targets
 
 
-def _s(x: float | None) -> str:
-    return "—" if x is None else f"{x:.3f}" if x < 10 else f"{x:.2f}"
-
-
-def _gbs(x: float | None) -> str:
-    return "—" if x is None else f"{x / GB:.2f}"
-
-
 def render(r: Result) -> str:
     info, prep = r["info"], r["prepare"]
     state = prep["state"]
@@ -697,22 +691,8 @@ def render(r: Result) -> str:
         f"thread {_gbs(p0['cold_read_1t_Bps'])} / {_gbs(p1['cold_read_1t_Bps'])}, one per core "
         f"{_gbs(p0['cold_read_parallel_Bps'])} / {_gbs(p1['cold_read_parallel_Bps'])}).",
         "",
-        "| target | measured | limit | ratio | result |",
-        "| --- | --- | --- | --- | --- |",
     ]
-    for t in r["targets"]:
-        if t["status"] == "N/A":
-            lines.append(f"| {t['target']} | {t['detail']} | | | N/A |")
-            continue
-        if "RSS" in t["target"]:
-            value, limit = f"{_gbs(t['value'])} GB", f"{_gbs(t['limit'])} GB"
-        elif ">=" in t["target"]:
-            value, limit = f"{_gbs(t['value'])} GB/s", f"{_gbs(t['limit'])} GB/s"
-        else:
-            value, limit = f"{_s(t['value'])} s", f"{_s(t['limit'])} s"
-        lines.append(f"| {t['target']} | {value} | {limit} | {t['ratio']:.2f} | {t['status']} |")
-    lines.append("")
-    lines += [f"- {t['target']}: {t['detail']}" for t in r["targets"]]
+    lines += common.targets_table(r["targets"], "RSS")
     return "\n".join(lines) + "\n"
 
 

@@ -51,6 +51,8 @@ from typing import Any
 
 import common
 from common import CLK_TCK, Others, jiffies, settle, status_bytes
+from common import fmt_gb as _gb
+from common import fmt_s as _s
 
 GB = 1e9
 GIB = 1 << 30
@@ -933,14 +935,6 @@ def machine_info(work: Path) -> Result:
     }
 
 
-def _s(x: float | None) -> str:
-    return "—" if x is None else f"{x:.3f}" if x < 10 else f"{x:.2f}"
-
-
-def _gb(x: float | None) -> str:
-    return "—" if x is None else f"{x / GB:.2f}"
-
-
 def render(r: Result) -> str:
     info, m = r["info"], r.get("machine", {})
     sc, ts, dc, rs = (r.get(k, {}) for k in PHASES[1:])
@@ -1127,20 +1121,7 @@ def render(r: Result) -> str:
         ]
     elif rs:
         lines += [f"Restore phase failed: {rs['error']}", ""]
-    lines += ["| target | measured | limit | ratio | result |", "| --- | --- | --- | --- | --- |"]
-    for t in r["targets"]:
-        if t["status"] == "N/A":
-            lines.append(f"| {t['target']} | {t['detail']} | | | N/A |")
-            continue
-        if "memory" in t["target"]:
-            value, limit = f"{_gb(t['value'])} GB", f"{_gb(t['limit'])} GB"
-        elif ">=" in t["target"]:
-            value, limit = f"{_gb(t['value'])} GB/s", f"{_gb(t['limit'])} GB/s"
-        else:
-            value, limit = f"{_s(t['value'])} s", f"{_s(t['limit'])} s"
-        lines.append(f"| {t['target']} | {value} | {limit} | {t['ratio']:.2f} | {t['status']} |")
-    lines.append("")
-    lines += [f"- {t['target']}: {t['detail']}" for t in r["targets"]]
+    lines += common.targets_table(r["targets"], "memory")
     return "\n".join(lines) + "\n"
 
 

@@ -218,3 +218,34 @@ def work_dir(base: str | None, prefix: str = "snapcore-bench-") -> Iterator[Path
         yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def fmt_s(x: float | None) -> str:
+    """Seconds for a table: 3 decimals under 10 s, else 2; a dash for no figure."""
+    return "—" if x is None else f"{x:.3f}" if x < 10 else f"{x:.2f}"
+
+
+def fmt_gb(x: float | None) -> str:
+    """Bytes (or bytes/s) in GB for a table, 2 decimals; a dash for no figure."""
+    return "—" if x is None else f"{x / 1e9:.2f}"
+
+
+def targets_table(targets: Sequence[dict[str, Any]], memory_word: str) -> list[str]:
+    """The Markdown table of a run's targets (measured, limit, ratio, result) and a line
+    of detail per target. A target whose name holds ``memory_word`` is in GB, one with
+    ">=" a rate in GB/s, any other a time in seconds."""
+    lines = ["| target | measured | limit | ratio | result |", "| --- | --- | --- | --- | --- |"]
+    for t in targets:
+        if t["status"] == "N/A":
+            lines.append(f"| {t['target']} | {t['detail']} | | | N/A |")
+            continue
+        if memory_word in t["target"]:
+            value, limit = f"{fmt_gb(t['value'])} GB", f"{fmt_gb(t['limit'])} GB"
+        elif ">=" in t["target"]:
+            value, limit = f"{fmt_gb(t['value'])} GB/s", f"{fmt_gb(t['limit'])} GB/s"
+        else:
+            value, limit = f"{fmt_s(t['value'])} s", f"{fmt_s(t['limit'])} s"
+        lines.append(f"| {t['target']} | {value} | {limit} | {t['ratio']:.2f} | {t['status']} |")
+    lines.append("")
+    lines += [f"- {t['target']}: {t['detail']}" for t in targets]
+    return lines
