@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import launch
 
@@ -31,8 +32,11 @@ def die() -> None:
 
 
 def fail() -> None:
-    """Rank 1 raises; rank 0 finishes."""
+    """Rank 1 raises once rank 0 has reported (so that torchrun, which tears the other
+    ranks down when one fails, cannot stop rank 0 before it has); rank 0 finishes."""
     if launch.rank() == 1:
+        while not (launch.workdir() / "rank0.json").exists():
+            time.sleep(0.01)
         raise RuntimeError("rank 1 fails on purpose")
     launch.report({"ok": True})
 
