@@ -25,15 +25,10 @@ import torch
 from .. import manifest as mf
 from ..distributed.job import Job, all_gather_bytes
 from ..manifest import dtype_name
-from ..planning.global_plan import (
-    GlobalPlan,
-    LocalItem,
-    describe_local,
-    describe_sharded,
-    plan_save,
-)
+from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_save
 from ..planning.global_plan import structure_fingerprint as fingerprint
 from ..planning.layout import Layout, plan
+from ..planning.uniform import GlobalTensor, UniformPlan, local_items, plan_uniform
 from ..sharding import Box
 from ..tree import Flattened, is_dtensor, local_shard
 
@@ -64,7 +59,7 @@ class _Cached:
 
     signature: tuple[Any, ...]
     items: list[LocalItem]
-    plan: GlobalPlan
+    plan: GlobalPlan | UniformPlan
     structure: str  # structure_fingerprint(items)
     writes: list[bool]  # per item: whether this rank writes its box under the plan
 
@@ -141,11 +136,12 @@ class Sharder:
         """The exchange. First a small one: each rank's home and a hash of its state's
         global description (paths, dtypes, shapes, and each DTensor's mesh and
         placements), about 200 bytes a rank. When every rank has the same description,
-        which is the case of FSDP2, TP, HSDP and DDP, every rank's boxes follow from it,
-        and each rank derives them all alone (``describe_sharded``). Only when the ranks'
-        states differ are the items themselves exchanged."""
+        which is the case of FSDP2, TP, HSDP and DDP, the plan follows from it, and each
+        rank computes what it needs of it alone (``planning.uniform.plan_uniform``:
+        never every rank's boxes). Only when the ranks' states differ are the items
+        themselves exchanged, and ``plan_save`` run on every rank's."""
         job = self.job
-        description = _description(flat, glob)
+        description, tensors = _description(flat, glob)
         mine = {
             "g": hashlib.sha256(json.dumps(description).encode()).hexdigest(),
             "host": job.host,
@@ -154,14 +150,21 @@ class Sharder:
         }
         every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
         self.small_exchange = len({d["g"] for d in every}) == 1
+        gplan: GlobalPlan | UniformPlan
         if self.small_exchange:
-            per_rank = _derive(flat, glob, job.world_size)
-            if per_rank[job.rank] != items:
+            if local_items(tensors, job.rank) != items:
                 raise AssertionError("the boxes derived from the mesh differ from this rank's")
+            gplan = plan_uniform(tensors, job.world_size, mine["g"], rank=job.rank)
+            writes = [gplan.writer(item) == job.rank for item in items]
         else:
             mine_items = json.dumps([_item_json(i) for i in items]).encode()
             per_rank = [
                 [_item_from(x) for x in json.loads(b)] for b in all_gather_bytes(job, mine_items)
+            ]
+            gplan = plan_save(per_rank, job.world_size)
+            writes = [
+                not item.box.empty and gplan.writers.get((item.path, item.box)) == job.rank
+                for item in items
             ]
         # A rank's home in a node-local tier: its host and directory (or host-memory area).
         # Ranks of one home share it.
@@ -169,13 +172,7 @@ class Sharder:
             homes = [(d["host"], d[field_name]) for d in every]
             self.leaders[tier] = homes.index(homes[job.rank]) == job.rank
             self.with_rank0[tier] = homes[job.rank] == homes[0]
-        gplan = plan_save(per_rank, job.world_size)
-        mine = per_rank[job.rank]
-        writes = [
-            not item.box.empty and gplan.writers.get((item.path, item.box)) == job.rank
-            for item in mine
-        ]
-        return _Cached(signature, mine, gplan, fingerprint(mine, job.world_size), writes)
+        return _Cached(signature, items, gplan, fingerprint(items, job.world_size), writes)
 
     def _spec(
         self,
@@ -183,7 +180,7 @@ class Sharder:
         glob: list[int],
         items: list[LocalItem],
         writes: list[bool],
-        gplan: GlobalPlan,
+        gplan: GlobalPlan | UniformPlan,
         seq: int,
         structure: str,
         replan: bool,
@@ -227,42 +224,30 @@ class Sharder:
         )
 
 
-def _description(flat: Flattened, glob: list[int]) -> list[Any]:
+def _description(flat: Flattened, glob: list[int]) -> tuple[dict[str, Any], list[GlobalTensor]]:
     """What every rank can know of the state's global tensors: per tensor its path,
-    dtype and global shape, and for a DTensor its mesh (global ranks) and placements."""
-    out: list[Any] = []
-    for i in glob:
-        t = flat.tensors[i]
-        record: list[Any] = [flat.paths[i], str(t.dtype), list(t.shape)]
-        if is_dtensor(t):
-            mesh = t.device_mesh  # type: ignore[attr-defined]
-            record += [mesh.mesh.tolist(), [repr(p) for p in t.placements]]  # type: ignore[attr-defined]
-        out.append(record)
-    return out
-
-
-def _derive(flat: Flattened, glob: list[int], world_size: int) -> list[list[LocalItem]]:
-    """Every rank's items, when every rank's state has this rank's global description."""
-    per_rank: list[list[LocalItem]] = [[] for _ in range(world_size)]
+    dtype and global shape, and for a DTensor its mesh (global ranks, listed once per
+    mesh: not once per tensor) and placements; and the same as ``GlobalTensor``s."""
+    meshes: dict[int, tuple[int, torch.Tensor]] = {}  # id(DeviceMesh) -> (index, ranks)
+    records: list[Any] = []
+    tensors: list[GlobalTensor] = []
     for i in glob:
         t, path = flat.tensors[i], flat.paths[i]
+        shape = tuple(int(s) for s in t.shape)
+        record: list[Any] = [path, str(t.dtype), list(shape)]
         if is_dtensor(t):
             mesh = t.device_mesh  # type: ignore[attr-defined]
-            by_rank = describe_sharded(
-                path,
-                dtype_name(t.dtype),
-                tuple(t.shape),
-                mesh.mesh,
-                t.placements,  # type: ignore[attr-defined]
-            )
-            for rank, item in by_rank.items():
-                per_rank[rank].append(item)
+            known = meshes.get(id(mesh))
+            if known is None:
+                known = meshes[id(mesh)] = (len(meshes), mesh.mesh)
+            placements = tuple(t.placements)  # type: ignore[attr-defined]
+            record += [known[0], [repr(p) for p in placements]]
+            tensors.append(GlobalTensor(path, dtype_name(t.dtype), shape, known[1], placements))
         else:
-            shape = tuple(int(s) for s in t.shape)
-            item = LocalItem(path, dtype_name(t.dtype), shape, Box((0,) * len(shape), shape), True)
-            for rank in range(world_size):
-                per_rank[rank].append(item)
-    return per_rank
+            tensors.append(GlobalTensor(path, dtype_name(t.dtype), shape))
+        records.append(record)
+    ranks = [m.tolist() for _, m in sorted(meshes.values(), key=lambda x: x[0])]
+    return {"meshes": ranks, "tensors": records}, tensors
 
 
 def _signature(flat: Flattened, glob: list[int]) -> tuple[Any, ...]:

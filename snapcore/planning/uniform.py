@@ -1,0 +1,310 @@
+"""The save plan when every rank's state has the same global description (FSDP2, TP,
+HSDP, DDP), computed without enumerating every rank's boxes.
+
+``global_plan.plan_save`` takes every rank's items: at 16,384 ranks and 1,000 tensors
+that is 16 million boxes built and checked in Python at the first save. When every rank
+sent the same description (per global tensor: path, dtype, global shape, and for a
+DTensor its mesh of global ranks and placements; ``write/sharded.py``'s first
+exchange), the plan follows from the description alone, and ``plan_uniform`` computes
+what a rank needs of it, the same answer as ``plan_save`` on the derived items
+(``tests/unit/test_uniform_plan.py`` checks it on many meshes):
+
+- the boxes of a DTensor for every mesh coordinate at once (``shard_table``), as tensors
+  of offsets and sizes, once per distinct (global shape, mesh shape, placements):
+  a transformer's tensors fall into a few such classes;
+- a box held by one rank is written by it: these only add to that rank's load, so each
+  DTensor adds its table of bytes to the ranks' loads with one ``index_add_``;
+- the boxes held by several ranks (HSDP's replica groups, a TP-replicated bias, plain
+  tensors held by every rank) run through ``sharding.assign_writers``'s greedy pass in
+  its order (fewer holders first, larger first, then key), each to the least-loaded
+  holder (ties: the lowest rank). Their number is per tensor the product of the
+  sharding mesh dimensions (1 for a plain tensor, 0 for a fully sharded one), not the
+  world size; the items every rank holds come last and take a heap.
+
+The cost is O(tensors x sharding classes' meshes) tensor work plus O(sum of the holders
+of the replicated boxes) in Python, where ``plan_save`` is O(ranks x tensors) in Python;
+``benchmarks/bench_plan.py`` times both for simulated worlds of up to 16,384 ranks.
+Nothing here enters a process group: pure functions of metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedState
+from ..manifest import DTYPES
+from ..sharding import Box
+from .global_plan import LocalItem, _check_placements, _shards, _strided
+
+__all__ = ["GlobalTensor", "UniformPlan", "plan_uniform", "shard_table"]
+
+
+@dataclass(frozen=True)
+class GlobalTensor:
+    """One global tensor of the description every rank shares. ``mesh`` is a DTensor's
+    mesh of global ranks (``DeviceMesh.mesh``), ``None`` for a plain tensor (held whole
+    by every rank, replicated by convention)."""
+
+    path: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    mesh: torch.Tensor | None = None
+    placements: tuple[Any, ...] = ()
+
+
+def shard_table(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Any],
+    *,
+    path: str = "<tensor>",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(offsets, sizes)``: int64 tensors of shape ``(*mesh_shape, ndim)``, the box that
+    ``global_plan.shard_box`` gives at every coordinate of the mesh, computed per tensor
+    dimension for all coordinates at once (an empty shard's offset is the dimension's
+    size, as DTensor says)."""
+    shape = tuple(int(s) for s in global_shape)
+    mesh_shape = tuple(int(m) for m in mesh_shape)
+    if len(mesh_shape) != len(placements):
+        raise ValueError(f"{path}: mesh shape {mesh_shape} and placements {placements} differ")
+    _check_placements(placements, len(shape), path)
+    ndim = len(shape)
+    offsets = torch.zeros((*mesh_shape, ndim), dtype=torch.int64)
+    sizes = torch.zeros((*mesh_shape, ndim), dtype=torch.int64)
+    for d, n in enumerate(shape):
+        dims = [i for i, p in enumerate(placements) if _shards(p) and p.dim == d]
+        if any(_strided(placements[i]) for i in dims):
+            off, size = _strided_dim(n, mesh_shape, placements, dims, path, d)
+        else:
+            off, size = _chunk_dim(n, mesh_shape, dims)
+        offsets[..., d] = off
+        sizes[..., d] = size
+    return offsets, sizes
+
+
+def _coordinate(mesh_shape: tuple[int, ...], i: int) -> torch.Tensor:
+    """Mesh dimension ``i``'s coordinate, shaped to broadcast over the mesh."""
+    view = [1] * len(mesh_shape)
+    view[i] = mesh_shape[i]
+    return torch.arange(mesh_shape[i], dtype=torch.int64).reshape(view)
+
+
+def _chunk_dim(
+    n: int, mesh_shape: tuple[int, ...], dims: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tensor dimension under ``Shard`` placements on mesh dimensions ``dims``, left
+    to right: ``torch.chunk``'s split of the current size (DTensor's
+    ``Shard.local_shard_size_and_offset``), offsets composed; empty: offset ``n``."""
+    off = torch.zeros((), dtype=torch.int64)
+    size = torch.full((), n, dtype=torch.int64)
+    for i in dims:
+        m = mesh_shape[i]
+        c = _coordinate(mesh_shape, i)
+        full = (size + m - 1) // m  # equals size // m when it divides
+        start = torch.minimum(size, full * c)
+        new = torch.clamp(torch.minimum(size, full * c + full) - start, min=0)
+        off = torch.where(new == 0, torch.full_like(off, n), off + start)
+        size = new
+    return off, size
+
+
+def _strided_dim(
+    n: int,
+    mesh_shape: tuple[int, ...],
+    placements: Sequence[Any],
+    dims: list[int],
+    path: str,
+    d: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tensor dimension that a ``_StridedShard`` shards (FSDP2 over TP): each
+    combination of the sharding coordinates' global indices is followed through the
+    placements as ``global_plan._strided_box`` does, as index tensors (they add up to
+    ``n`` elements per mesh dimension, whatever the number of combinations)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+
+    rows = [torch.arange(n, dtype=torch.int64)]
+    picks: dict[tuple[int, int, int, int], torch.Tensor] = {}
+    for i in dims:
+        p, m = placements[i], mesh_shape[i]
+        out = []
+        for r in rows:
+            length = r.numel()
+            for c in range(m):
+                if _strided(p):
+                    key = (id(p), length, m, c)
+                    at = picks.get(key)
+                    if at is None:
+                        mode = _StridedShardOffsetMode.ALL
+                        size, idx = p.local_shard_size_and_offset(length, m, c, mode)
+                        at = picks[key] = torch.tensor(list(idx or [])[:size], dtype=torch.int64)
+                    out.append(r[at])
+                else:
+                    size, start = Shard.local_shard_size_and_offset(length, m, c)
+                    out.append(r[start : start + size])
+        rows = out
+    first = torch.tensor([int(r[0]) if r.numel() else n for r in rows], dtype=torch.int64)
+    size = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+    for r in rows:
+        if r.numel() > 1 and not bool((r[1:] - r[:-1] == 1).all()):
+            raise UnsupportedState(
+                f"{path}: placements {tuple(placements)} give a rank rows that are not one "
+                f"range of dimension {d}: not supported",
+                path=path,
+            )
+    # rows are in row-major order of the coordinates of ``dims``: spread over the mesh
+    sub = [mesh_shape[i] for i in dims]
+    view = [mesh_shape[i] if i in dims else 1 for i in range(len(mesh_shape))]
+    return first.reshape(sub).reshape(view), size.reshape(sub).reshape(view)
+
+
+def _table(
+    tables: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]], t: GlobalTensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shard_table`` of ``t``, once per (global shape, mesh shape, placements)."""
+    assert t.mesh is not None
+    cls = (t.global_shape, tuple(t.mesh.shape), tuple(t.placements))
+    table = tables.get(cls)
+    if table is None:
+        table = tables[cls] = shard_table(
+            t.global_shape, tuple(t.mesh.shape), t.placements, path=t.path
+        )
+    return table
+
+
+def _key(path: str, offsets: Sequence[int], shape: Sequence[int]) -> str:
+    """The item key ``plan_save`` gives ``assign_writers`` (its ties are broken on it)."""
+    return json.dumps([path, list(offsets), list(shape)])
+
+
+@dataclass(frozen=True)
+class UniformPlan:
+    """What one rank needs of the save plan of a uniform description.
+
+    ``replicated`` maps the key of each box several ranks hold (those that ``rank``
+    holds, or every one when ``rank`` was ``None``) to its one writer; a box one rank
+    holds is written by that rank. ``rank_bytes[r]`` is what rank r writes, as in
+    ``GlobalPlan``. ``fingerprint`` identifies the plan: a hash of the world size and the
+    description's digest, equal on every rank that agreed the description.
+    """
+
+    world_size: int
+    fingerprint: str
+    replicated: dict[str, int]
+    rank_bytes: tuple[int, ...] = field(default=())
+
+    def writer(self, item: LocalItem) -> int | None:
+        """The rank that writes ``item``'s box (None for an empty box)."""
+        if item.box.empty:
+            return None
+        if item.holders is not None and len(item.holders) == 1:
+            return next(iter(item.holders))
+        return self.replicated[_key(item.path, item.box.offsets, item.box.shape)]
+
+
+def plan_uniform(
+    tensors: Sequence[GlobalTensor],
+    world_size: int,
+    digest: str,
+    *,
+    rank: int | None = None,
+) -> UniformPlan:
+    """The plan ``global_plan.plan_save`` makes from the items every rank derives from
+    ``tensors`` (each DTensor's mesh ranks within ``range(world_size)``, plain tensors
+    held by every rank), for ``rank`` (``None``: every rank's replicated writers, for
+    tests). ``digest`` is the description's hash that every rank sent."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    load_t = torch.zeros(world_size, dtype=torch.int64)
+    tables: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+    # (holder count, -bytes, key, sorted holders): assign_writers' order
+    shared: list[tuple[int, int, str, list[int]]] = []
+    everyone = list(range(world_size))
+    for t in tensors:
+        if t.dtype not in DTYPES:
+            raise UnsupportedState(f"{t.path}: dtype {t.dtype} is not supported", path=t.path)
+        itemsize = DTYPES[t.dtype].itemsize
+        if t.mesh is None:
+            nbytes = math.prod(t.global_shape) * itemsize
+            if 0 not in t.global_shape:  # an empty tensor: written by nobody
+                zero = (0,) * len(t.global_shape)
+                shared.append((world_size, -nbytes, _key(t.path, zero, t.global_shape), everyone))
+            continue
+        mesh = t.mesh.to(torch.int64)
+        mesh_shape = tuple(mesh.shape)
+        offsets, sizes = _table(tables, t)
+        nbytes_t = sizes.prod(dim=-1) * itemsize
+        sharding = [i for i, p in enumerate(t.placements) if _shards(p)]
+        replicas = math.prod(m for i, m in enumerate(mesh_shape) if i not in sharding)
+        if replicas == 1:  # one holder per box: its own rank writes it
+            load_t.index_add_(0, mesh.reshape(-1), nbytes_t.reshape(-1))
+            continue
+        # One box per coordinate of the sharding dimensions (the replicas' coordinate 0
+        # stands for them); its holders are the mesh's ranks at that coordinate.
+        first = tuple(slice(None) if i in sharding else 0 for i in range(len(mesh_shape)))
+        nbs = nbytes_t[first].reshape(-1)
+        count, ndim = nbs.numel(), len(t.global_shape)
+        flat_o = offsets[first].reshape(count, ndim).tolist()
+        flat_s = sizes[first].reshape(count, ndim).tolist()
+        moved = mesh.movedim(sharding, list(range(len(sharding)))) if sharding else mesh
+        groups = moved.reshape(count, -1).sort(dim=1).values.tolist()
+        for o, s, nb, holders in zip(flat_o, flat_s, nbs.tolist(), groups, strict=True):
+            if 0 in s:
+                continue  # an empty box: written by nobody
+            shared.append((len(holders), -nb, _key(t.path, o, s), holders))
+    load = load_t.tolist()
+    shared.sort(key=lambda x: x[:3])  # keys are unique: a total order
+    replicated: dict[str, int] = {}
+    k = 0
+    while k < len(shared) and shared[k][0] < world_size:
+        _, neg, key, holders = shared[k]
+        best = min(holders, key=load.__getitem__)  # first minimum: the lowest rank
+        load[best] -= neg
+        if rank is None or rank in holders:
+            replicated[key] = best
+        k += 1
+    if k < len(shared):  # every rank holds the rest: only they move the loads now
+        heap = [(load[r], r) for r in range(world_size)]
+        heapq.heapify(heap)
+        for _, neg, key, _holders in shared[k:]:
+            got, best = heapq.heappop(heap)
+            load[best] = got - neg
+            heapq.heappush(heap, (load[best], best))
+            replicated[key] = best
+    fingerprint = hashlib.sha256(
+        json.dumps(["uniform", world_size, digest], separators=(",", ":")).encode()
+    ).hexdigest()
+    return UniformPlan(world_size, fingerprint, replicated, tuple(load))
+
+
+def local_items(tensors: Sequence[GlobalTensor], rank: int) -> list[LocalItem]:
+    """The items ``rank`` holds under the description (what ``describe_local`` gives
+    on that rank), from the same tables as ``plan_uniform``."""
+    out: list[LocalItem] = []
+    tables: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+    for t in tensors:
+        shape = t.global_shape
+        if t.mesh is None:
+            out.append(LocalItem(t.path, t.dtype, shape, Box((0,) * len(shape), shape), True))
+            continue
+        mesh = t.mesh.to(torch.int64)
+        at = (mesh == rank).nonzero()
+        if at.shape[0] != 1:
+            raise UnsupportedState(f"{t.path}: rank {rank} is not in the DTensor's mesh")
+        coordinate = tuple(at[0].tolist())
+        offsets, sizes = _table(tables, t)
+        index = tuple(
+            c if _shards(p) else slice(None) for c, p in zip(coordinate, t.placements, strict=True)
+        )
+        holders = frozenset(mesh[index].reshape(-1).tolist())
+        box = Box(tuple(offsets[coordinate].tolist()), tuple(sizes[coordinate].tolist()))
+        out.append(LocalItem(t.path, t.dtype, shape, box, len(holders) > 1, holders))
+    return out
