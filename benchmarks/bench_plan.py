@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--meshes", default=",".join(MESHES))
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--before-max", type=int, default=256, help="largest world for 'before'")
+    ap.add_argument("--before-max", type=int, default=64, help="largest world for 'before'")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--smoke", action="store_true", help="worlds 8 and 16, 2 layers")

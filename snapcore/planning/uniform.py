@@ -124,65 +124,91 @@ def _strided_dim(
     path: str,
     d: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tensor dimension that a ``_StridedShard`` shards (FSDP2 over TP): each
-    combination of the sharding coordinates' global indices is followed through the
-    placements as ``global_plan._strided_box`` does, as index tensors (they add up to
-    ``n`` elements per mesh dimension, whatever the number of combinations)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
-
-    rows = [torch.arange(n, dtype=torch.int64)]
-    picks: dict[tuple[int, int, int, int], torch.Tensor] = {}
+    """One tensor dimension that a ``_StridedShard`` shards (FSDP2 over TP), followed
+    through the placements left to right as ``global_plan._strided_box`` does, but for
+    every global index at once: which combination of the sharding coordinates holds it
+    (``k``) and where in that combination's rows (``pos``). ``Shard`` splits a
+    combination's rows into ``torch.chunk`` pieces; ``_StridedShard(split_factor=sf)``
+    splits them into ``sf`` chunks, each chunk into pieces, and coordinate c takes piece c
+    of every chunk, in chunk order (DTensor's ``_StridedShard.local_shard_size_and_offset``).
+    Each combination's rows must be one range: the offset is its first row (``n`` when
+    empty)."""
+    idx = torch.arange(n, dtype=torch.int64)
+    k = torch.zeros(n, dtype=torch.int64)
+    pos = idx.clone()
+    lengths = torch.tensor([n], dtype=torch.int64)  # per combination
     for i in dims:
         p, m = placements[i], mesh_shape[i]
-        out = []
-        for r in rows:
-            length = r.numel()
-            for c in range(m):
-                if _strided(p):
-                    key = (id(p), length, m, c)
-                    at = picks.get(key)
-                    if at is None:
-                        mode = _StridedShardOffsetMode.ALL
-                        size, idx = p.local_shard_size_and_offset(length, m, c, mode)
-                        at = picks[key] = torch.tensor(list(idx or [])[:size], dtype=torch.int64)
-                    out.append(r[at])
-                else:
-                    size, start = Shard.local_shard_size_and_offset(length, m, c)
-                    out.append(r[start : start + size])
-        rows = out
-    first = torch.tensor([int(r[0]) if r.numel() else n for r in rows], dtype=torch.int64)
-    size = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
-    for r in rows:
-        if r.numel() > 1 and not bool((r[1:] - r[:-1] == 1).all()):
-            raise UnsupportedState(
-                f"{path}: placements {tuple(placements)} give a rank rows that are not one "
-                f"range of dimension {d}: not supported",
-                path=path,
+        cc = torch.arange(m, dtype=torch.int64)
+        if _strided(p):
+            sf = int(p.split_factor)
+            jj = torch.arange(sf, dtype=torch.int64)
+            chunk = (lengths + sf - 1) // sf  # (K,)
+            c_start = torch.minimum(chunk[:, None] * jj, lengths[:, None])
+            c_len = torch.clamp(
+                torch.minimum(chunk[:, None] * (jj + 1), lengths[:, None]) - c_start, min=0
             )
-    # rows are in row-major order of the coordinates of ``dims``: spread over the mesh
+            piece = (c_len + m - 1) // m  # (K, sf)
+            p_start = torch.minimum(piece[..., None] * cc, c_len[..., None])
+            p_size = torch.clamp(
+                torch.minimum(piece[..., None] * (cc + 1), c_len[..., None]) - p_start, min=0
+            )
+            before = torch.cumsum(p_size, dim=1) - p_size  # (K, sf, m): earlier chunks' piece c
+            j = pos // chunk[k].clamp(min=1)
+            q = pos - j * chunk[k]
+            ps = piece[k, j].clamp(min=1)
+            c = q // ps
+            pos = before[k, j, c] + q - c * ps
+            lengths_new = p_size.sum(dim=1)  # (K, m)
+        else:
+            chunk = (lengths + m - 1) // m  # torch.chunk: equals size // m when it divides
+            step = chunk[k].clamp(min=1)
+            c = pos // step
+            pos = pos - c * step
+            start = torch.minimum(chunk[:, None] * cc, lengths[:, None])
+            lengths_new = torch.clamp(
+                torch.minimum(chunk[:, None] * (cc + 1), lengths[:, None]) - start, min=0
+            )
+        k = k * m + c
+        lengths = lengths_new.reshape(-1)
+    first = torch.full(lengths.shape, n, dtype=torch.int64)
+    at0 = pos == 0
+    first[k[at0]] = idx[at0]
+    if n and not bool((idx - first[k] == pos).all()):
+        raise UnsupportedState(
+            f"{path}: placements {tuple(placements)} give a rank rows that are not one "
+            f"range of dimension {d}: not supported",
+            path=path,
+        )
+    # combinations are in row-major order of the coordinates of ``dims``: spread them
     sub = [mesh_shape[i] for i in dims]
     view = [mesh_shape[i] if i in dims else 1 for i in range(len(mesh_shape))]
-    return first.reshape(sub).reshape(view), size.reshape(sub).reshape(view)
+    return first.reshape(sub).reshape(view), lengths.reshape(sub).reshape(view)
 
 
-def _table(
-    tables: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]], t: GlobalTensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``shard_table`` of ``t``, once per (global shape, mesh shape, placements)."""
+Tables = dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _table(tables: Tables, t: GlobalTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``shard_table`` of ``t`` and each box's element count, once per (global shape,
+    mesh shape, placements)."""
     assert t.mesh is not None
     cls = (t.global_shape, tuple(t.mesh.shape), tuple(t.placements))
     table = tables.get(cls)
     if table is None:
-        table = tables[cls] = shard_table(
-            t.global_shape, tuple(t.mesh.shape), t.placements, path=t.path
-        )
+        offsets, sizes = shard_table(t.global_shape, tuple(t.mesh.shape), t.placements, path=t.path)
+        numel = torch.ones(sizes.shape[:-1], dtype=torch.int64)
+        for d in range(sizes.shape[-1]):  # not prod(dim=-1): slow on int64 here
+            numel *= sizes[..., d]
+        table = tables[cls] = (offsets, sizes, numel)
     return table
 
 
-def _key(path: str, offsets: Sequence[int], shape: Sequence[int]) -> str:
-    """The item key ``plan_save`` gives ``assign_writers`` (its ties are broken on it)."""
-    return json.dumps([path, list(offsets), list(shape)])
+def _key(path: str, offsets: Sequence[int], shape: Sequence[int], quoted: str = "") -> str:
+    """The item key ``plan_save`` gives ``assign_writers`` (its ties are broken on it):
+    ``json.dumps([path, offsets, shape])``, written out (``quoted``: the path's JSON)."""
+    o, s = ", ".join(map(str, offsets)), ", ".join(map(str, shape))
+    return f"[{quoted or json.dumps(path)}, [{o}], [{s}]]"
 
 
 @dataclass(frozen=True)
@@ -224,7 +250,7 @@ def plan_uniform(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     load_t = torch.zeros(world_size, dtype=torch.int64)
-    tables: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+    tables: Tables = {}
     # (holder count, -bytes, key, sorted holders): assign_writers' order
     shared: list[tuple[int, int, str, list[int]]] = []
     everyone = list(range(world_size))
@@ -240,8 +266,8 @@ def plan_uniform(
             continue
         mesh = t.mesh.to(torch.int64)
         mesh_shape = tuple(mesh.shape)
-        offsets, sizes = _table(tables, t)
-        nbytes_t = sizes.prod(dim=-1) * itemsize
+        offsets, sizes, numel = _table(tables, t)
+        nbytes_t = numel * itemsize
         sharding = [i for i, p in enumerate(t.placements) if _shards(p)]
         replicas = math.prod(m for i, m in enumerate(mesh_shape) if i not in sharding)
         if replicas == 1:  # one holder per box: its own rank writes it
@@ -256,10 +282,11 @@ def plan_uniform(
         flat_s = sizes[first].reshape(count, ndim).tolist()
         moved = mesh.movedim(sharding, list(range(len(sharding)))) if sharding else mesh
         groups = moved.reshape(count, -1).sort(dim=1).values.tolist()
+        quoted = json.dumps(t.path)
         for o, s, nb, holders in zip(flat_o, flat_s, nbs.tolist(), groups, strict=True):
             if 0 in s:
                 continue  # an empty box: written by nobody
-            shared.append((len(holders), -nb, _key(t.path, o, s), holders))
+            shared.append((len(holders), -nb, _key(t.path, o, s, quoted), holders))
     load = load_t.tolist()
     shared.sort(key=lambda x: x[:3])  # keys are unique: a total order
     replicated: dict[str, int] = {}
@@ -289,7 +316,7 @@ def local_items(tensors: Sequence[GlobalTensor], rank: int) -> list[LocalItem]:
     """The items ``rank`` holds under the description (what ``describe_local`` gives
     on that rank), from the same tables as ``plan_uniform``."""
     out: list[LocalItem] = []
-    tables: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+    tables: Tables = {}
     for t in tensors:
         shape = t.global_shape
         if t.mesh is None:
@@ -300,7 +327,7 @@ def local_items(tensors: Sequence[GlobalTensor], rank: int) -> list[LocalItem]:
         if at.shape[0] != 1:
             raise UnsupportedState(f"{t.path}: rank {rank} is not in the DTensor's mesh")
         coordinate = tuple(at[0].tolist())
-        offsets, sizes = _table(tables, t)
+        offsets, sizes, _ = _table(tables, t)
         index = tuple(
             c if _shards(p) else slice(None) for c, p in zip(coordinate, t.placements, strict=True)
         )
