@@ -204,6 +204,9 @@ def _table(tables: Tables, t: GlobalTensor) -> tuple[torch.Tensor, torch.Tensor,
     return table
 
 
+_MANY = 256  # holders from which the least-loaded is found with tensor ops
+
+
 def _key(path: str, offsets: Sequence[int], shape: Sequence[int], quoted: str = "") -> str:
     """The item key ``plan_save`` gives ``assign_writers`` (its ties are broken on it):
     ``json.dumps([path, offsets, shape])``, written out (``quoted``: the path's JSON)."""
@@ -252,7 +255,7 @@ def plan_uniform(
     load_t = torch.zeros(world_size, dtype=torch.int64)
     tables: Tables = {}
     # (holder count, -bytes, key, sorted holders): assign_writers' order
-    shared: list[tuple[int, int, str, list[int]]] = []
+    shared: list[tuple[int, int, str, Any]] = []  # holders: a list, or a tensor when many
     everyone = list(range(world_size))
     for t in tensors:
         if t.dtype not in DTYPES:
@@ -281,21 +284,28 @@ def plan_uniform(
         flat_o = offsets[first].reshape(count, ndim).tolist()
         flat_s = sizes[first].reshape(count, ndim).tolist()
         moved = mesh.movedim(sharding, list(range(len(sharding)))) if sharding else mesh
-        groups = moved.reshape(count, -1).sort(dim=1).values.tolist()
+        rows = moved.reshape(count, -1).sort(dim=1).values
+        groups = rows.tolist() if replicas < _MANY else list(rows)
         quoted = json.dumps(t.path)
         for o, s, nb, holders in zip(flat_o, flat_s, nbs.tolist(), groups, strict=True):
             if 0 in s:
                 continue  # an empty box: written by nobody
-            shared.append((len(holders), -nb, _key(t.path, o, s, quoted), holders))
+            shared.append((replicas, -nb, _key(t.path, o, s, quoted), holders))
     load = load_t.tolist()
     shared.sort(key=lambda x: x[:3])  # keys are unique: a total order
     replicated: dict[str, int] = {}
     k = 0
     while k < len(shared) and shared[k][0] < world_size:
         _, neg, key, holders = shared[k]
-        best = min(holders, key=load.__getitem__)  # first minimum: the lowest rank
+        if isinstance(holders, list):
+            best = min(holders, key=load.__getitem__)  # first minimum: the lowest rank
+            mine = rank is None or rank in holders
+        else:  # many holders: argmin's first minimum is the lowest rank too
+            best = int(holders[torch.argmin(load_t[holders])])
+            mine = rank is None or bool((holders == rank).any())
         load[best] -= neg
-        if rank is None or rank in holders:
+        load_t[best] = load[best]
+        if mine:
             replicated[key] = best
         k += 1
     if k < len(shared):  # every rank holds the rest: only they move the loads now

@@ -177,3 +177,15 @@ def test_interleaving_strided_shards_and_bad_placements_are_refused() -> None:
     mesh = torch.arange(2)
     with pytest.raises(UnsupportedState, match="dtype"):
         plan_uniform([GlobalTensor("w", "no-such-dtype", (2,), mesh, (Shard(0),))], 2, "d")
+
+
+def test_boxes_with_hundreds_of_holders_take_the_same_writers() -> None:
+    # HSDP with 256 replicas of a 2-way shard: the least-loaded holder among 256 is found
+    # with tensor ops there (planning.uniform._MANY), with the same ties
+    rng = random.Random(5)
+    mesh = torch.tensor(rng.sample(range(512), 512)).reshape(256, 2)
+    tensors = [
+        GlobalTensor(f"w{i}", "float32", (rng.randint(1, 9), 3), mesh, (Replicate(), Shard(0)))
+        for i in range(12)
+    ] + [GlobalTensor(f"s{i}", "float32", ()) for i in range(4)]
+    _assert_same_plan(tensors, 512)
