@@ -16,6 +16,8 @@ weights, norms, and AdamW's exp_avg, exp_avg_sq and step counters: 576 tensors):
   where both run, the two plans must give every box the same writer and every rank the
   same bytes (``same plan``), else the run fails.
 
+Runs with one torch thread, as a rank under torchrun does (OMP_NUM_THREADS=1).
+
 Meshes: FSDP2 (``Shard(0)`` over every rank), HSDP (``(ranks/8, 8)``: replicated across
 nodes, sharded within), FSDP2 over TP (``(ranks/8, 8)``: column-parallel weights
 ``_StridedShard(0), Shard(0)``, row-parallel ``Shard(0), Shard(1)``, norms replicated
@@ -145,6 +147,9 @@ def main() -> None:
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--smoke", action="store_true", help="worlds 8 and 16, 2 layers")
     args = ap.parse_args()
+    # A rank of a job: torchrun sets OMP_NUM_THREADS=1 for each (and on a busy machine
+    # tensor operations on two threads wait for each other: 3 ms an index here, not 50 us)
+    torch.set_num_threads(1)
     if args.smoke:
         args.worlds, args.layers, args.width, args.before_max = "8,16", 2, 64, 16
     worlds = [int(w) for w in args.worlds.split(",")]

@@ -18,11 +18,13 @@ what a rank needs of it, the same answer as ``plan_save`` on the derived items
   tensors held by every rank) run through ``sharding.assign_writers``'s greedy pass in
   its order (fewer holders first, larger first, then key), each to the least-loaded
   holder (ties: the lowest rank). Their number is per tensor the product of the
-  sharding mesh dimensions (1 for a plain tensor, 0 for a fully sharded one), not the
-  world size; the items every rank holds come last and take a heap.
+  sharding mesh dimensions (1 for a plain tensor, 0 for a fully sharded one); a run of
+  consecutive boxes of one tensor has disjoint holders and takes its writers in one
+  tensor operation; the items every rank holds come last and take a heap.
 
-The cost is O(tensors x sharding classes' meshes) tensor work plus O(sum of the holders
-of the replicated boxes) in Python, where ``plan_save`` is O(ranks x tensors) in Python;
+The cost is tensor work over each DTensor's mesh plus a few Python operations per box
+that several ranks hold (its key, for the order), where ``plan_save`` is O(ranks x
+tensors) in Python;
 ``benchmarks/bench_plan.py`` times both for simulated worlds of up to 16,384 ranks.
 Nothing here enters a process group: pure functions of metadata.
 """
@@ -204,9 +206,6 @@ def _table(tables: Tables, t: GlobalTensor) -> tuple[torch.Tensor, torch.Tensor,
     return table
 
 
-_MANY = 256  # holders from which the least-loaded is found with tensor ops
-
-
 def _key(path: str, offsets: Sequence[int], shape: Sequence[int], quoted: str = "") -> str:
     """The item key ``plan_save`` gives ``assign_writers`` (its ties are broken on it):
     ``json.dumps([path, offsets, shape])``, written out (``quoted``: the path's JSON)."""
@@ -254,9 +253,10 @@ def plan_uniform(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     load_t = torch.zeros(world_size, dtype=torch.int64)
     tables: Tables = {}
-    # (holder count, -bytes, key, sorted holders): assign_writers' order
-    shared: list[tuple[int, int, str, Any]] = []  # holders: a list, or a tensor when many
-    everyone = list(range(world_size))
+    # (holder count, -bytes, key, tensor, row): assign_writers' order, then where the
+    # box's holders are: row ``row`` of ``holders[tensor]`` (sorted ranks)
+    shared: list[tuple[int, int, str, int, int]] = []
+    holders: list[torch.Tensor] = []
     for t in tensors:
         if t.dtype not in DTYPES:
             raise UnsupportedState(f"{t.path}: dtype {t.dtype} is not supported", path=t.path)
@@ -265,7 +265,7 @@ def plan_uniform(
             nbytes = math.prod(t.global_shape) * itemsize
             if 0 not in t.global_shape:  # an empty tensor: written by nobody
                 zero = (0,) * len(t.global_shape)
-                shared.append((world_size, -nbytes, _key(t.path, zero, t.global_shape), everyone))
+                shared.append((world_size, -nbytes, _key(t.path, zero, t.global_shape), -1, 0))
             continue
         mesh = t.mesh.to(torch.int64)
         mesh_shape = tuple(mesh.shape)
@@ -284,38 +284,44 @@ def plan_uniform(
         flat_o = offsets[first].reshape(count, ndim).tolist()
         flat_s = sizes[first].reshape(count, ndim).tolist()
         moved = mesh.movedim(sharding, list(range(len(sharding)))) if sharding else mesh
-        rows = moved.reshape(count, -1).sort(dim=1).values
-        groups = rows.tolist() if replicas < _MANY else list(rows)
+        tid = len(holders)
+        holders.append(moved.reshape(count, -1).sort(dim=1).values)
         quoted = json.dumps(t.path)
-        for o, s, nb, holders in zip(flat_o, flat_s, nbs.tolist(), groups, strict=True):
+        for row, (o, s, nb) in enumerate(zip(flat_o, flat_s, nbs.tolist(), strict=True)):
             if 0 in s:
                 continue  # an empty box: written by nobody
-            shared.append((replicas, -nb, _key(t.path, o, s, quoted), holders))
-    load = load_t.tolist()
+            shared.append((replicas, -nb, _key(t.path, o, s, quoted), tid, row))
     shared.sort(key=lambda x: x[:3])  # keys are unique: a total order
     replicated: dict[str, int] = {}
     k = 0
     while k < len(shared) and shared[k][0] < world_size:
-        _, neg, key, holders = shared[k]
-        if isinstance(holders, list):
-            best = min(holders, key=load.__getitem__)  # first minimum: the lowest rank
-            mine = rank is None or rank in holders
-        else:  # many holders: argmin's first minimum is the lowest rank too
-            best = int(holders[torch.argmin(load_t[holders])])
-            mine = rank is None or bool((holders == rank).any())
-        load[best] -= neg
-        load_t[best] = load[best]
-        if mine:
-            replicated[key] = best
-        k += 1
+        # A run of consecutive boxes of one tensor: each rank holds one box of a tensor,
+        # so their holders are disjoint and no choice in the run moves another's loads:
+        # the run takes its writers at once, as one after the other.
+        tid, e = shared[k][3], k + 1
+        while e < len(shared) and shared[e][3] == tid and shared[e][0] < world_size:
+            e += 1
+        run = shared[k:e]
+        rows = holders[tid][torch.tensor([x[4] for x in run])]  # (boxes, holders)
+        least = load_t[rows].argmin(dim=1, keepdim=True)  # first minimum: lowest rank
+        best = rows.gather(1, least).squeeze(1)
+        load_t.index_add_(0, best, torch.tensor([-x[1] for x in run], dtype=torch.int64))
+        writers = best.tolist()
+        if rank is None:
+            replicated.update((x[2], w) for x, w in zip(run, writers, strict=True))
+        else:
+            for i in (rows == rank).any(dim=1).nonzero().reshape(-1).tolist():
+                replicated[run[i][2]] = writers[i]
+        k = e
+    load = load_t.tolist()
     if k < len(shared):  # every rank holds the rest: only they move the loads now
         heap = [(load[r], r) for r in range(world_size)]
         heapq.heapify(heap)
-        for _, neg, key, _holders in shared[k:]:
-            got, best = heapq.heappop(heap)
-            load[best] = got - neg
-            heapq.heappush(heap, (load[best], best))
-            replicated[key] = best
+        for _, neg, key, _, _ in shared[k:]:
+            got, best_rank = heapq.heappop(heap)
+            load[best_rank] = got - neg
+            heapq.heappush(heap, (load[best_rank], best_rank))
+            replicated[key] = best_rank
     fingerprint = hashlib.sha256(
         json.dumps(["uniform", world_size, digest], separators=(",", ":")).encode()
     ).hexdigest()

@@ -181,7 +181,7 @@ def test_interleaving_strided_shards_and_bad_placements_are_refused() -> None:
 
 def test_boxes_with_hundreds_of_holders_take_the_same_writers() -> None:
     # HSDP with 256 replicas of a 2-way shard: the least-loaded holder among 256 is found
-    # with tensor ops there (planning.uniform._MANY), with the same ties
+    # with tensor ops, a run of one tensor's boxes at once, with the same ties
     rng = random.Random(5)
     mesh = torch.tensor(rng.sample(range(512), 512)).reshape(256, 2)
     tensors = [
