@@ -606,7 +606,11 @@ class Reader:
         error: SnapcoreError | None,
     ) -> dict[int, int]:
         """Which whole tensors every rank needs, and the rank that reads each (balanced
-        by bytes, the same answer on every rank). Raises when any rank could not plan."""
+        by bytes, the same answer on every rank). Raises when any rank could not plan.
+
+        The ranks name the tensors by their global keys: the ranks of different nodes
+        may read different tiers (each its node's own), whose tensor indices differ. A
+        rank-local tensor is never shared."""
         need: set[int] = set()
         if targets is not None:
             need = {i for i in fresh if self.whole(i)}
@@ -615,28 +619,42 @@ class Reader:
                 for i, ts in targets.items()
                 if self.whole(i) and not any(is_dtensor(t) for t in ts)
             }
-        every = exchange_plan(job, self.m.step, sorted(need), error)
+        named = {k: i for i in need if (k := self._share_key(i)) is not None}
+        every = exchange_plan(job, self.m.step, sorted(named), error)
         if error is not None:
             return {}
         common = set.intersection(*(set(d["need"]) for d in every))
         load = [0] * job.world_size
         readers = {}
-        for i in sorted(common, key=lambda i: (-self.m.tensors[i].nbytes, i)):
+        for key in sorted(common, key=lambda k: (-self.m.tensors[named[k]].nbytes, k)):
             r = min(range(job.world_size), key=lambda r: (load[r], r))
-            readers[i] = r
-            load[r] += self.m.tensors[i].nbytes
+            readers[named[key]] = r
+            load[r] += self.m.tensors[named[key]].nbytes
         return readers
+
+    def _share_key(self, i: int) -> str | None:
+        """How every rank names tensor ``i`` (None: a rank-local tensor, never shared)."""
+        if self.m.keys is None:  # one manifest for all: its indices
+            return f"#{i}"
+        key = self.m.keys[i]
+        return None if key is None else f"k{key}"
 
     def _share(
         self, job: Job, readers: dict[int, int], targets: dict[int, list[torch.Tensor]]
     ) -> None:
         """Read the tensors this rank reads for all, and receive the others: one broadcast
-        per reading rank, of its tensors' bytes one after another. Every rank reads its
-        share first and the ranks tell each other whether it was intact, so that damage
-        on one rank raises on all of them instead of leaving the others in a broadcast."""
+        per reading rank, of its tensors' bytes one after another (in the order of their
+        keys). Every rank reads its share first and the ranks tell each other whether it
+        was intact, so that damage on one rank raises on all of them instead of leaving
+        the others in a broadcast."""
         import torch.distributed as dist
 
-        own = sorted(i for i, r in readers.items() if r == job.rank)
+        def order(r: int) -> list[int]:  # rank r's tensors, by key: the same on every rank
+            return sorted(
+                (i for i, x in readers.items() if x == r), key=lambda i: f"{self._share_key(i)}"
+            )
+
+        own = order(job.rank)
         error: CorruptSnapshot | None = None
         payload = torch.empty(0, dtype=torch.uint8)
         try:
@@ -655,7 +673,7 @@ class Reader:
                 f"step {self.m.step}: rank {r} read damage: {why}", step=self.m.step
             )
         for reader in sorted(set(readers.values())):
-            mine = sorted(i for i, r in readers.items() if r == reader)
+            mine = order(reader)
             sizes = [self.m.tensors[i].nbytes for i in mine]
             mine_now = reader == job.rank
             buf = payload if mine_now else torch.empty(sum(sizes), dtype=torch.uint8)

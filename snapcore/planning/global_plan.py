@@ -14,6 +14,8 @@ any world size in one process. The layers, bottom up:
   ``(path, box)`` (replicas balanced by ``snapcore.sharding.assign_writers``), the
   per-rank write lists and the plan's fingerprint; it checks that the boxes of each
   tensor tile it exactly;
+- ``plan_copies``: the node copies of a node-local tier, so that each node's tier holds
+  every box its ranks hold although the job writes each box once;
 - ``plan_read``: for each box a rank wants, the saved pieces it overlaps, the common
   boxes and the byte runs to read (``sharding.BoxIndex`` and ``sharding.byte_ranges``).
 
@@ -56,6 +58,7 @@ __all__ = [
     "SavedPiece",
     "describe_local",
     "describe_sharded",
+    "plan_copies",
     "plan_read",
     "plan_save",
     "replica_ranks",
@@ -329,6 +332,8 @@ class GlobalPlan:
     rank_fingerprints: tuple[str, ...]
     fingerprint: str
     rank_bytes: tuple[int, ...] = field(default=())
+    # (path, box) -> the ranks that hold it (reported it): where its node copies may come from
+    holders: dict[tuple[str, Box], frozenset[int]] = field(default_factory=dict)
 
 
 def _first_gap(region: Box, boxes: Sequence[Box]) -> Box | None:
@@ -452,7 +457,54 @@ def plan_save(per_rank: Sequence[Sequence[LocalItem]], world_size: int) -> Globa
         rank_fingerprints=rank_fps,
         fingerprint=fingerprint,
         rank_bytes=tuple(sum(w.nbytes for w in lst) for lst in lists),
+        holders={k: frozenset(r) for k, r in reported.items()},
     )
+
+
+def plan_copies(plan: GlobalPlan, homes: Sequence[object]) -> tuple[tuple[PlannedWrite, ...], ...]:
+    """The node copies of a node-local tier: per rank, the boxes it writes into that
+    tier besides its own writes of ``plan``.
+
+    ``homes[r]`` is rank r's home in the tier (its host and directory, or host-memory
+    area): the ranks of one home share the tier, and a home holds only its ranks' parts.
+    ``plan`` writes each box once in the job, so a home whose ranks hold a box that a
+    rank elsewhere writes would lack it; it gets a copy of its own, written by one of its
+    ranks that holds the box. Each home thus holds every box its ranks hold exactly once
+    (the job's writer's where that writer is in the home, else the copy). The copies of
+    a home are balanced as ``plan`` is (``sharding.assign_writers``: scarce and large
+    first, each to the least-loaded holder of the home), counting each rank's bytes of
+    ``plan``, so that a home's ranks write about the same bytes into it. Pure and
+    deterministic: every rank computes the same answer from the same plan and homes.
+    With one home (every rank shares the tier) there are no copies.
+    """
+    if len(homes) != plan.world_size:
+        raise ValueError(f"{len(homes)} homes for a world of {plan.world_size}")
+    group: dict[object, int] = {}
+    of = [group.setdefault(h, len(group)) for h in homes]
+    items: list[list[tuple[str, int, frozenset[int]]]] = [[] for _ in group]
+    keys: dict[str, tuple[str, Box]] = {}
+    for key, holders in plan.holders.items():
+        writer = plan.writers[key]
+        path, box = key
+        nbytes = box.numel() * DTYPES[plan.tensors[path][0]].itemsize
+        name = json.dumps([path, box.offsets, box.shape])
+        keys[name] = key
+        by_home: dict[int, set[int]] = {}
+        for r in holders:
+            by_home.setdefault(of[r], set()).add(r)
+        for g, ranks in by_home.items():
+            if g != of[writer]:
+                items[g].append((name, nbytes, frozenset(ranks)))
+    loads = plan.rank_bytes or (0,) * plan.world_size
+    lists: list[list[PlannedWrite]] = [[] for _ in range(plan.world_size)]
+    for home_items in items:
+        for name, rank in sharding.assign_writers(home_items, plan.world_size, loads).items():
+            path, box = keys[name]
+            nbytes = box.numel() * DTYPES[plan.tensors[path][0]].itemsize
+            lists[rank].append(PlannedWrite(path, box, nbytes))
+    for lst in lists:
+        lst.sort(key=lambda w: (w.path, w.box.offsets))
+    return tuple(tuple(lst) for lst in lists)
 
 
 @dataclass(frozen=True)
