@@ -556,7 +556,7 @@ class Reader:
         self._blobs.update(bufs)
 
     def restore(
-        self, state: Any, *, strict: bool = True, job: Job | None = None
+        self, state: Any, *, strict: bool = True, job: Job | None = None, node: Any = None
     ) -> tuple[RestorePlan, int]:
         """Fill ``state`` in place; returns the plan (what was missing and unexpected) and
         the number of tensors filled.
@@ -566,10 +566,12 @@ class Reader:
         updated, and last each object's ``load_state_dict`` called, innermost first: a
         damaged chunk found while reading leaves every object's own state untouched.
 
-        Under a job (torch.distributed), a whole tensor that every rank needs (replicated:
-        DDP's parameters) is read by one rank and broadcast on snapcore's gloo group,
-        instead of being read by every rank; the ranks agree on it in one exchange, which
-        also carries each rank's refusal, so that all raise together.
+        Under a job (torch.distributed), a whole tensor that every rank of a node needs
+        (replicated: DDP's parameters) is read by one rank of the node and broadcast to
+        the others on a gloo group of the node's ranks, instead of being read by every
+        rank; the ranks agree on it in one exchange, which also carries each rank's
+        refusal, so that all raise together. ``node``: this rank's node (JSON; ranks
+        with equal ones share their reads), by default its host.
         """
         targets: dict[int, list[torch.Tensor]] = {}
         try:
@@ -581,8 +583,8 @@ class Reader:
         readers: dict[int, int] = {}
         filled = len(targets) + len(plan.fresh)
         if job is not None:
-            readers = self._share_plan(job, targets, plan.fresh, None)
-            self._share(job, readers, targets)
+            readers, group = self._share_plan(job, targets, plan.fresh, None, node)
+            self._share(job, readers, targets, group)
         self.prefetch(sorted(plan.fresh - readers.keys()))
         self._fill(targets)
         with torch.no_grad():
@@ -604,9 +606,11 @@ class Reader:
         targets: dict[int, list[torch.Tensor]] | None,
         fresh: set[int],
         error: SnapcoreError | None,
-    ) -> dict[int, int]:
-        """Which whole tensors every rank needs, and the rank that reads each (balanced
-        by bytes, the same answer on every rank). Raises when any rank could not plan.
+        node: Any = None,
+    ) -> tuple[dict[int, int], Any]:
+        """Which whole tensors every rank of this rank's node needs, the rank of the node
+        that reads each (balanced by bytes, the same answer on every rank of the node),
+        and the node's gloo group. Raises when any rank could not plan.
 
         The ranks name the tensors by their global keys: the ranks of different nodes
         may read different tiers (each its node's own), whose tensor indices differ. A
@@ -620,17 +624,29 @@ class Reader:
                 if self.whole(i) and not any(is_dtensor(t) for t in ts)
             }
         named = {k: i for i in need if (k := self._share_key(i)) is not None}
-        every = exchange_plan(job, self.m.step, sorted(named), error)
+        mine = job.host if node is None else node
+        every = exchange_plan(job, self.m.step, sorted(named), error, mine)
         if error is not None:
-            return {}
-        common = set.intersection(*(set(d["need"]) for d in every))
-        load = [0] * job.world_size
+            return {}, None
+        nodes: dict[str, list[int]] = {}
+        for r, d in enumerate(every):
+            nodes.setdefault(json.dumps(d["node"]), []).append(r)
+        # Every rank knows every node's needs: the nodes' groups are made (a collective)
+        # only when some node of several ranks shares a read, by every rank alike.
+        shared = [
+            set.intersection(*(set(every[r]["need"]) for r in ranks)) if len(ranks) > 1 else set()
+            for ranks in nodes.values()
+        ]
+        members = nodes[json.dumps(every[job.rank]["node"])]
+        common = shared[list(nodes.values()).index(members)]
+        group = job.group_of(list(nodes.values())) if any(shared) else job.group
+        load = dict.fromkeys(members, 0)
         readers = {}
         for key in sorted(common, key=lambda k: (-self.m.tensors[named[k]].nbytes, k)):
-            r = min(range(job.world_size), key=lambda r: (load[r], r))
+            r = min(members, key=lambda r: (load[r], r))
             readers[named[key]] = r
             load[r] += self.m.tensors[named[key]].nbytes
-        return readers
+        return readers, group
 
     def _share_key(self, i: int) -> str | None:
         """How every rank names tensor ``i`` (None: a rank-local tensor, never shared)."""
@@ -640,13 +656,17 @@ class Reader:
         return None if key is None else f"k{key}"
 
     def _share(
-        self, job: Job, readers: dict[int, int], targets: dict[int, list[torch.Tensor]]
+        self,
+        job: Job,
+        readers: dict[int, int],
+        targets: dict[int, list[torch.Tensor]],
+        group: Any,
     ) -> None:
-        """Read the tensors this rank reads for all, and receive the others: one broadcast
-        per reading rank, of its tensors' bytes one after another (in the order of their
-        keys). Every rank reads its share first and the ranks tell each other whether it
-        was intact, so that damage on one rank raises on all of them instead of leaving
-        the others in a broadcast."""
+        """Read the tensors this rank reads for its node, and receive the others: one
+        broadcast on the node's ``group`` per reading rank, of its tensors' bytes one
+        after another (in the order of their keys). Every rank reads its share first and
+        the ranks of the job tell each other whether it was intact, so that damage on one
+        rank raises on all of them instead of leaving the others in a broadcast."""
         import torch.distributed as dist
 
         def order(r: int) -> list[int]:  # rank r's tensors, by key: the same on every rank
@@ -677,7 +697,7 @@ class Reader:
             sizes = [self.m.tensors[i].nbytes for i in mine]
             mine_now = reader == job.rank
             buf = payload if mine_now else torch.empty(sum(sizes), dtype=torch.uint8)
-            dist.broadcast(buf, src=reader, group=job.group)
+            dist.broadcast(buf, src=reader, group=group)
             pos = 0
             for i, n in zip(mine, sizes, strict=True):
                 e = self.m.tensors[i]
@@ -851,17 +871,19 @@ def _some(paths: list[str], n: int = 8) -> str:
 
 
 def exchange_plan(
-    job: Job, step: int, need: list[int], error: SnapcoreError | None
+    job: Job, step: int, need: list[str], error: SnapcoreError | None, node: Any = None
 ) -> list[dict[str, Any]]:
     """The one exchange of a restore under a job, made by every rank that takes part in
     the step, even one that could not open it or match its state (``error``): each
-    rank's needs, or its refusal. With no ``error`` of its own, a rank raises when
-    another refused: ``CorruptSnapshot`` when that rank found the step damaged (every
-    rank then moves to an older step together), else ``StateMismatch``."""
+    rank's needs (the keys of the whole tensors it needs) and its node, or its refusal.
+    With no ``error`` of its own, a rank raises when another refused: ``CorruptSnapshot``
+    when that rank found the step damaged (every rank then moves to an older step
+    together), else ``StateMismatch``."""
     mine = {
         "error": None if error is None else str(error),
         "damaged": isinstance(error, CorruptSnapshot | SnapshotNotFound),
         "need": need,
+        "node": node,
     }
     every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
     failed = [r for r, d in enumerate(every) if d["error"]]

@@ -2,9 +2,10 @@
 
 Under torch.distributed (``snapcore.distributed.job.current()``) the engine asks the
 ``Sharder`` of its store for a ``PartSpec`` at each save: the tensors this rank stages
-(its DTensor shards, the replicated tensors the plan gives it, its rank-local tensors),
-and the tensor table of its part (every tensor of its state with its global shape and the
-piece it writes, if any). The plan is agreed once, with one exchange on snapcore's gloo
+(its DTensor shards, the replicated tensors the plan gives it, its node copies, its
+rank-local tensors), and the tensor table of its part (every tensor of its state with
+its global shape and the piece it writes, if any), with what each tier's part leaves
+out (object storage: the node copies). The plan is agreed once, with one exchange on snapcore's gloo
 group, and cached: a later save compares a cheap signature of the state's structure with
 the cached one and makes no collective. A rank whose structure changed writes every byte
 it holds under the old plan's name and marks its part; the coordinator then fails that

@@ -600,7 +600,8 @@ def test_object_storage_gets_each_replicated_tensor_once_and_each_node_a_copy(
 ) -> None:
     """DDP on two nodes of 2 ranks with object storage: every tensor is replicated.
     Object storage holds each once in the whole job; each node's directory holds each
-    once too (its ranks' share of the node's copy)."""
+    once too (its ranks' share of the node's copy). A restore reads each once per node,
+    from the node's own tiers, shared by its ranks."""
     import shutil
 
     from snapcore.tiers import RemoteStoreTier
@@ -608,11 +609,14 @@ def test_object_storage_gets_each_replicated_tensor_once_and_each_node_a_copy(
     remote = {"remote": s3_bucket.url, "storage_options": s3_bucket.storage_options}
     dirs, areas, launch = _two_nodes(tmp_path, **remote)
     try:
-        saved = launch([{"op": "save", "kind": "ddp", "step": 3}])
+        saved, restored = zip(
+            *launch([{"op": "save", "kind": "ddp", "step": 3}, {"op": "restore", "kind": "ddp"}]),
+            strict=True,
+        )
     finally:
         for a in areas:
             shutil.rmtree(Path("/dev/shm") / f"snapcore-{a}", ignore_errors=True)
-    digests = saved[0][0]["digests"]
+    digests = saved[0]["digests"]
     only_remote = snapcore.Store(**remote)
     assert loaded_digests(only_remote) == digests
     replicated = _nbytes(snapcore.load(only_remote)["app"])  # model and optimizer, once
@@ -640,4 +644,12 @@ def test_object_storage_gets_each_replicated_tensor_once_and_each_node_a_copy(
         local, _ = saved_bytes(dirs[node], 3)
         assert replicated <= local <= replicated + mine + 64 * 64, node
         assert loaded_digests(dirs[node], rank=2 * node) == digests
+        # read once per node: each of its ranks a share, together the whole state once
+        ranks = restored[2 * node : 2 * node + 2]
+        for r in ranks:
+            assert r["digests"] == digests and r["tier"] == "host", r
+        read = [r["bytes"] for r in ranks]
+        assert replicated + mine <= sum(read) <= replicated + mine + 64 * 64, read
+        for rank, n in enumerate(read, 2 * node):  # less than it restores: a share
+            assert n < replicated + own[rank], read
     snapcore.close()
