@@ -1,9 +1,9 @@
 """Pure planning functions for sharded saves and resharding reads (issue 10).
 
-This module is the planning seam for issue 10 (sharded snapshots under
-torch.distributed). It is NOT yet used by the save or restore paths: nothing here
-touches a process group, a tensor or a file. It holds the small, deterministic
-computations those paths will need:
+This module holds the pure planning functions of issue 10 (sharded snapshots under
+torch.distributed), which the save plan (``planning/global_plan``) and the restore use:
+nothing here touches a process group, a tensor or a file. The small, deterministic
+computations:
 
 - ``assign_writers``: which rank writes each item (a shard or a replicated tensor) so
   that every byte is written once and the bytes are balanced over the ranks;

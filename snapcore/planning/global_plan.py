@@ -1,6 +1,6 @@
 """The global save plan and the resharding read plan for sharded snapshots (issue 10).
 
-A planning seam for issue 10: NOT used by save or restore yet. Everything here is a
+The planning of issue 10's sharded saves and restores. Everything here is a
 pure function of metadata (paths, dtypes, shapes, boxes, ranks): no process group is
 entered, no tensor data is read and no file is touched, so the plan can be tested for
 any world size in one process. The layers, bottom up:
