@@ -461,7 +461,9 @@ def plan_save(per_rank: Sequence[Sequence[LocalItem]], world_size: int) -> Globa
     )
 
 
-def plan_copies(plan: GlobalPlan, homes: Sequence[object]) -> tuple[tuple[PlannedWrite, ...], ...]:
+def plan_copies(
+    plan: GlobalPlan, homes: Sequence[object], only: int | None = None
+) -> tuple[tuple[PlannedWrite, ...], ...]:
     """The node copies of a node-local tier: per rank, the boxes it writes into that
     tier besides its own writes of ``plan``.
 
@@ -476,35 +478,39 @@ def plan_copies(plan: GlobalPlan, homes: Sequence[object]) -> tuple[tuple[Planne
     ``plan``, so that a home's ranks write about the same bytes into it. Pure and
     deterministic: every rank computes the same answer from the same plan and homes.
     With one home (every rank shares the tier) there are no copies.
+
+    ``only``: compute the copies of that rank's home alone (the others' lists are
+    empty), which is all a rank needs: O(boxes x ranks of the home), not of the job.
     """
     if len(homes) != plan.world_size:
         raise ValueError(f"{len(homes)} homes for a world of {plan.world_size}")
-    group: dict[object, int] = {}
-    of = [group.setdefault(h, len(group)) for h in homes]
-    items: list[list[tuple[str, int, frozenset[int]]]] = [[] for _ in group]
-    keys: dict[str, tuple[str, Box]] = {}
-    for key, holders in plan.holders.items():
-        writer = plan.writers[key]
-        path, box = key
-        nbytes = box.numel() * DTYPES[plan.tensors[path][0]].itemsize
-        name = json.dumps([path, box.offsets, box.shape])
-        keys[name] = key
-        by_home: dict[int, set[int]] = {}
-        for r in holders:
-            by_home.setdefault(of[r], set()).add(r)
-        for g, ranks in by_home.items():
-            if g != of[writer]:
-                items[g].append((name, nbytes, frozenset(ranks)))
+    members: dict[object, set[int]] = {}
+    for r, h in enumerate(homes):
+        members.setdefault(h, set()).add(r)
+    wanted = list(members.values()) if only is None else [members[homes[only]]]
     loads = plan.rank_bytes or (0,) * plan.world_size
     lists: list[list[PlannedWrite]] = [[] for _ in range(plan.world_size)]
-    for home_items in items:
-        for name, rank in sharding.assign_writers(home_items, plan.world_size, loads).items():
-            path, box = keys[name]
-            nbytes = box.numel() * DTYPES[plan.tensors[path][0]].itemsize
-            lists[rank].append(PlannedWrite(path, box, nbytes))
+    for home in wanted:
+        items: list[tuple[str, int, frozenset[int]]] = []
+        keys: dict[str, tuple[str, Box]] = {}
+        for key, holders in plan.holders.items():
+            if plan.writers[key] in home:
+                continue
+            ranks = home & holders if len(home) < len(holders) else holders & home
+            if ranks:
+                name = json.dumps([key[0], key[1].offsets, key[1].shape])
+                keys[name] = key
+                items.append((name, _nbytes(plan, key), frozenset(ranks)))
+        for name, rank in sharding.assign_writers(items, plan.world_size, loads).items():
+            key = keys[name]
+            lists[rank].append(PlannedWrite(key[0], key[1], _nbytes(plan, key)))
     for lst in lists:
         lst.sort(key=lambda w: (w.path, w.box.offsets))
     return tuple(tuple(lst) for lst in lists)
+
+
+def _nbytes(plan: GlobalPlan, key: tuple[str, Box]) -> int:
+    return key[1].numel() * DTYPES[plan.tensors[key[0]][0]].itemsize
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ step's commit and every rank re-plans at its next save (docs/distributed.md).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -176,8 +177,11 @@ class Sharder:
             self.leaders[tier] = homes.index(homes[job.rank]) == job.rank
             self.with_rank0[tier] = homes[job.rank] == homes[0]
             if mine[field_name] is not None:
-                extra = plan_copies(gplan, homes)[job.rank]
+                extra = plan_copies(gplan, homes, only=job.rank)[job.rank]
                 copies[tier] = frozenset((w.path, w.box) for w in extra)
+        # The holders of every box (every rank, for each plain tensor) are needed only
+        # for the copies: not kept for the job's life.
+        gplan = dataclasses.replace(gplan, holders={})
         return _Cached(signature, per_rank[job.rank], gplan, copies)
 
     def _spec(

@@ -253,6 +253,10 @@ def test_plan_copies_give_each_home_every_box_its_ranks_hold_exactly_once() -> N
         copies = plan_copies(plan, homes)
         assert plan_copies(plan, ["one"] * world) == ((),) * world
         assert plan_copies(plan, homes) == copies  # deterministic
+        for r in range(world):  # what a rank computes: its own home's copies only
+            alone = plan_copies(plan, homes, only=r)
+            assert alone[r] == copies[r]
+            assert all(not alone[x] for x in range(world) if homes[x] != homes[r])
         for home in set(homes):
             ranks = [r for r in range(world) if homes[r] == home]
             for path, (_, shape) in plan.tensors.items():
