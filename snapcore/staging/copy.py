@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -25,13 +26,34 @@ from .handle import SaveHandle, protect
 NONTEMPORAL_MIN = 64 << 20
 
 
+def refuse_overlap_in_graph_capture() -> None:
+    """Overlap mode while a CUDA graph is being captured on the current stream would record
+    the copies' ordering and the optimizer hook's stream wait into the graph instead of
+    running them: refused with an error saying so."""
+    # CUDA never initialised: no stream can be capturing (and a CPU build has no capture).
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise SnapcoreError(
+            "async_save(..., overlap=True) was called while a CUDA graph is being captured "
+            "on the current stream (torch.cuda.is_current_stream_capturing()): its copies "
+            "and the optimizer's stream wait would be captured into the graph instead of "
+            "run. Save outside the capture, or without overlap=True"
+        )
+
+
 class Stager:
     """Stages a snapshot's blobs into an arena, window by window (one engine's copiers)."""
 
     def __init__(self) -> None:
         self._copiers: dict[int, Any] = {}
+        # Overlap mode's CPU copies: on a thread of their own, not the persist thread, so
+        # that the optimizer's step waits for them alone, never behind the previous
+        # snapshot's hashing, writing and commit.
+        self._overlap: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
+        if self._overlap is not None:
+            self._overlap.shutdown(wait=True)
+            self._overlap = None
         for c in self._copiers.values():
             c.close()
         self._copiers.clear()
@@ -56,10 +78,41 @@ class Stager:
         later = [b for b in layout.blobs if _storage_ptr(b) in protected]
         self.copy(now, w, defer=False, wait_gpu="stream" if optimizers else "cpu")
         if later:
-            handle.defer_staging(self.copy(later, w, defer=True, wait_gpu="none"))
+            events = self.copy(later, w, defer=True, wait_gpu="none")
+            host = self._run_deferred(w, events, handle)
+            handle.defer_staging(events, host)
             for opt in optimizers or []:
                 protect(opt, handle)
         windows.put(w)
+
+    def _run_deferred(
+        self, w: Window, events: list[tuple[torch.device, Any]], handle: SaveHandle
+    ) -> Future[None]:
+        """Start overlap mode's CPU copies (``w.deferred``) on the overlap thread; returns
+        the future of the CPU copies alone, which the optimizer's step waits for. The same
+        thread then waits for the CUDA copies (sleeping: blocking-sync events) and marks
+        the snapshot staged; the persist thread waits for ``w.pending`` before reading."""
+        copies, w.deferred = w.deferred, []
+        host: Future[None] = Future()
+        host.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                for c in copies:
+                    c()
+            except BaseException as e:
+                host.set_exception(e)  # the persist job fails the snapshot with it
+                raise
+            else:
+                host.set_result(None)
+            for _, ev in events:
+                ev.synchronize()
+            handle.mark_staged()
+
+        if self._overlap is None:
+            self._overlap = ThreadPoolExecutor(1, thread_name_prefix="snapcore-overlap")
+        w.pending.append(self._overlap.submit(run))
+        return host
 
     def stage_streaming(
         self,

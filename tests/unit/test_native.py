@@ -950,6 +950,115 @@ def test_default_staging_queues_every_device_then_copies_on_cpu_then_waits(fake_
     assert b"staging-order-ok" in result.stdout
 
 
+# The fake driver's "device memory" is host memory: a CPU tensor stands for a CUDA one.
+FAKE_CUDA_BLOBS = """
+import warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import torch
+from snapcore import _native
+from snapcore.planning.layout import BlobPlan
+
+class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch
+    def __init__(self, device=None):
+        self.cuda_stream = 1000 + (device.index if device is not None else 0)
+torch.cuda.current_stream = Stream
+
+class Blob(BlobPlan):
+    def __init__(self, offset, source, device, raw=True):
+        super().__init__(offset, source.nbytes, source, raw, source.data_ptr(), [0])
+        self._device = torch.device(device)
+    @property
+    def device(self): return self._device
+"""
+
+OVERLAP_SCENARIO = (
+    FAKE_LOG
+    + FAKE_CUDA_BLOBS
+    + """
+import queue, threading, types
+from snapcore.staging.arena import HostArena
+from snapcore.staging.copy import Stager
+from snapcore.staging.handle import SaveHandle, SaveStats
+from snapcore.write.job import PersistJob
+
+on_gpu = torch.nn.Parameter(torch.full((256,), 1.0))  # "cuda:0", written by the optimizer
+on_cpu = torch.nn.Parameter(torch.full((256,), 2.0))
+opt = torch.optim.SGD([on_gpu, on_cpu], lr=1.0)
+on_gpu.grad, on_cpu.grad = torch.ones(256), torch.ones(256)
+blobs = [Blob(0, on_gpu.data, "cuda:0"), Blob(1024, on_cpu.data, "cpu")]
+layout = types.SimpleNamespace(blobs=blobs, total=2048)
+arena = HostArena(2048, device=0)
+stager = Stager()
+handle = SaveHandle(1, SaveStats(1, 2048, 2048), ("local",))
+windows = queue.Queue()
+order = []
+stepped = threading.Event()
+
+stager.stage_whole(arena, layout, windows, [opt], handle)
+assert handle.deferred
+assert handle._staged.wait(60)  # the overlap thread: CPU copies, then the CUDA events
+
+def persist():  # the persist thread, still busy with an earlier snapshot until the step
+    stepped.wait(60)
+    PersistJob._take_window(types.SimpleNamespace(windows=windows, handle=handle))
+    order.append("window taken")
+
+persister = threading.Thread(target=persist)
+persister.start()
+fake.fake_cuda_mark(b"step")
+opt.step()
+fake.fake_cuda_mark(b"stepped")
+order.append("stepped")
+stepped.set()
+persister.join(120)
+assert order == ["stepped", "window taken"], order
+calls = log()
+during = calls[calls.index("step") + 1 : calls.index("stepped")]
+copied = [c for c in calls if c.startswith("MemcpyDtoHAsync")]
+assert copied == ["MemcpyDtoHAsync 1024 s1"], calls
+done = calls[calls.index(copied[0]) + 1].split()  # EventRecord eN s1: the copy's event
+# the host does not block for the CUDA copies: the current stream waits for them
+assert during == [f"StreamWaitEvent ext:1000 {done[1]}"], calls
+assert torch.equal(arena.u8.view(torch.float32), torch.tensor([1.0] * 256 + [2.0] * 256))
+assert torch.equal(on_gpu.data, torch.zeros(256))  # the step did happen
+
+# A failed CPU copy fails the snapshot, and the step does not hang on it.
+native_copy_host = _native.copy_host
+def failing_copy_host(*args, **kwargs):
+    if threading.current_thread().name.startswith("snapcore-overlap"):
+        raise OSError("a CPU copy failed")
+    native_copy_host(*args, **kwargs)
+_native.copy_host = failing_copy_host
+handle2 = SaveHandle(2, SaveStats(2, 2048, 2048), ("local",))
+stager.stage_whole(arena, layout, windows, [opt], handle2)
+opt.step()
+try:
+    PersistJob._take_window(types.SimpleNamespace(windows=windows, handle=handle2))
+    raise AssertionError("the overlap thread's failure was lost")
+except OSError:
+    pass
+stager.close()
+arena.close()
+del handle, handle2  # their completion events hold the context
+import gc; gc.collect()  # and the failed window, through its error's traceback
+LEAKS = ("streams", "events", "ctx_refs", "depth")
+assert state(*LEAKS) == [0, 0, 0, 0], state(*LEAKS)
+print("overlap-ok")
+"""
+)
+
+
+def test_overlap_mode_step_makes_the_stream_wait_and_never_waits_for_the_persist_thread(
+    fake_driver_dir,
+):
+    """Overlap mode: for CUDA tensors optimizer.step() only makes the current stream wait
+    for the copies (no host block), and for no tensor does it wait for the persist thread,
+    which may still be writing the previous snapshot."""
+    result = run_with_fake_driver(fake_driver_dir, OVERLAP_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"overlap-ok" in result.stdout
+
+
 # --- GPU --------------------------------------------------------------------------------
 
 
