@@ -123,6 +123,7 @@ class Stager:
         handle: SaveHandle,
     ) -> None:
         half = arena.size // 2
+        gathered: dict[int, torch.Tensor] = {}  # strided CUDA tensors, gathered once
         for i, start in enumerate(range(0, layout.total, half)):
             h = i % 2
             while not halves[h].wait(0.05):
@@ -130,11 +131,23 @@ class Stager:
                     handle.wait()  # the writer failed: raise its error here
             halves[h].clear()
             w = Window(arena, start, min(start + half, layout.total), h * half, h)
-            self.copy(layout.blobs, w, defer=False, wait_gpu="cpu")
+            self.copy(layout.blobs, w, defer=False, wait_gpu="cpu", gathered=gathered)
             windows.put(w)
 
-    def copy(self, blobs: list[BlobPlan], w: Window, *, defer: bool, wait_gpu: str) -> list[Any]:
+    def copy(
+        self,
+        blobs: list[BlobPlan],
+        w: Window,
+        *,
+        defer: bool,
+        wait_gpu: str,
+        gathered: dict[int, torch.Tensor] | None = None,
+    ) -> list[Any]:
         """Copy the parts of ``blobs`` inside window ``w`` into the arena.
+
+        A strided CUDA tensor is gathered on its GPU into a contiguous temporary first;
+        ``gathered`` (streaming) keeps that temporary from the first window that cuts the
+        tensor to the last, so that it is gathered once per snapshot, not once per window.
 
         Every device's CUDA copies are queued on its side stream first, then the CPU
         copies run (now, or on the persist thread when ``defer``) while the GPUs copy, then
@@ -159,7 +172,14 @@ class Stager:
             elif b.device.type == "cuda":
                 src_ptr = b.src_ptr
                 if not b.raw:  # gather on the GPU first; the temporary lives until written
-                    tmp = b.source.contiguous()
+                    tmp = gathered.get(id(b)) if gathered is not None else None
+                    if tmp is None:
+                        tmp = b.source.contiguous()
+                    if gathered is not None:  # kept for the next window, up to the last
+                        if e < b.offset + b.nbytes:
+                            gathered[id(b)] = tmp
+                        else:
+                            gathered.pop(id(b), None)
                     w.keep.append(tmp)
                     src_ptr = tmp.data_ptr()
                 else:

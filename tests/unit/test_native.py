@@ -1059,6 +1059,66 @@ def test_overlap_mode_step_makes_the_stream_wait_and_never_waits_for_the_persist
     assert b"overlap-ok" in result.stdout
 
 
+STREAMING_GATHER_SCENARIO = (
+    FAKE_LOG
+    + FAKE_CUDA_BLOBS
+    + """
+import queue, threading, types
+from snapcore.staging.arena import HostArena
+from snapcore.staging.copy import Stager
+from snapcore.staging.handle import SaveHandle, SaveStats
+
+gathers = []
+class Strided(torch.Tensor):  # counts the gathers of a strided "CUDA" tensor
+    def contiguous(self, *args, **kwargs):
+        gathers.append(1)
+        return torch.Tensor.contiguous(self.as_subclass(torch.Tensor), *args, **kwargs)
+
+base = torch.arange(32 * 96, dtype=torch.int32).to(torch.uint8).view(32, 96)
+source = base.t().as_subclass(Strided)  # 3072 bytes, not contiguous
+assert not source.is_contiguous()
+blobs = [Blob(0, source, "cuda:0", raw=False)]
+layout = types.SimpleNamespace(blobs=blobs, total=3072)
+arena = HostArena(2048, device=0)  # windows of 1024 bytes: three of them cut the tensor
+stager = Stager()
+handle = SaveHandle(1, SaveStats(1, 3072, 3072), ("local",))
+windows = queue.Queue()
+halves = [threading.Event(), threading.Event()]
+for h in halves:
+    h.set()
+want = base.t().contiguous().view(-1)
+got = []
+
+def persist():  # takes each window as the persist thread does, frees its half
+    for _ in range(3):
+        w = windows.get()
+        lo = w.arena_offset
+        got.append(arena.u8[lo : lo + w.end - w.start].clone())
+        w.keep.clear()
+        halves[w.half].set()
+
+taker = threading.Thread(target=persist)
+taker.start()
+stager.stage_streaming(arena, layout, windows, halves, handle)
+taker.join(120)
+assert torch.equal(torch.cat(got), want)
+assert len(gathers) == 1, gathers  # once per snapshot, not once per window
+assert [c for c in log() if c.startswith("MemcpyDtoHAsync")] == ["MemcpyDtoHAsync 1024 s1"] * 3
+stager.close()
+arena.close()
+print("streaming-gather-ok")
+"""
+)
+
+
+def test_streaming_gathers_a_strided_cuda_tensor_once_per_snapshot(fake_driver_dir):
+    """A strided CUDA tensor that several streaming windows cut through is gathered on the
+    GPU once (and its temporary kept up to the last window), not once per window."""
+    result = run_with_fake_driver(fake_driver_dir, STREAMING_GATHER_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"streaming-gather-ok" in result.stdout
+
+
 # --- GPU --------------------------------------------------------------------------------
 
 
