@@ -66,3 +66,40 @@ def test_cuda_overlap_optimizer_step_cannot_race_the_copies(tmp_path):
     h.wait()
     assert torch.equal(snapcore.load(tmp_path)["m"]["weight"], before.cpu())
     assert not torch.equal(model.weight, before)
+
+
+def test_restore_to_the_gpu_goes_through_the_pinned_ring_not_torch_pinned_buffers(
+    tmp_path, monkeypatch
+):
+    """Contiguous CUDA tensors are filled by the native path (staging/h2d.py): chunks read
+    into a registered ring, host-to-device copies on the side stream; torch's pinned
+    allocator (which caches power-of-two blocks for the life of the process) is not used."""
+    g = torch.Generator().manual_seed(0)
+    saved = {
+        "a": torch.randn(3 << 20, generator=g).cuda(),
+        "b": torch.randn(333, generator=g).to(torch.bfloat16).cuda(),
+        "c": torch.randint(0, 255, (4097,), dtype=torch.uint8, generator=g).cuda(),
+    }
+    snapcore.save(saved, tmp_path, step=1)
+    pinned: list[object] = []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            pinned.append(args)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    targets = {k: torch.zeros_like(v) for k, v in saved.items()}
+    snapcore.restore(targets, tmp_path)
+    for k, v in saved.items():
+        assert torch.equal(targets[k], v), k
+    assert pinned == []
+
+
+def test_restore_into_a_strided_gpu_tensor(tmp_path):
+    x = torch.randn(64, 48, device="cuda")
+    snapcore.save({"x": x}, tmp_path, step=1)
+    target = torch.zeros(48, 64, device="cuda").t()  # not contiguous: the torch copy path
+    snapcore.restore({"x": target}, tmp_path)
+    assert torch.equal(target, x)

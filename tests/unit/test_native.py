@@ -1119,6 +1119,94 @@ def test_streaming_gathers_a_strided_cuda_tensor_once_per_snapshot(fake_driver_d
     assert b"streaming-gather-ok" in result.stdout
 
 
+RESTORE_H2D_SCENARIO = (
+    FAKE_LOG
+    + """
+import re, sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import torch
+import snapcore
+from snapcore.read import Reader
+from snapcore.staging import h2d
+from snapcore.tiers import LocalTier
+
+class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch
+    def __init__(self, device=None): self.cuda_stream = 1000 + device
+torch.cuda.current_stream = Stream
+
+store = sys.argv[1]
+g = torch.Generator().manual_seed(0)
+saved = {"a": torch.randn(5 << 17, generator=g), "b": torch.randn(1000, generator=g)}
+snapcore.save(saved, store, step=1)  # 1 MiB chunks: "a" is three, "b" one
+snapcore.close()
+tier = LocalTier(store)
+reader = Reader([(tier, tier.read_manifest(1))])
+index = {p: i for i, p in reader.paths.items()}
+out = {k: torch.zeros_like(v) for k, v in saved.items()}  # "device memory" of GPUs 0 and 1
+read = reader.read_chunks
+def marked_read(jobs):  # the reader's parallel, verified reads, placed in the log
+    fake.fake_cuda_mark(f"read {len(jobs)}".encode())
+    read(jobs)
+reader.read_chunks = marked_read
+h2d.RING_SLOT_BYTES = 1 << 20  # two slots of 1 MiB: the first is read into twice
+start = len(log())
+reader._fill_cuda([(index["a"], out["a"].data_ptr(), 0), (index["b"], out["b"].data_ptr(), 1)])
+for k in saved:
+    assert torch.equal(out[k], saved[k]), k
+
+names = {}
+def norm(line):  # handles named by first appearance: e1, e2, ... and s1, s2, ...
+    def sub(m):
+        key = m.group(0)
+        if key not in names:
+            names[key] = key[0] + str(1 + sum(n[0] == key[0] for n in names))
+        return names[key]
+    return re.sub(r"\\b[es]\\d+\\b", sub, line)
+calls = [norm(c) for c in log()[start:] if not c.startswith("PrimaryCtx")]
+MiB = 1 << 20
+expected = [
+    "MemHostRegister 2097152 ctx0",  # the ring: two pinned slots, registered once
+    "read 1",  # chunk 0 of "a" into slot 0
+    "StreamCreate s1",
+    "EventRecord e1 ext:1000", "StreamWaitEvent s1 e1",  # after GPU 0's current stream
+    f"MemcpyHtoDAsync {MiB} s1", "EventRecord e2 s1",
+    "StreamWaitEvent ext:1000 e2",  # GPU 0's current stream waits: no host block
+    "read 1",  # chunk 1 into slot 1, while slot 0 is copied
+    "EventRecord e3 ext:1000", "StreamWaitEvent s1 e3",
+    f"MemcpyHtoDAsync {MiB} s1", "EventRecord e4 s1", "StreamWaitEvent ext:1000 e4",
+    "EventSynchronize e2",  # slot 0 is read into again only once its copy has run
+    "read 2",  # the rest of "a", and "b"
+    "EventRecord e5 ext:1000", "StreamWaitEvent s1 e5",
+    f"MemcpyHtoDAsync {MiB // 2} s1", "EventRecord e6 s1", "StreamWaitEvent ext:1000 e6",
+    "StreamCreate s2",
+    "EventRecord e7 ext:1001", "StreamWaitEvent s2 e7",
+    "MemcpyHtoDAsync 4000 s2", "EventRecord e8 s2", "StreamWaitEvent ext:1001 e8",
+    "EventSynchronize e6", "EventSynchronize e8", "EventSynchronize e4",  # before freeing
+    "StreamSynchronize s1", "StreamDestroy s1", "StreamSynchronize s2", "StreamDestroy s2",
+    "MemHostUnregister ctx0",
+]
+assert calls == expected, calls
+assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
+print("restore-h2d-ok")
+"""
+)
+
+
+def test_restore_to_the_gpu_reads_into_a_pinned_ring_and_copies_on_the_side_stream(
+    fake_driver_dir, tmp_path
+):
+    """Restore to CUDA tensors: chunks read into a registered ring of two slots, copied
+    host-to-device on each device's side stream after its current stream, which then waits
+    for them (no blocking copy_ per tensor, no torch pinned allocation); a slot is reused
+    only once its copies have run, and nothing is freed before every copy completed."""
+    code = RESTORE_H2D_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
+    result = run_with_fake_driver(
+        fake_driver_dir, code, FAKE_CUDA_DEVICES="2", SNAPCORE_CHUNK_MB="1"
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"restore-h2d-ok" in result.stdout
+
+
 # --- GPU --------------------------------------------------------------------------------
 
 
