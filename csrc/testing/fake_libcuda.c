@@ -14,6 +14,7 @@
  * FAKE_CUDA_NO_DEVICE=1 makes cuInit fail with CUDA_ERROR_NO_DEVICE;
  * FAKE_CUDA_DEVICES=<n> (1 to 8, default 1) is the number of devices, each with a primary
  * context of its own; calls made in a context log it as "ctx<device>".
+ * Built with -DFAKE_CUDA_BATCH it also has cuMemcpyBatchAsync_v2 (a CUDA 13 driver).
  */
 #include <pthread.h>
 #include <stdarg.h>
@@ -280,6 +281,37 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* 
   note("MemcpyHtoDAsync %zu %s", n, name_of(stream, b, sizeof b));
   return SUCCESS;
 }
+
+#ifdef FAKE_CUDA_BATCH
+/* Built with -DFAKE_CUDA_BATCH: a driver that has cuMemcpyBatchAsync_v2 (CUDA 13). */
+struct mem_location {
+  int type, id;
+};
+struct memcpy_attributes {
+  int src_access_order;
+  struct mem_location src_hint, dst_hint;
+  unsigned int flags;
+};
+
+CUresult cuMemcpyBatchAsync_v2(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes,
+                               size_t count, struct memcpy_attributes* attrs,
+                               size_t* attrs_idxs, size_t num_attrs, void* stream) {
+  char b[32];
+  size_t total = 0;
+  NEED_CONTEXT();
+  if (failing("cuMemcpyBatchAsync")) return INVALID_VALUE;
+  /* one set of attributes from copy 0, stream-ordered: what snapcore asks for */
+  if (count == 0 || num_attrs != 1 || attrs_idxs[0] != 0 || attrs[0].src_access_order != 1 ||
+      stream == NULL)
+    return INVALID_VALUE;
+  for (size_t i = 0; i < count; ++i) {
+    memcpy((void*)dsts[i], (const void*)srcs[i], sizes[i]);
+    total += sizes[i];
+  }
+  note("MemcpyBatchAsync %zu %zu %s", count, total, name_of(stream, b, sizeof b));
+  return SUCCESS;
+}
+#endif
 
 CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned int flags) {
   NEED_CONTEXT();

@@ -593,7 +593,8 @@ assert event.query() is True
 event.make_stream_wait(12345)
 assert log()[start:] == [
     "EventRecord e2 ext:0", "StreamWaitEvent s1 e2",  # after the caller's stream
-    "MemcpyDtoHAsync 600 s1", "MemcpyDtoHAsync 400 s1", "EventRecord e3 s1",
+    "MemcpyDtoHAsync 1000 s1",  # the two halves continue one another: merged, one call
+    "EventRecord e3 s1",
     "EventSynchronize e3", "StreamWaitEvent ext:12345 e3",
 ], log()[start:]
 assert ctypes.string_at(arena.address, 1000) == data
@@ -648,6 +649,17 @@ def fake_driver_dir(tmp_path_factory):
         [cc, "-shared", "-fPIC", "-O1", "-o", out / "libcuda.so.1", source, "-lpthread"],
         check=True,
     )
+    return out
+
+
+@pytest.fixture(scope="module")
+def fake_batch_driver_dir(fake_driver_dir, tmp_path_factory):
+    """The fake driver of a CUDA 13 machine: with cuMemcpyBatchAsync_v2."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    source = Path(__file__).resolve().parents[2] / "csrc" / "testing" / "fake_libcuda.c"
+    out = tmp_path_factory.mktemp("fake-cuda-batch")
+    flags = ["-shared", "-fPIC", "-O1", "-DFAKE_CUDA_BATCH"]
+    subprocess.run([cc, *flags, "-o", out / "libcuda.so.1", source, "-lpthread"], check=True)
     return out
 
 
@@ -1205,6 +1217,51 @@ def test_restore_to_the_gpu_reads_into_a_pinned_ring_and_copies_on_the_side_stre
     )
     assert result.returncode == 0, result.stderr.decode()
     assert b"restore-h2d-ok" in result.stdout
+
+
+BATCH_SCENARIO = (
+    FAKE_LOG
+    + """
+import os
+from snapcore import _native
+src = _native.Arena(1 << 16, pin=False)  # "device memory"
+dst = _native.Arena(1 << 16)
+ctypes.memset(src.address, 5, 1 << 16)
+copier = _native.CudaCopier(0)
+copies = [(dst.address + 4096 * i, src.address + 8192 * i, 100 + i) for i in range(8)]
+copies.append((dst.address + 4096 * 7 + 107, src.address + 8192 * 7 + 107, 50))  # continues
+start = len(log())
+copier.d2h(copies, 0).synchronize()
+batch = [c for c in log()[start:] if c.startswith("Memcpy")]
+assert batch == [f"MemcpyBatchAsync 8 {sum(100 + i for i in range(8)) + 50} s1"], log()[start:]
+assert all(ctypes.string_at(dst.address + 4096 * i, 100 + i) == bytes([5]) * (100 + i)
+           for i in range(8))
+
+os.environ["FAKE_CUDA_FAIL"] = "cuMemcpyBatchAsync"  # a driver refusing the batch
+other = _native.CudaCopier(0)
+ctypes.memset(dst.address, 0, 1 << 16)
+start = len(log())
+other.h2d(copies[:3], 0).synchronize()
+calls = [c for c in log()[start:] if c.startswith("Memcpy")]
+assert [c.split()[:2] for c in calls] == [["MemcpyHtoDAsync", str(n)] for n in (100, 101, 102)]
+assert ctypes.string_at(dst.address + 4096 * 2, 102) == bytes([5]) * 102
+del os.environ["FAKE_CUDA_FAIL"]
+copier.close()
+other.close()
+src.close()
+dst.close()
+assert state("streams", "ctx_refs", "depth", "registered") == [0, 0, 0, 0]
+print("batch-ok")
+"""
+)
+
+
+def test_many_small_copies_go_to_the_driver_in_one_batch(fake_batch_driver_dir):
+    """One driver call for a whole window's copies where the driver has cuMemcpyBatchAsync
+    (copies that continue one another merged first); one call per copy where it refuses."""
+    result = run_with_fake_driver(fake_batch_driver_dir, BATCH_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"batch-ok" in result.stdout
 
 
 # --- GPU --------------------------------------------------------------------------------
