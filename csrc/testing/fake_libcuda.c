@@ -14,6 +14,7 @@
  * FAKE_CUDA_NO_DEVICE=1 makes cuInit fail with CUDA_ERROR_NO_DEVICE;
  * FAKE_CUDA_DEVICES=<n> (1 to 8, default 1) is the number of devices, each with a primary
  * context of its own; calls made in a context log it as "ctx<device>".
+ * FAKE_CUDA_PCI_BUS_ID=<id> is device 0's PCI bus id (default 0000:01:00.0).
  * Built with -DFAKE_CUDA_BATCH it also has cuMemcpyBatchAsync_v2 (a CUDA 13 driver).
  */
 #include <pthread.h>
@@ -164,6 +165,22 @@ CUresult cuDeviceGetCount(int* count) {
 CUresult cuDeviceGet(int* device, int ordinal) {
   if (ordinal < 0 || ordinal >= device_count()) return INVALID_DEVICE;
   *device = ordinal;
+  return SUCCESS;
+}
+
+/* Device 0: FAKE_CUDA_PCI_BUS_ID if set; else "0000:0<device + 1>:00.0", as the driver
+ * writes bus ids. */
+CUresult cuDeviceGetPCIBusId(char* bus_id, int len, int device) {
+  const char* id = getenv("FAKE_CUDA_PCI_BUS_ID");
+  char own[32];
+  if (device < 0 || device >= device_count()) return INVALID_DEVICE;
+  if (bus_id == NULL || len < 13) return INVALID_VALUE;
+  if (id == NULL || device != 0) {
+    snprintf(own, sizeof own, "0000:%02X:00.0", device + 1);
+    id = own;
+  }
+  snprintf(bus_id, (size_t)len, "%s", id);
+  note("DeviceGetPCIBusId %d", device);
   return SUCCESS;
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import errno
 import os
 import random
@@ -181,6 +182,31 @@ def test_arena_close_is_idempotent_and_final():
     assert arena.closed is True
     with pytest.raises(ValueError, match="closed"):
         _ = arena.address
+
+
+@pytest.mark.skipif(
+    ctypes.util.find_library("numa") is None or not Path("/proc/self/numa_maps").exists(),
+    reason="no libnuma (or no NUMA support in the kernel): arenas are not placed",
+)
+def test_arena_prefers_the_numa_node_asked_for():
+    """The pages of an arena for a GPU come from the GPU's NUMA node: the policy is set
+    before the prefault (node 0 exists on every Linux machine)."""
+
+    def policy(address: int) -> str:
+        for line in Path("/proc/self/numa_maps").read_text().splitlines():
+            if int(line.split()[0], 16) == address:
+                return line.split()[1]
+        raise AssertionError(f"no mapping at {address:#x}")
+
+    with _native.Arena(4 * MiB, pin=False, numa_node=0) as arena:
+        assert arena.numa_error is None, arena.numa_error
+        assert arena.numa_node == 0
+        assert policy(arena.address) == "prefer:0"
+    with _native.Arena(4 * MiB, pin=False) as arena:
+        assert arena.numa_node == -1 and arena.numa_error is None
+        assert policy(arena.address) == "default"
+    with _native.Arena(4 * MiB, pin=False, numa_node=4095) as arena:  # no such node
+        assert arena.numa_node == -1 and "mbind" in (arena.numa_error or ""), arena.numa_error
 
 
 def test_arena_rejects_size_zero():
@@ -1177,6 +1203,7 @@ def norm(line):  # handles named by first appearance: e1, e2, ... and s1, s2, ..
 calls = [norm(c) for c in log()[start:] if not c.startswith("PrimaryCtx")]
 MiB = 1 << 20
 expected = [
+    "DeviceGetPCIBusId 0",  # the ring is placed on GPU 0's NUMA node (none here)
     "MemHostRegister 2097152 ctx0",  # the ring: two pinned slots, registered once
     "read 1",  # chunk 0 of "a" into slot 0
     "StreamCreate s1",
@@ -1262,6 +1289,45 @@ def test_many_small_copies_go_to_the_driver_in_one_batch(fake_batch_driver_dir):
     result = run_with_fake_driver(fake_batch_driver_dir, BATCH_SCENARIO)
     assert result.returncode == 0, result.stderr.decode()
     assert b"batch-ok" in result.stdout
+
+
+NUMA_SCENARIO = (
+    FAKE_LOG
+    + """
+import os, sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+from snapcore import _native
+from snapcore.staging.arena import HostArena, numa_node
+root = sys.argv[1]  # a sysfs tree of PCI devices: 0000:3b:00.0 on node 1
+assert _native.cuda_device_numa_node(0, root) == 1  # "00000000:3B:00.0" from the driver
+assert _native.cuda_device_numa_node(1, root) == -1  # "0000:02:00.0": not in the tree
+try:
+    _native.cuda_device_numa_node(2, root)
+    raise AssertionError("a device that does not exist")
+except ValueError:
+    pass
+assert numa_node(None) == -1  # no device: no placement, no driver call
+start = len(log())
+arena = HostArena(1 << 20, device=1)  # this machine's sysfs: the node is found before pinning
+assert log()[start:start + 2] == ["DeviceGetPCIBusId 1", "PrimaryCtxRetain 1"], log()[start:]
+assert arena.native.numa_node == numa_node(1)
+arena.close()
+print("numa-ok")
+"""
+)
+
+
+def test_the_arena_of_a_gpu_is_placed_on_its_numa_node(fake_driver_dir, tmp_path):
+    """The GPU's NUMA node comes from the driver's PCI bus id and sysfs's numa_node."""
+    device = tmp_path / "pci" / "0000:3b:00.0"
+    device.mkdir(parents=True)
+    (device / "numa_node").write_text("1\n")
+    code = NUMA_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "pci")))
+    result = run_with_fake_driver(
+        fake_driver_dir, code, FAKE_CUDA_DEVICES="2", FAKE_CUDA_PCI_BUS_ID="00000000:3B:00.0"
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"numa-ok" in result.stdout
 
 
 # --- GPU --------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ struct CudaDriverLoader {
     resolve(lib, d.Init, "cuInit");
     resolve(lib, d.DeviceGet, "cuDeviceGet");
     resolve(lib, d.DeviceGetCount, "cuDeviceGetCount");
+    resolve(lib, d.DeviceGetPCIBusId, "cuDeviceGetPCIBusId");
     resolve(lib, d.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
     resolve(lib, d.DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
     resolve(lib, d.CtxPushCurrent, "cuCtxPushCurrent_v2");

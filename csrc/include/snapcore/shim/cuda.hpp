@@ -69,6 +69,7 @@ class CudaDriver {
   CUresult (*Init)(unsigned int flags) = nullptr;
   CUresult (*DeviceGet)(cu::CUdevice* device, int ordinal) = nullptr;
   CUresult (*DeviceGetCount)(int* count) = nullptr;
+  CUresult (*DeviceGetPCIBusId)(char* bus_id, int len, cu::CUdevice dev) = nullptr;
   CUresult (*DevicePrimaryCtxRetain)(cu::CUcontext* ctx, cu::CUdevice dev) = nullptr;
   CUresult (*DevicePrimaryCtxRelease)(cu::CUdevice dev) = nullptr;
   CUresult (*CtxPushCurrent)(cu::CUcontext ctx) = nullptr;
