@@ -10,7 +10,8 @@
  *   fake_cuda_log()          the calls so far, one per line
  *   fake_cuda_mark(text)     adds a line of the caller's to that log
  *   fake_cuda_state(name)    ctx_refs, streams, events, registered, depth, event_flags
- * FAKE_CUDA_FAIL=<function> makes that function fail with CUDA_ERROR_OUT_OF_MEMORY;
+ * FAKE_CUDA_FAIL=<function> makes that function fail with CUDA_ERROR_OUT_OF_MEMORY (only in
+ * device <n>'s context with FAKE_CUDA_FAIL_DEVICE=<n>);
  * FAKE_CUDA_NO_DEVICE=1 makes cuInit fail with CUDA_ERROR_NO_DEVICE;
  * FAKE_CUDA_DEVICES=<n> (1 to 8, default 1) is the number of devices, each with a primary
  * context of its own; calls made in a context log it as "ctx<device>".
@@ -75,9 +76,13 @@ static void note(const char* fmt, ...) {
   va_end(ap);
 }
 
+/* FAKE_CUDA_FAIL names the function; FAKE_CUDA_FAIL_DEVICE, if set, limits the failure
+ * to calls made in that device's context. */
 static int failing(const char* name) {
   const char* f = getenv("FAKE_CUDA_FAIL");
-  return f != NULL && strcmp(f, name) == 0;
+  const char* d = getenv("FAKE_CUDA_FAIL_DEVICE");
+  if (f == NULL || strcmp(f, name) != 0) return 0;
+  return d == NULL || (depth > 0 && stack[depth - 1] == atoi(d));
 }
 
 /* Handles this fake made and has not destroyed; anything else is a foreign stream. */

@@ -76,13 +76,20 @@ class Stager:
         protected = _optimizer_storages(optimizers) if optimizers else set()
         now = [b for b in layout.blobs if _storage_ptr(b) not in protected]
         later = [b for b in layout.blobs if _storage_ptr(b) in protected]
-        self.copy(now, w, defer=False, wait_gpu="stream" if optimizers else "cpu")
-        if later:
-            events = self.copy(later, w, defer=True, wait_gpu="none")
-            host = self._run_deferred(w, events, handle)
-            handle.defer_staging(events, host)
-            for opt in optimizers or []:
-                protect(opt, handle)
+        try:
+            self.copy(now, w, defer=False, wait_gpu="stream" if optimizers else "cpu")
+            if later:
+                events = self.copy(later, w, defer=True, wait_gpu="none")
+                host = self._run_deferred(w, events, handle)
+                handle.defer_staging(events, host)
+                for opt in optimizers or []:
+                    protect(opt, handle)
+        except BaseException:
+            # Overlap mode: copies queued on other devices (or running on the overlap
+            # thread) still write into the arena and read their sources. They finish
+            # before the error goes up: the arena is reused and the sources freed after.
+            _settle(w)
+            raise
         windows.put(w)
 
     def _run_deferred(
@@ -231,6 +238,16 @@ class Stager:
             elif wait_gpu == "stream":
                 ev.make_stream_wait(stream)
         return events
+
+
+def _settle(w: Window) -> None:
+    """Wait, raising nothing, for every copy of ``w`` already queued or running."""
+    for fut in w.pending:
+        with contextlib.suppress(BaseException):
+            fut.result()
+    for ev in w.events:
+        with contextlib.suppress(Exception):
+            ev.synchronize()
 
 
 def _storage_ptr(b: BlobPlan) -> int:

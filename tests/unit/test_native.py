@@ -1330,6 +1330,71 @@ def test_the_arena_of_a_gpu_is_placed_on_its_numa_node(fake_driver_dir, tmp_path
     assert b"numa-ok" in result.stdout
 
 
+PARTIAL_FAILURE_SCENARIO = (
+    FAKE_LOG
+    + FAKE_CUDA_BLOBS
+    + """
+import os, queue, types
+from snapcore.errors import CudaError
+from snapcore.io_types import Window
+from snapcore.staging.arena import HostArena
+from snapcore.staging.copy import Stager
+from snapcore.staging.handle import SaveHandle, SaveStats
+
+os.environ["FAKE_CUDA_FAIL"] = "cuMemcpyDtoHAsync"
+os.environ["FAKE_CUDA_FAIL_DEVICE"] = "1"  # GPU 1's copies fail, GPU 0's are queued
+buffer = torch.full((256,), 1.0)  # on GPU 0: copied before async_save returns
+param = torch.nn.Parameter(torch.full((256,), 2.0))  # on GPU 1, written by the optimizer
+opt = torch.optim.SGD([param], lr=1.0)
+arena = HostArena(2048, device=0)
+stager = Stager()
+
+def queued_then_failed(calls):
+    \"\"\"GPU 0's copy event, and whether it is waited for before the error goes up.\"\"\"
+    record = next(i for i, c in enumerate(calls) if c.startswith("MemcpyDtoHAsync"))
+    event = calls[record + 1].split()[1]  # EventRecord eN s1
+    raised = calls.index("raised")
+    return f"EventSynchronize {event}" in calls[record + 2 : raised]
+
+# default mode: both devices in one call
+blobs = [Blob(0, buffer, "cuda:0"), Blob(1024, param.data, "cuda:1")]
+start = len(log())
+try:
+    stager.copy(blobs, Window(arena, 0, 2048, 0, 0), defer=False, wait_gpu="stream")
+    raise AssertionError("GPU 1's failure was lost")
+except CudaError:
+    fake.fake_cuda_mark(b"raised")
+assert queued_then_failed(log()[start:]), log()[start:]
+
+# overlap mode: GPU 0's copies (not the optimizer's) queued with a stream wait, then GPU
+# 1's (the optimizer's) fail
+layout = types.SimpleNamespace(blobs=blobs, total=2048)
+handle = SaveHandle(1, SaveStats(1, 2048, 2048), ("local",))
+start = len(log())
+try:
+    stager.stage_whole(arena, layout, queue.Queue(), [opt], handle)
+    raise AssertionError("GPU 1's failure was lost")
+except CudaError:
+    fake.fake_cuda_mark(b"raised")
+calls = log()[start:]
+assert "StreamWaitEvent ext:1000" in " ".join(calls), calls  # GPU 0's: no host wait then
+assert queued_then_failed(calls), calls
+stager.close()
+arena.close()
+print("partial-failure-ok")
+"""
+)
+
+
+def test_a_partial_multi_device_failure_waits_for_every_queued_copy(fake_driver_dir):
+    """When one GPU's copies fail, the copies already queued on the others still write into
+    the arena and read their sources: they are waited for before the error goes up (and
+    the arena can be reused, the sources freed), in default and in overlap mode."""
+    result = run_with_fake_driver(fake_driver_dir, PARTIAL_FAILURE_SCENARIO, FAKE_CUDA_DEVICES="2")
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"partial-failure-ok" in result.stdout
+
+
 # --- GPU --------------------------------------------------------------------------------
 
 
