@@ -157,9 +157,10 @@ class Stager:
         tensor to the last, so that it is gathered once per snapshot, not once per window.
 
         Every device's CUDA copies are queued on its side stream first, then the CPU
-        copies run (now, or on the persist thread when ``defer``) while the GPUs copy, then
-        the CUDA copies are waited for as ``wait_gpu`` says: "cpu" (block), "stream" (make
-        the current stream wait), "none" (the caller decides). If queueing fails on one
+        copies run (now, or, when ``defer``, later: put in ``w.deferred``, which
+        ``stage_whole`` hands to the overlap thread) while the GPUs copy, then the CUDA
+        copies are waited for as ``wait_gpu`` says: "cpu" (block), "stream" (make the
+        current stream wait), "none" (the caller decides). If queueing fails on one
         device, the copies already queued on the others are waited for before raising.
         """
         host: list[tuple[int, int, int]] = []

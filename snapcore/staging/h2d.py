@@ -5,8 +5,9 @@ The chunks are read (and hash-checked) by the reader's threads into one slot of 
 of two registered (pinned) slots while the other slot's host-to-device copies run; a slot
 is read into again only once its copies have completed. No torch pinned allocation (torch
 caches those, rounded up to a power of two, for the life of the process) and no blocking
-``copy_`` per tensor: one ``cuMemcpyHtoDAsync`` per contiguous range, queued on the
-device's side stream after the work already on its current stream.
+``copy_`` per tensor: each slot's copies go to the native copier of each device at once
+(merged where they continue one another, one ``cuMemcpyBatchAsync`` where the driver has
+it), queued on the device's side stream after the work already on its current stream.
 """
 
 from __future__ import annotations
