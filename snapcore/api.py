@@ -42,7 +42,10 @@ def async_save(
     snapshot is durable once ``handle.wait()`` returns (``wait(tier=...)`` for one tier).
     By default the state may be changed as soon as this returns. With ``overlap=True`` the
     copies of tensors that the state's optimizers write run on while training goes on,
-    and each optimizer's next ``step()`` waits for them (or call ``handle.staged()``).
+    and each optimizer's next ``step()`` waits for them (or call ``handle.staged()``):
+    for CUDA tensors its current stream waits, the CPU does not. Only the current stream
+    is ordered (see docs/architecture.md); overlap mode is refused while a CUDA graph is
+    being captured.
     ``budget_bytes`` bounds the host memory used for staging (default: the size of the
     state, times two with a host-memory tier); a smaller budget streams the state through
     the arena, and the call then blocks until the last part is staged. ``tiers`` sends

@@ -30,6 +30,7 @@ from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNot
 from .planning.global_plan import SavedPiece, describe_local, plan_read
 from .planning.layout import contiguous_strides
 from .sharding import Box
+from .staging.h2d import ChunkCopies, fill_devices
 from .tiers import Tier
 from .tree import RestorePlan, build, is_dtensor, plan_restore, tensor_paths, type_name
 
@@ -759,6 +760,11 @@ class Reader:
                 else:
                     copies.append((i, t))
         self.read_blobs(direct)
+        if _native.cuda_available():
+            on_gpu = [(i, t) for i, t in copies if self._h2d_ok(i, t)]
+            if on_gpu:
+                self._fill_cuda([(i, t.data_ptr(), _device_index(t)) for i, t in on_gpu])
+                copies = [(i, t) for i, t in copies if not self._h2d_ok(i, t)]
         batch: list[tuple[int, torch.Tensor]] = []
         size = 0
         for i, t in copies:
@@ -794,6 +800,34 @@ class Reader:
             and self.m.blobs[p.blob].nbytes == e.nbytes
             and len(self.blob_users[p.blob]) == 1
         )
+
+    def _h2d_ok(self, i: int, t: torch.Tensor) -> bool:
+        """Whether CUDA tensor ``t`` takes saved tensor ``i``'s bytes as they are stored (both
+        contiguous): then the native path fills it (``_fill_cuda``)."""
+        e = self.m.tensors[i]
+        return (
+            t.device.type == "cuda"
+            and t.is_contiguous()
+            and e.pieces[0].strides == contiguous_strides(e.shape)
+        )
+
+    def _fill_cuda(self, items: list[tuple[int, int, int]]) -> None:
+        """Fill CUDA tensors: ``items`` are (saved tensor, device address, device). The
+        chunks holding their bytes are read into a pinned ring and copied on the side
+        stream of each device, whose current stream waits for them (staging/h2d.py)."""
+        need: dict[tuple[int, int], ChunkCopies] = {}
+        for i, dst, device in items:
+            e = self.m.tensors[i]
+            p = e.pieces[0]
+            lo, hi = p.byte_offset, p.byte_offset + e.nbytes
+            pos = 0
+            for j, c in enumerate(self.m.blobs[p.blob].chunks):
+                start, end = max(lo, pos), min(hi, pos + c.raw_length)
+                if start < end:
+                    cc = need.setdefault((p.blob, j), ChunkCopies(p.blob, j, c.raw_length))
+                    cc.copies.append((device, dst + start - lo, start - pos, end - start))
+                pos += c.raw_length
+        fill_devices([need[k] for k in sorted(need)], self.read_chunks)
 
     def _copy_batch(self, batch: list[tuple[int, torch.Tensor]]) -> None:
         if not batch:
@@ -923,6 +957,10 @@ def _by_content(ref: mf.Manifest, m: mf.Manifest) -> dict[tuple[int, int], tuple
             if at is not None:
                 out[(b_i, j)] = at
     return out
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def _chunk(m: mf.Manifest, job: tuple[int, int, int]) -> mf.Chunk:

@@ -32,7 +32,7 @@ from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, WindowItem
 from ..planning.layout import Layout, align_up, plan
 from ..staging.arena import HostArena, pin_device
-from ..staging.copy import Stager
+from ..staging.copy import Stager, refuse_overlap_in_graph_capture
 from ..staging.handle import SaveHandle, SaveStats
 from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, Tier, as_store, on_store_exit
 from ..tree import Flattened, flatten, is_dtensor
@@ -117,6 +117,8 @@ class Engine:
         t0 = time.perf_counter()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
+        if overlap:
+            refuse_overlap_in_graph_capture()
         want = self._wanted(tiers)
         djob = current_job()  # under torch.distributed: a sharded save (a collective, once)
         # The ranks of a node share its directory and host-memory area: the node's first
