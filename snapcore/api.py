@@ -267,10 +267,11 @@ def restore(
     t0 = time.perf_counter()
     job = current_job()
     rank, world = (job.rank, job.world_size) if job is not None else (0, 1)
+    node = _node(engine_for(store), job)
 
     def use(reader: Reader) -> tuple[RestorePlan, int]:
         reader.select(rank, world, rank_local)
-        return reader.restore(state, strict=strict, job=job)
+        return reader.restore(state, strict=strict, job=job, node=node)
 
     (plan, n), reader, skipped = _read(store, step, verify, use)
     for d in reader.damaged:
@@ -286,6 +287,15 @@ def restore(
         unexpected=plan.unexpected,
         skipped=skipped,
     )
+
+
+def _node(engine: Engine, job: Job | None) -> list[Any] | None:
+    """This rank's node, as the ranks that share their reads of a restore see it: its host
+    and its node-local tiers (a directory, a host-memory area)."""
+    if job is None:
+        return None
+    local = engine.config.local
+    return [job.host, os.path.realpath(local) if local else None, engine.config.host]
 
 
 def load(

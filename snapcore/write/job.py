@@ -158,6 +158,7 @@ class PersistJob:
             self.slot,
             chunk_list(self.layout, settings.chunk_bytes()),
             part=self.sharded.spec.info() if self.sharded is not None else None,
+            drops=self.sharded.spec.drop if self.sharded is not None else {},
         )
         ready = [threading.Event() for _ in s.chunks]
 
