@@ -199,6 +199,26 @@ class SnapcoreSink:
         self._put(info.name, value)
         self._by_name[info.name] = value
 
+    def write_range(self, info: TensorInfo, start: int, piece: torch.Tensor) -> None:
+        """Elements ``[start, start + piece.numel())`` of ``info``, in order: written
+        into the tensor's blob as they arrive (a URL target gathers them)."""
+        if piece.dtype != info.dtype or piece.dim() != 1:
+            raise ValueError(f"{info.name}: a range of {piece.dtype} {tuple(piece.shape)}")
+        if start == 0:
+            if isinstance(self.target, str):
+                value: Any = torch.empty(info.shape, dtype=info.dtype)
+            else:
+                value = _Ref(self._writer().add_tensor(info.dtype, info.shape))
+            self._put(info.name, value)
+            self._by_name[info.name] = value
+        value = self._by_name.get(info.name)
+        if value is None:
+            raise ValueError(f"{info.name}: a range at element {start} before the first")
+        if isinstance(value, torch.Tensor):
+            value.view(-1)[start : start + piece.numel()] = piece
+        else:
+            self._writer().write(value.index, start * info.dtype.itemsize, piece)
+
     def write_values(self, values: dict[str, Value]) -> None:
         for name, value in values.items():
             self._put(name, value)
