@@ -14,12 +14,14 @@ Besides the contract of ``base.py``, optional methods are used when a format has
 ``Source.aliases()`` (name -> the name of the tensor it is the same as: tied weights)
 and ``Sink.begin(infos, aliases, metadata)`` (the tensors it will be given, in order,
 the aliases among them and the provenance ``commit`` will be given, before the first
-``write``); ``Source.read_range(info, start, stop)`` and ``Sink.write_range(info, start,
-piece)`` (elements ``[start, stop)`` of a tensor in C order, as a 1-D tensor; a tensor's
-ranges are written in order, one after another, and cover it exactly). A source without
-``aliases`` has none; a sink without ``begin`` is given aliased tensors as tensors of
-their own. ``write_values`` comes first of all, so a sink that writes a header before
-its tensors knows everything that goes into it.
+``write``); ``Sink.order(infos, aliases)`` (the tensors in the order the sink wants
+them, asked after ``write_values`` and before ``begin``); ``Source.read_range(info,
+start, stop)`` and ``Sink.write_range(info, start, piece)`` (elements ``[start, stop)``
+of a tensor in C order, as a 1-D tensor; a tensor's ranges are written in order, one
+after another, and cover it exactly). A source without ``aliases`` has none; a sink
+without ``begin`` is given aliased tensors as tensors of their own. ``write_values``
+comes first of all, so a sink that writes a header before its tensors knows everything
+that goes into it.
 """
 
 from __future__ import annotations
@@ -193,6 +195,12 @@ def convert(
             # in a header it writes before the tensors (safetensors' last file)
             sink.write_values(values)
             stats.values = len(values)
+            order = getattr(sink, "order", None)
+            if order is not None:  # the sink writes in an order of its own (DCP's plan)
+                pos = {o.name: k for k, o in enumerate(order([o for _, o in plan], dict(aliases)))}
+                if sorted(pos) != sorted(o.name for _, o in plan):
+                    raise AssertionError(f"{to} sink: order() did not give every tensor once")
+                plan = sorted(plan, key=lambda p: pos[p[1].name])
             begin = getattr(sink, "begin", None)
             if begin is not None:
                 begin([out for _, out in plan], dict(aliases), metadata)

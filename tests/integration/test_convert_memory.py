@@ -1,6 +1,6 @@
 """snapcore convert holds at most two reads in flight, whatever the checkpoint's size
 (docs/cli.md, "convert"): a tensor larger than the window is converted in ranges, a
-smaller one whole, and the snapcore and safetensors targets keep none of them.
+smaller one whole, and the snapcore, safetensors and DCP targets keep none of them.
 
 Measured in a child process as its peak RSS (``VmHWM``, reset with ``clear_refs`` just
 before the conversion) above its RSS at that point. The child runs with glibc's mmap
@@ -9,7 +9,8 @@ is a mapping of its own, returned to the kernel when freed: RSS then counts the 
 alive, not what the allocator keeps for reuse (with its default, dynamic threshold the
 heap keeps freed tensors' memory and the figure wanders by tens of MB). Nothing here is
 timed. The state is 256 MiB: 24 tensors of 8 MiB and one of 64 MiB; a sink that gathered
-the checkpoint (the snapcore sink did, before it streamed) would show 256 MiB or more.
+the checkpoint (the snapcore and DCP sinks did, before they streamed) shows 256 MiB or
+more (the snapcore sink showed 512 MiB: the tensors and the engine's staging copy).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ for name, (a, b, to) in {
     "safetensors->snapcore": (src, out + "-snapcore", "snapcore"),
     "safetensors->safetensors": (src, out + "-safetensors", "safetensors"),
     "snapcore->safetensors": (out + "-snapcore", out + "-back", "safetensors"),
+    "safetensors->dcp": (src, out + "-dcp", "dcp"),
 }.items():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
@@ -96,8 +98,10 @@ def test_ranges_bound_memory_by_the_window(tmp_path: Path) -> None:
     # two reads of at most 8 MiB in flight; the 64 MiB tensor goes in ranges
     assert peaks["safetensors->snapcore"] <= 4 * window, peaks
     assert peaks["safetensors->safetensors"] <= 4 * window, peaks
-    # a snapcore source reads whole tensors: the 64 MiB one and the read ahead
+    # a snapcore source reads whole tensors, and DCP's writer takes whole ones: the
+    # 64 MiB one and the read ahead
     assert peaks["snapcore->safetensors"] <= 64 * MIB + 4 * window, peaks
+    assert peaks["safetensors->dcp"] <= 64 * MIB + 4 * window, peaks
     _check_output(tmp_path, infos)
 
 
