@@ -38,8 +38,9 @@ used without ``begin`` (the contract allows it) gathers the tensors and saves th
 at ``commit``. DCP writes into a temporary directory beside the target (files and
 ``.metadata`` fsynced by DCP); the sink fsyncs that directory and renames it onto the
 target; ``abort`` stops DCP's thread (its wait for the next tensor raises) and removes
-the directory. DCP cannot write a tensor in pieces from one process (a tensor is one
-``WriteItem``, resolved whole), so a tensor larger than the window is read whole.
+the directory. DCP writes a plain tensor as one ``WriteItem``, resolved whole (only a
+``DTensor`` or ``ShardedTensor``, which need a process group, is written in chunks), so a
+tensor larger than the window is read whole.
 """
 
 from __future__ import annotations
