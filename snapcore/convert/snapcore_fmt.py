@@ -19,8 +19,9 @@ Memory: the tensor being written, whatever the checkpoint's size. A local target
 written into a temporary store beside it and renamed into place once committed. A URL
 target is not streamed: the tensors are gathered and saved whole by ``snapcore.save``
 (snapcore's commit, the manifest written last, is the atomic step), so its memory is
-about twice the checkpoint (the tensors and the engine's staging copy); convert into a
-local store and let snapcore upload it to stream.
+about twice the checkpoint (the tensors and the engine's staging copy). A tensor larger
+than the converter's window may arrive in ranges (``write_range``), each written into
+its blob as it comes.
 """
 
 from __future__ import annotations
