@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from .distributed.job import Job, all_gather_bytes
 from .distributed.job import current as current_job
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StateMismatch, StoreInUse
+from .peer import prepare_restore as prepare_peer_restore
 from .read import Reader, RestoreInfo, exchange_plan
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
@@ -184,6 +185,12 @@ def _read(
     engine = engine_for(store)
     steps = committed(store)
     job = current_job() if agree else None
+    if job is not None and engine.config.peer_spec is not None:
+        # The peer tier (snapcore/peer): a replaced node's parts come back from its
+        # partners' memory into its host area first; then the tiers are listed again.
+        got, notes = prepare_peer_restore(engine.config, steps, job, step)
+        steps = committed(store)
+        use = _noting_peer(use, got, notes)
     if job is not None and step is None:  # every rank takes the same step
         return _read_agreed(engine, steps, job, verify, use)
     every = sorted({s for ss in steps.values() for s in ss})
@@ -219,6 +226,15 @@ def _read(
     if len(skipped) > 1:
         newest.add_note("older steps are damaged too:\n" + "\n".join(skipped[1:]))
     raise newest
+
+
+def _noting_peer(use: Callable[[Reader], T], got: int, notes: list[str]) -> Callable[[Reader], T]:
+    def noted(reader: Reader) -> T:
+        reader.peer_bytes = got
+        reader.damaged.extend(notes)
+        return use(reader)
+
+    return noted
 
 
 def restore(
@@ -282,6 +298,8 @@ def restore(
         missing=plan.missing,
         unexpected=plan.unexpected,
         skipped=skipped,
+        tier_bytes=dict(reader.tier_bytes),
+        peer_bytes=reader.peer_bytes,
     )
 
 
