@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from .distributed.job import Job, all_gather_bytes
 from .distributed.job import current as current_job
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StateMismatch, StoreInUse
+from .peer import peer_copies
 from .peer import prepare_restore as prepare_peer_restore
 from .read import Reader, RestoreInfo, exchange_plan
 from .staging.handle import SaveHandle, SaveStats
@@ -101,9 +102,26 @@ def _reader(engine: Engine, steps: dict[str, list[int]], step: int, verify: bool
     if not sources:
         assert first is not None
         raise first
+    sources = _with_peer_copies(engine, sources, step)
     reader = Reader(sources, verify=verify)
     reader.damaged.extend(damaged)
     return reader
+
+
+def _with_peer_copies(engine: Engine, sources: list[Any], step: int) -> list[Any]:
+    """The peer tier (snapcore/peer): the copies this node holds of other ranks' parts
+    serve, before object storage, the chunks its own tiers lack. Never a reason to take
+    a step (they are not listed in ``committed``): only a source of chunks."""
+    copies = peer_copies(engine.config)
+    if copies is None or step not in copies.committed_steps():
+        return sources
+    try:
+        m = copies.read_manifest(step)
+    except (OSError, SnapcoreError) as e:
+        log.warning("the peer copies of step %d cannot be read: %s", step, e)
+        return sources
+    at = next((i for i, (t, _) in enumerate(sources) if t.name == "remote"), len(sources))
+    return [*sources[:at], (copies, m), *sources[at:]]
 
 
 T = TypeVar("T")

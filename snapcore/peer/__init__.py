@@ -11,7 +11,7 @@ before the restore's agreement, and the re-send).
 
 from __future__ import annotations
 
-from .link import PeerLink, connect, open_link
+from .link import PeerLink, connect, open_link, peer_copies
 from .restore import prepare_restore
 
-__all__ = ["PeerLink", "connect", "open_link", "prepare_restore"]
+__all__ = ["PeerLink", "connect", "open_link", "peer_copies", "prepare_restore"]

@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,13 +29,15 @@ from typing import Any
 import torch
 import xxhash
 
+from .. import _native
 from .. import manifest as mf
+from ..assemble import read_sharded
 from ..directory import MANIFEST, LocalDirectory, step_dir_name
 from ..durable import fsync_dir
-from ..errors import InvalidManifest, SnapcoreError, SnapshotNotFound
+from ..errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound
 from ..staging.arena import HostArena
 
-__all__ = ["Copy", "Destination", "PeerArea", "peer_root"]
+__all__ = ["Copy", "Destination", "PeerArea", "PeerCopies", "peer_root"]
 
 IDENTITY = "peer.json"
 
@@ -331,3 +335,96 @@ def _bytes_of(root: Path, *, exclude: frozenset[str] | set[str] = frozenset(),
 def _free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+_SOURCE_DIR = re.compile(r"^r(\d{1,7})$")
+
+
+class PeerCopies:
+    """The copies a node holds of other ranks' parts, read as one tier (``"peer"``),
+    together with the node's own parts in its host area: a restore reads from it the
+    chunks its node's own tiers lack (a tensor written once in the job by a rank of
+    another node) before it would go to object storage, and with every rank's part at
+    hand (a node's own and its copies, in a ring of two nodes) it is the complete view
+    the reader checks the other, partial, node-local tiers against. Read only."""
+
+    name = "peer"
+
+    def __init__(self, area_root: Path, identity: dict[str, Any]) -> None:
+        self.area_root = area_root
+        self.identity = identity
+        self._paths: dict[str, Path] = {}  # data file name -> where (set by read_manifest)
+
+    def describe(self) -> str:
+        return str(self.area_root / "peer")
+
+    def _areas(self) -> dict[int, PeerArea]:
+        try:
+            entries = os.listdir(self.area_root / "peer")
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        out = {}
+        for entry in entries:
+            m = _SOURCE_DIR.match(entry)
+            if m:
+                area = PeerArea(self.area_root, int(m.group(1)))
+                if area.identity() == self.identity:
+                    out[area.source] = area
+        return out
+
+    def committed_steps(self) -> list[int]:
+        return sorted({s for a in self._areas().values() for s in a.dir.committed_steps()})
+
+    def read_manifest(self, step: int) -> mf.Manifest:
+        holding = [a for a in self._areas().values() if step in a.dir.committed_steps()]
+        if not holding:
+            raise SnapshotNotFound(f"no copy of step {step} in {self.describe()}")
+        path = holding[0].dir.manifest_path(step)
+        index = Copy.index_of(path.read_bytes())
+        dirs = [self.area_root] + [a.root for a in holding]  # the node's own parts first
+        paths: dict[str, Path] = {}
+
+        def read_part(name: str, size: int) -> bytes | None:
+            for d in dirs:
+                p = d / name
+                if not p.is_file() or p.is_symlink():
+                    continue
+                with open(p, "rb") as f:
+                    data = f.read(size + 1)
+                with contextlib.suppress(SnapcoreError):  # read_sharded says what is wrong
+                    for fr in mf.parse_part(data, where=str(p)).files:
+                        paths[fr.name] = d / fr.name
+                return data
+            return None
+
+        m = read_sharded(index, read_part, where=str(path), partial=True)
+        self._paths = paths
+        return m
+
+    def _path(self, name: str) -> Path | None:
+        return self._paths.get(name)
+
+    def file_size(self, name: str) -> int | None:
+        path = self._path(name)
+        if path is None:
+            return None
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptSnapshot(f"peer copy {path} is not a regular file", file=str(path))
+        return st.st_size
+
+    def read_into(self, name: str, offset: int, length: int, address: int) -> None:
+        path = self._path(name)
+        if path is None:
+            raise CorruptSnapshot(f"no peer copy holds {name}", file=name)
+        if length:
+            _native.read_into(str(path), offset, length, address)
+
+    def uncommit(self, step: int) -> None:
+        raise NotImplementedError("the peer tier's copies are managed by their receivers")
+
+    def collect(self, *, dry_run: bool = False) -> list[str]:
+        return []

@@ -31,13 +31,13 @@ from ..distributed.job import Job, all_gather_bytes, kv_get
 from ..errors import SnapcoreError, SnapshotFailed
 from ..staging.handle import SaveHandle
 from ..tiers import HostTier, PeerSpec, Store
-from .area import Copy, Destination, PeerArea, peer_root
+from .area import Copy, Destination, PeerArea, PeerCopies, peer_root
 from .topology import Home, Topology
 from .wire import Incoming, Outgoing, PeerLinkError, exchange
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Connection", "PeerLink", "connect", "peer_identity"]
+__all__ = ["Connection", "PeerLink", "connect", "peer_copies", "peer_identity"]
 
 
 @dataclass
@@ -194,6 +194,19 @@ class PeerLink:
 def open_link(job: Job, store: Store) -> PeerLink:
     """The peer tier of an engine: connects (a collective) and starts its thread."""
     return PeerLink(connect(job, store), store)
+
+
+def peer_copies(store: Store) -> PeerCopies | None:
+    """The copies this node holds of other ranks' parts, as a read-only tier; None when
+    the store has no peer tier or no job runs."""
+    import torch.distributed as dist
+
+    from ..distributed.job import initialized
+
+    # not current(): its first call is a collective, and a load may run on one rank alone
+    if store.peer_spec is None or store.host is None or not initialized():
+        return None
+    return PeerCopies(area_root(store), peer_identity(store, dist.get_world_size()))
 
 
 def area_root(store: Store) -> Path:

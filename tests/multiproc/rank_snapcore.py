@@ -54,9 +54,7 @@ import snapcore
 from snapcore.distributed import AppState, RankLocal
 
 
-def state_of(
-    kind: str, seed: int, step: int, pad_mb: float = 0
-) -> tuple[dict[str, Any], Any, Any]:
+def state_of(kind: str, seed: int, step: int, pad_mb: float = 0) -> tuple[dict[str, Any], Any, Any]:
     model, optim = models.build(kind, steps=2, seed=seed)
     rank = dist.get_rank()
     state = {
@@ -353,6 +351,7 @@ def peer_save(a: dict[str, Any]) -> dict[str, Any]:
     state, model, optim = state_of(a["kind"], a.get("seed", 0), step, a.get("pad_mb", 0))
     torch.manual_seed(1234 + dist.get_rank())
     store = store_of(a)
+    saved = digests(model, optim)  # a collective: before any rank may die
     if a.get("die_when") and dist.get_rank() in a.get("die_ranks", []):
         pattern = os.path.expandvars(a["die_when"])
 
@@ -374,7 +373,7 @@ def peer_save(a: dict[str, Any]) -> dict[str, Any]:
     return {
         "tiers": tiers,
         "warnings": handle.stats.warnings,
-        "digests": digests(model, optim),
+        "digests": saved,
         "pad": models.digest(state["pad"].value) if "pad" in state else None,
         "written": handle.stats.written,
     }

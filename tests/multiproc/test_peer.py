@@ -86,7 +86,8 @@ class Nodes:
             for p in procs:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the ranks did not finish in {TIMEOUT} s:\n{self.logs(workdir)}")
+            why = f"the ranks did not finish in {TIMEOUT} s:\n{self.logs(workdir)}"
+            raise AssertionError(why) from None
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -145,14 +146,13 @@ def test_a_replaced_node_restores_from_its_partners_memory(
         "peer": True,
     }
     saves = [
-        {"op": "peer-save", "kind": "fsdp2", "store": spec, "step": s, "pad_mb": 1}
-        for s in (6, 7)
+        {"op": "peer-save", "kind": "fsdp2", "store": spec, "step": s, "pad_mb": 1} for s in (6, 7)
     ]
     die = {"op": "die", "store": spec, "ranks": [2, 3], "no_barrier": True}
     runs = nodes.spawn([*saves, die], tmp_path / "save")
     assert [code for code, _ in runs] == [0, 0, -9, -9], nodes.logs(tmp_path / "save")
     saved = [out for _, out in runs]
-    for rank, (first, second, *_) in enumerate(saved):
+    for first, second, *_ in saved:
         assert first["tiers"] == second["tiers"] == {t: "ok" for t in first["tiers"]}
         assert set(first["tiers"]) == {"host", "local", "remote", "peer"}
         assert second["warnings"] == []
@@ -166,7 +166,10 @@ def test_a_replaced_node_restores_from_its_partners_memory(
         assert "error" not in r, r
         assert r["step"] == 7 and r["digests"] == saved[rank][1]["digests"]
         assert r["pad"] == saved[rank][1]["pad"] and r["pos"] == 100 * rank + 7
-        assert set(r["tier_bytes"]) == {"host"}, r["tier_bytes"]  # no disk, no object storage
+        # Nothing from local disk or object storage: the node's own memory, and the copies
+        # it holds of the other node's parts (a tensor written once in the job, there).
+        assert set(r["tier_bytes"]) <= {"host", "peer"}, r["tier_bytes"]
+        assert r["tier_bytes"]["host"] > 1 << 20
         if rank >= 2:
             assert r["peer_bytes"] > 1 << 20, r  # its part came from its partner's memory
         else:
@@ -175,3 +178,86 @@ def test_a_replaced_node_restores_from_its_partners_memory(
     # Node 1 holds its own copy again, and its partners' copies (the re-send).
     assert nodes.host_steps(1) == [7]
     assert nodes.copies(1, 0) == nodes.copies(1, 1) == [7]
+
+
+def test_a_partner_killed_mid_transfer_leaves_the_previous_copy_usable(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    """Step 6 reaches the partners; during step 7's transfer (paced to 4 MiB/s, so it
+    takes seconds) every process of node 1 is SIGKILLed once its receiving file exists.
+    Node 0's ranks are told (the peer tier of step 7 fails, naming the copy of step 6
+    that stays), their host tier holds step 7. Then node 0 is replaced: the job restores
+    step 6 from node 1's copies, and the next snapshot reaches the partners again."""
+    spec = {
+        "host": "$SNAPCORE_TEST_HOST",
+        "peer": {"max_bytes_per_s": 4 << 20, "piece_bytes": 1 << 20},
+    }
+    save = {"op": "peer-save", "kind": "fsdp2", "store": spec, "pad_mb": 8}
+    runs = nodes.spawn(
+        [
+            {**save, "step": 6},
+            {
+                **save,
+                "step": 7,
+                "die_when": "$SNAPCORE_TEST_SHM/peer/r*/slot-r*-1.bin",
+                "die_ranks": [2, 3],
+                "no_barrier": True,
+            },
+        ],
+        tmp_path / "save",
+    )
+    assert [code for code, _ in runs] == [0, 0, -9, -9], nodes.logs(tmp_path / "save")
+    for rank in (0, 1):
+        first, second = runs[rank][1]
+        assert set(first["tiers"].values()) == {"ok"}, first
+        assert second["tiers"]["host"] == "ok"
+        assert "peer tier failed" in second["tiers"]["peer"], second
+        assert any("the copy of step 6 stays" in w for w in second["warnings"]), second
+    assert nodes.copies(1, 0) == nodes.copies(1, 1) == [6]  # step 7 never committed there
+    assert nodes.host_steps(1) == [6, 7]
+    step6 = [runs[rank][1][0] for rank in range(2)]
+
+    nodes.replace(0)
+    res = nodes.launch(
+        [
+            {"op": "restore", "kind": "fsdp2", "store": spec, "pad_mb": 8},
+            {**save, "step": 8},
+        ]
+    )
+    for rank, (r, after) in enumerate(res):
+        assert r.get("step") == 6, r
+        assert set(r["tier_bytes"]) <= {"host", "peer"}, r
+        if rank < 2:
+            assert r["digests"] == step6[rank]["digests"] and r["pad"] == step6[rank]["pad"]
+            assert r["peer_bytes"] > 8 << 20
+        assert set(after["tiers"].values()) == {"ok"}, after  # the next snapshot repairs
+    assert nodes.copies(1, 0)[-1] == nodes.copies(0, 2)[-1] == 8
+
+
+def test_a_full_partner_memory_and_a_stale_partner_area_are_reported(nodes: Nodes) -> None:
+    """Partner copies are capped at 64 KiB (PeerSpec.max_bytes) and each rank's part
+    takes 1 MiB: every rank's peer tier fails with "partner memory full", each receiver
+    warns, and the host and local tiers are committed as ever. Node 1's area also holds a
+    copy of rank 0's part from another store (a stale area): it is dropped, and said."""
+    stale = nodes.shm[1] / "peer" / "r0"
+    (stale / "step-000000000099").mkdir(parents=True)
+    (stale / "step-000000000099" / "manifest.json").write_text("{}")
+    (stale / "peer.json").write_text(json.dumps({"store": {"local": "/gone"}, "world_size": 4}))
+    spec = {
+        "host": "$SNAPCORE_TEST_HOST",
+        "local": "$SNAPCORE_TEST_LOCAL",
+        "peer": {"max_bytes": 64 << 10},
+    }
+    res = nodes.launch(
+        [{"op": "peer-save", "kind": "fsdp2", "store": spec, "step": 3, "pad_mb": 1}]
+    )
+    for rank, (r,) in enumerate(res):
+        assert r["tiers"]["host"] == r["tiers"]["local"] == "ok", r
+        assert "partner memory full" in r["tiers"]["peer"], r
+        assert any("partner memory full" in w for w in r["warnings"]), r
+        if rank == 2:  # the receiver of rank 0's copies
+            assert any("dropped the stale copies" in w for w in r["warnings"]), r
+    assert not (stale / "step-000000000099").exists()
+    for node in range(2):
+        assert nodes.host_steps(node) == [3]
+        assert nodes.copies(node, 2 * (1 - node)) == []
