@@ -297,6 +297,9 @@ class Destination:
             self.abort()
             raise
         self._close()
+        for name, size in copy.files:  # an arena's file is a whole number of pages
+            if os.path.getsize(self.root / name) != size:
+                os.truncate(self.root / name, size)
         step_dir = self.root / step_dir_name(copy.step)
         _write_atomic(self.root / copy.part_name, copy.part_bytes)
         if self.commit_index:
