@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from .distributed.job import Job, all_gather_bytes
 from .distributed.job import current as current_job
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StateMismatch, StoreInUse
-from .peer import peer_copies
+from .peer import Fetched, peer_copies
 from .peer import prepare_restore as prepare_peer_restore
 from .read import Reader, RestoreInfo, exchange_plan
 from .staging.handle import SaveHandle, SaveStats
@@ -206,9 +206,9 @@ def _read(
     if job is not None and engine.config.peer_spec is not None:
         # The peer tier (snapcore/peer): a replaced node's parts come back from its
         # partners' memory into its host area first; then the tiers are listed again.
-        got, notes = prepare_peer_restore(engine.config, steps, job, step)
+        fetched = prepare_peer_restore(engine.config, steps, job, step, engine.peer_link(job))
         steps = committed(store)
-        use = _noting_peer(use, got, notes)
+        use = _noting_peer(use, fetched)
     if job is not None and step is None:  # every rank takes the same step
         return _read_agreed(engine, steps, job, verify, use)
     every = sorted({s for ss in steps.values() for s in ss})
@@ -246,10 +246,10 @@ def _read(
     raise newest
 
 
-def _noting_peer(use: Callable[[Reader], T], got: int, notes: list[str]) -> Callable[[Reader], T]:
+def _noting_peer(use: Callable[[Reader], T], fetched: Fetched) -> Callable[[Reader], T]:
     def noted(reader: Reader) -> T:
-        reader.peer_bytes = got
-        reader.damaged.extend(notes)
+        reader.peer_bytes, reader.peer_s = fetched.bytes, fetched.seconds
+        reader.damaged.extend(fetched.notes)
         return use(reader)
 
     return noted
@@ -318,6 +318,7 @@ def restore(
         skipped=skipped,
         tier_bytes=dict(reader.tier_bytes),
         peer_bytes=reader.peer_bytes,
+        peer_s=reader.peer_s,
     )
 
 

@@ -56,6 +56,7 @@ class RestoreInfo:
     skipped: list[str] = field(default_factory=list)  # "step N: why", newer damaged steps
     tier_bytes: dict[str, int] = field(default_factory=dict)  # bytes read, per tier
     peer_bytes: int = 0  # bytes of this rank's part received from a partner's memory
+    peer_s: float = 0.0  # the time receiving them took (before the restore's reads)
 
 
 # Where a chunk is decoded to: an address, or a function that gives one for a number of
@@ -130,6 +131,7 @@ class Reader:
         self.bytes_read = 0  # from the tiers, as stored
         self.tier_bytes: dict[str, int] = {}  # the same, per tier
         self.peer_bytes = 0  # received from a partner before reading (snapcore/peer)
+        self.peer_s = 0.0
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._blobs: dict[int, torch.Tensor] = {}

@@ -12,6 +12,6 @@ before the restore's agreement, and the re-send).
 from __future__ import annotations
 
 from .link import PeerLink, connect, open_link, peer_copies
-from .restore import prepare_restore
+from .restore import Fetched, prepare_restore
 
-__all__ = ["PeerLink", "connect", "open_link", "peer_copies", "prepare_restore"]
+__all__ = ["Fetched", "PeerLink", "connect", "open_link", "peer_copies", "prepare_restore"]

@@ -17,14 +17,16 @@ slot, as it waits for a slow local disk). ``PeerSpec.max_bytes_per_s`` paces it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import settings
 from ..distributed.job import Job, all_gather_bytes, kv_get
@@ -36,6 +38,8 @@ from .topology import Home, Topology
 from .wire import Incoming, Outgoing, PeerLinkError, exchange
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 __all__ = ["Connection", "PeerLink", "connect", "peer_copies", "peer_identity"]
 
@@ -103,6 +107,15 @@ class PeerLink:
         self.rank = conn.job.rank
         self.identity = peer_identity(store, conn.job.world_size)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapcore-peer")
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the peer thread (the one user of the peer group) and wait."""
+        return self.pool.submit(fn).result()
+
+    def drain(self) -> None:
+        """Wait for what is queued on the peer thread."""
+        with contextlib.suppress(RuntimeError):  # shut down: nothing is queued
+            self.pool.submit(lambda: None).result()
 
     def submit(self, handle: SaveHandle, step: int, index_key: str) -> Future[None]:
         """Send this rank's part of ``step`` (committed in host memory) to its partners

@@ -20,6 +20,8 @@ import json
 import logging
 import os
 import re
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +29,12 @@ from ..distributed.job import Job, all_gather_bytes
 from ..errors import SnapcoreError
 from ..tiers import HostTier, Store
 from .area import Copy, Destination, PeerArea, peer_root
-from .link import area_root, connect, peer_identity
+from .link import PeerLink, area_root, peer_identity
 from .wire import Incoming, Outgoing, PeerLinkError, exchange
 
 log = logging.getLogger(__name__)
 
-__all__ = ["prepare_restore"]
+__all__ = ["Fetched", "prepare_restore"]
 
 _SOURCE = re.compile(r"^r(\d{1,7})$")
 
@@ -55,13 +57,22 @@ def held_copies(store: Store, world_size: int) -> dict[int, list[int]]:
     return out
 
 
+@dataclass
+class Fetched:
+    """What the peer tier did for a restore on this rank."""
+
+    bytes: int = 0  # of this rank's part, received from a partner's memory
+    seconds: float = 0.0  # the time that took (the whole round, with its checks)
+    notes: list[str] = field(default_factory=list)  # what failed (the restore goes on)
+
+
 def prepare_restore(
-    store: Store, steps: dict[str, list[int]], job: Job, step: int | None
-) -> tuple[int, list[str]]:
+    store: Store, steps: dict[str, list[int]], job: Job, step: int | None, link: PeerLink
+) -> Fetched:
     """Fetch the parts this node lacks of the step every rank can restore, from the
-    partners' copies (collective: every rank calls it). Returns the bytes this rank
-    received and notes on what failed (the restore goes on with the other tiers)."""
-    conn = connect(job, store)
+    partners' copies, then re-send the copies the partners lack (collective: every rank
+    calls it). The rounds run on ``link``'s thread, the one user of the peer group."""
+    conn = link.conn
     topo, rank, world = conn.topology, job.rank, job.world_size
     spec = store.peer_spec
     assert spec is not None
@@ -89,14 +100,14 @@ def prepare_restore(
     common = set.intersection(*avail) if avail else set()
     target = step if step is not None else max(common, default=None)
     if target is None or target not in common:
-        return 0, []
+        return Fetched()
     fetch = {
         r: min(holders(r, target))
         for r in range(world)
         if target not in every[r]["own"] and holders(r, target) and every[r]["writable"]
     }
-    notes: list[str] = []
-    received = 0
+    out = Fetched()
+    notes = out.notes
     dest: Destination | None = None
     ok = True
     said: list[dict[str, bool]] = [{"ok": False}] * world
@@ -110,7 +121,11 @@ def prepare_restore(
         if rank in fetch:
             dest = Destination(area, step=target, rank=rank, commit_index=False)
             incoming.append(Incoming(fetch[rank], dest))
-        sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes)
+        t0 = time.perf_counter()
+        sent, got, failure = link.run(
+            lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes)
+        )
+        out.seconds = time.perf_counter() - t0
         if failure:
             notes.append(f"peer: step {target}: {failure}")
         for r, why in sent.items():
@@ -121,7 +136,7 @@ def prepare_restore(
             ok = why is None and failure is None
             if ok:
                 assert dest is not None and dest.copy is not None
-                received = sum(n for _, n in dest.copy.files)
+                out.bytes = sum(n for _, n in dest.copy.files)
             else:
                 notes.append(
                     f"peer: step {target}: this rank's part from rank {fetch[rank]}'s memory: {why}"
@@ -133,6 +148,7 @@ def prepare_restore(
             if all(said[r]["ok"] for r in node) and rank == min(node):
                 assert dest is not None
                 dest.write_index()
+        all_gather_bytes(job, b"")  # the node's index is there before any rank lists
     # The re-send: each rank whose partners lack a copy of the step sends them one.
     has_host = [target in every[r]["host"] or (r in fetch and said[r]["ok"]) for r in range(world)]
     pairs = [
@@ -167,17 +183,22 @@ def prepare_restore(
             for r, p in pairs
             if p == rank
         ]
-        sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes)
+
+        # Before the restore reads: the replaced node needs its sources' copies too (a
+        # tensor written once in the job may be in another node's part only).
+        sent, got, failure = link.run(
+            lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes)
+        )
         for who, why in [*sent.items(), *got.items()]:
             if why is not None or failure:
                 notes.append(
-                    f"peer: step {target}: the re-send with rank {who} failed: {failure or why}"
-                    " (the next snapshot sends again)"
+                    f"peer: step {target}: the re-send of the copies with rank {who} failed: "
+                    f"{failure or why} (the next snapshot sends again)"
                 )
-        all_gather_bytes(job, b"")  # every copy is committed before anyone lists the tiers
+        all_gather_bytes(job, b"")  # every copy is committed before any rank reads
     for note in notes:
         log.warning("%s", note)
-    return received, notes
+    return out
 
 
 def _read_copy(root: Path, step: int, rank: int, *, dst: int) -> Outgoing:

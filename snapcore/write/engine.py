@@ -223,6 +223,13 @@ class Engine:
                 self.peer = open_link(djob, self.config)  # peer tier: a collective, once
         return ShardedSave(djob, self._sharder, self._eid, self._sharder.part(flat))
 
+    def peer_link(self, djob: Job) -> PeerLink:
+        """The peer tier's link (made at the first sharded save or restore: a collective
+        every rank makes)."""
+        if self.peer is None:
+            self.peer = open_link(djob, self.config)
+        return self.peer
+
     def peer_submit(self, handle: SaveHandle, sharded: ShardedSave) -> Future[None]:
         """The peer tier (snapcore/peer): send this rank's part of the step that has just
         committed in host memory to its partners, receive its sources' parts."""
@@ -238,6 +245,8 @@ class Engine:
         for pool in (self._persist, self.uploader):  # in order: what was queued is done
             with contextlib.suppress(RuntimeError):  # a closed engine has nothing queued
                 pool.submit(lambda: None).result()
+        if self.peer is not None:  # the peer tier's thread (a re-send after a restore)
+            self.peer.drain()
         self._raise_unreported()
 
     def prepare(self, state: object) -> Future[None]:
