@@ -261,10 +261,9 @@ class Destination:
             d.uncommit(s)
         try:
             for name, size in copy.files:
-                path = self.root / name
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                self.arenas.append(HostArena(max(size, 1), path, None))
+                # The file of the copy before last is reused (sized again): its memory is
+                # faulted in already, and fresh memory faults slowly on some machines.
+                self.arenas.append(HostArena(max(size, 1), self.root / name, None))
         except BaseException:
             self.abort()
             raise

@@ -28,6 +28,7 @@ from typing import Any
 from ..distributed.job import Job, all_gather_bytes
 from ..errors import SnapcoreError
 from ..tiers import HostTier, Store
+from . import wire
 from .area import Copy, Destination, PeerArea, peer_root
 from .link import PeerLink, area_root, peer_identity
 from .wire import Incoming, Outgoing, PeerLinkError, exchange
@@ -35,6 +36,9 @@ from .wire import Incoming, Outgoing, PeerLinkError, exchange
 log = logging.getLogger(__name__)
 
 __all__ = ["Fetched", "prepare_restore"]
+
+# The stages' times of this process's last fetch (benchmarks/bench_peer.py reports them).
+last_fetch: dict[str, float] = {}
 
 _SOURCE = re.compile(r"^r(\d{1,7})$")
 
@@ -126,6 +130,8 @@ def prepare_restore(
             lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes)
         )
         out.seconds = time.perf_counter() - t0
+        last_fetch.clear()
+        last_fetch.update(wire.last_round)
         if failure:
             notes.append(f"peer: step {target}: {failure}")
         for r, why in sent.items():

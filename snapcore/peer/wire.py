@@ -29,13 +29,20 @@ from typing import Any
 
 import torch
 
+from .. import _native
 from ..errors import SnapcoreError
 from .area import Copy, Destination
 
 __all__ = ["Incoming", "Outgoing", "PeerLinkError", "exchange"]
 
 MAGIC = 0x5C9EE4
+PAGE = _native.page_size()
 REPLY_BYTES = 1024
+
+
+# The stages' times of this process's last round, in seconds (what benchmarks/bench_peer.py
+# reports: where a transfer's time goes).
+last_round: dict[str, float] = {}
 
 
 class PeerLinkError(SnapcoreError):
@@ -97,6 +104,8 @@ def exchange(
     sent: dict[int, str | None] = {o.dst: None for o in outgoing}
     got: dict[int, str | None] = {i.src: None for i in incoming}
     peers = sorted({o.dst for o in outgoing} | {i.src for i in incoming})
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
     try:
         # 1. headers, 2. descriptions
         metas: dict[int, bytes] = {}
@@ -118,6 +127,8 @@ def exchange(
             [dist.isend(_bytes(metas[o.dst]), o.dst, group=group) for o in outgoing if metas[o.dst]]
             + [dist.irecv(b, s, group=group) for s, b in bufs_in.items() if b.numel()]
         )
+        times["describe"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         # 3. the receivers' answers
         accepted_in: list[Incoming] = []
         answers_out: list[tuple[int, torch.Tensor]] = []
@@ -147,8 +158,11 @@ def exchange(
             sent[o.dst] = why
             if why is None:
                 accepted_out.append(o)
+        times["prepare"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         # 4. the data, piece by piece
-        sends = {o.dst: _pieces(_mapped(o), piece_bytes) for o in accepted_out}
+        keep: list[Any] = []  # the senders' mapped files, until the round is over
+        sends = {o.dst: _pieces(_mapped(o, keep), piece_bytes) for o in accepted_out}
         recvs = {i.src: _pieces(i.dest.targets(), piece_bytes) for i in accepted_in}
         pacer = Pacer(rate)
         pacer.start()
@@ -158,6 +172,8 @@ def exchange(
             works += [dist.irecv(p[k], s, group=group) for s, p in recvs.items() if k < len(p)]
             _run(works)
             pacer.account(sum(p[k].numel() for p in sends.values() if k < len(p)))
+        times["data"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         # 5. the receivers' verdicts
         verdicts_out = []
         for i in accepted_in:
@@ -175,6 +191,11 @@ def exchange(
         )
         for d, t in verdicts_in.items():
             sent[d] = _why(t)
+        for arena in keep:
+            arena.close()
+        times["check_commit"] = time.perf_counter() - t0
+        last_round.clear()
+        last_round.update(times)
     except PeerLinkError:
         _abort(incoming)
         raise
@@ -203,15 +224,24 @@ def _describe(o: Outgoing) -> tuple[bytes, int, int]:
     return o.copy.meta(), 0, sum(n for _, n in o.copy.files)
 
 
-def _mapped(o: Outgoing) -> list[torch.Tensor]:
-    """The data files, mapped (private, read only in practice: no copy is made)."""
+def _mapped(o: Outgoing, keep: list[Any]) -> list[torch.Tensor]:
+    """The data files, mapped (no copy is made). A file of whole pages is mapped as an
+    arena (its pages faulted in by several threads first: faults one at a time, as a
+    send would take them, are what a transfer's time goes to otherwise); ``keep`` holds
+    the arenas until the round is over."""
+    from ..staging.arena import HostArena
+
     assert o.copy is not None
     out = []
     for path, (_, size) in zip(o.paths, o.copy.files, strict=True):
         if size == 0:
             out.append(torch.empty(0, dtype=torch.uint8))
-            continue
-        out.append(torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8))
+        elif size % PAGE == 0 and os.stat(path).st_size == size:
+            arena = HostArena(size, path, None)
+            keep.append(arena)
+            out.append(arena.u8[:size])
+        else:
+            out.append(torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8))
     return out
 
 
