@@ -116,6 +116,65 @@ def probe(rank: int, port: int, nbytes: int) -> float | None:
     return best
 
 
+def fresh_probe(rank: int, port: int, nbytes: int) -> float | None:
+    """Like ``probe``, once, but as a replaced node must receive: each piece into a
+    reused buffer, then written into a new file in /dev/shm (fresh memory)."""
+    if rank == 0:
+        return _send_once(port, nbytes)
+    path = Path("/dev/shm") / f"bench-peer-probe-{os.getpid()}.bin"
+    buf = bytearray(PIECE)
+    view = memoryview(buf)
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", port))
+        srv.listen(1)
+        conn, _ = srv.accept()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with conn:
+                conn.sendall(b"r")
+                t0 = time.perf_counter()
+                got = 0
+                while got < nbytes:
+                    want = min(PIECE, nbytes - got)
+                    have = 0
+                    while have < want:
+                        n = conn.recv_into(view[have:want], want - have)
+                        if n == 0:
+                            raise ConnectionError("the probe's sender went away")
+                        have += n
+                    os.pwrite(fd, view[:want], got)
+                    got += want
+                rate = nbytes / (time.perf_counter() - t0)
+                conn.sendall(b"k")
+        finally:
+            os.close(fd)
+            path.unlink()
+    return rate
+
+
+def _send_once(port: int, nbytes: int) -> None:
+    chunk = memoryview(bytearray(os.urandom(1024)) * (PIECE // 1024))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            s = socket.create_connection(("127.0.0.1", port))
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    with s:
+        s.recv(1)
+        left = nbytes
+        while left:
+            n = min(left, PIECE)
+            s.sendall(chunk[:n])
+            left -= n
+        s.recv(1)
+    return None
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -127,6 +186,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if args.role == "restore":
         nbytes = int(args.size_mb * (1 << 20))
         out["probe_bps"] = probe(rank, args.probe_port, nbytes)
+        out["fresh_probe_bps"] = fresh_probe(rank, args.probe_port + 1, nbytes)
         if rank == 1:  # fresh memory's cost here: what the fetch's receiving file costs
             from snapcore.staging.arena import HostArena
 
@@ -163,6 +223,8 @@ def rank_main(args: argparse.Namespace) -> None:
 # -- the parent ----------------------------------------------------------------------------
 def run_job(role: str, args: argparse.Namespace, work: Path, areas: list[str]) -> list[Any]:
     port, probe_port = free_port(), free_port()
+    while probe_port + 1 == port:  # the second probe uses the next port
+        probe_port = free_port()
     procs = []
     for rank in range(2):
         env = {
@@ -255,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "fetch_bps": fetch_bps,
         "restore_bps": restore_bps,
         "fault_bps": lost["fault_bps"],
+        "fresh_probe_bps": lost["fresh_probe_bps"],
         "targets": targets,
     }
     lines = [
@@ -266,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         f"- whole restore of the replaced node (agreement, fetch, re-send, reads): "
         f"{restore_bps / 1e9:.2f} GB/s ({restore_bps / probe_bps:.2f} x the probe), "
         f"{lost['seconds']:.3f} s",
+        f"- loopback TCP into fresh /dev/shm memory (a reused buffer, then pwrite to a new "
+        f"file, as the fetch does): {lost['fresh_probe_bps'] / 1e9:.2f} GB/s; the fetch is "
+        f"{fetch_bps / lost['fresh_probe_bps']:.2f} x that",
         f"- fresh /dev/shm memory on the replaced node (allocated and faulted, as the "
         f"fetch's receiving file is): {lost['fault_bps'] / 1e9:.2f} GB/s",
         "- the fetch's stages on the replaced node (s): "

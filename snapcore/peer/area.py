@@ -17,6 +17,7 @@ part: ``commit_index=False``, and ``write_index`` later).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -35,7 +36,6 @@ from ..assemble import read_sharded
 from ..directory import MANIFEST, LocalDirectory, step_dir_name
 from ..durable import fsync_dir
 from ..errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound
-from ..staging.arena import HostArena
 
 __all__ = ["Copy", "Destination", "PeerArea", "PeerCopies", "peer_root"]
 
@@ -191,8 +191,9 @@ def step_names(d: LocalDirectory, step: int) -> set[str] | None:
 
 class Destination:
     """Receives one copy into a store directory ``root`` (a peer namespace, or a host
-    area at restore): ``prepare`` checks the copy and makes its files, the wire fills
-    ``targets()``, ``finish`` checks every chunk and commits."""
+    area at restore): ``prepare`` checks the copy and makes its files, the wire hands
+    each piece to ``write`` (written to the file, each chunk hashed as its bytes pass),
+    ``finish`` checks that every chunk arrived whole and intact, and commits."""
 
     def __init__(
         self,
@@ -211,8 +212,13 @@ class Destination:
         self.max_bytes = max_bytes
         self.commit_index = commit_index
         self.copy: Copy | None = None
-        self.arenas: list[HostArena] = []
+        self.fds: list[int] = []
         self.notes: list[str] = []  # what was dropped on the way (stale copies)
+        self.failed: BaseException | None = None  # the first failure while writing
+        # per file: its chunks (offset, length, xxh3, where), a streaming hash of each
+        self._chunks: list[list[tuple[int, int, str, str]]] = []
+        self._hashers: dict[tuple[int, int], Any] = {}
+        self._done: dict[tuple[int, int], int] = {}
 
     def prepare(self, meta: bytes) -> None:
         """Check the copy's description and make room for it; raises ``SnapcoreError``
@@ -261,44 +267,83 @@ class Destination:
             d.uncommit(s)
         try:
             for name, size in copy.files:
-                # The file of the copy before last is reused (sized again): its memory is
-                # faulted in already, and fresh memory faults slowly on some machines.
-                self.arenas.append(HostArena(max(size, 1), self.root / name, None))
+                # The file of the copy before last is reused (cut to size): its memory is
+                # taken already. Written with pwrite, never through a mapping: a full
+                # /dev/shm is then ENOSPC, not a SIGBUS.
+                fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o600)
+                self.fds.append(fd)
+                os.ftruncate(fd, size)
         except BaseException:
             self.abort()
             raise
+        self._chunks = [[] for _ in copy.files]
+        for b_i, b in enumerate(copy.part.blobs):
+            for j, c in enumerate(b.chunks):
+                self._chunks[c.file].append((c.offset, c.length, c.xxh3, f"{b_i}/{j}"))
+        for chunks in self._chunks:
+            chunks.sort()
         self.copy = copy
 
-    def targets(self) -> list[torch.Tensor]:
-        """One byte tensor per data file, in the part's order, to receive into."""
+    def write(self, file: int, offset: int, data: torch.Tensor) -> None:
+        """Piece ``data`` of file ``file`` at ``offset`` (pieces come in order): written,
+        and the chunks it holds hashed. A failure is kept for ``finish`` (the sender goes
+        on sending: the wire's stages stay in step)."""
+        if self.failed is not None:
+            return
         assert self.copy is not None
-        return [a.u8[:size] for a, (_, size) in zip(self.arenas, self.copy.files, strict=True)]
+        try:
+            view = memoryview(data.numpy()).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self.fds[file], view[done:], offset + done)
+            end = offset + len(view)
+            for c_off, c_len, xxh3, where in self._chunks[file]:
+                lo, hi = max(c_off, offset), min(c_off + c_len, end)
+                if lo >= hi:
+                    continue
+                key = (file, c_off)
+                h = self._hashers.get(key)
+                if h is None:
+                    h = self._hashers[key] = xxhash.xxh3_128()
+                h.update(view[lo - offset : hi - offset])
+                got = self._done[key] = self._done.get(key, 0) + hi - lo
+                if got == c_len and h.hexdigest() != xxh3:
+                    name = self.copy.part.files[file].name
+                    raise InvalidManifest(
+                        f"the copy of rank {self.copy.rank}'s step {self.copy.step} arrived "
+                        f"damaged: chunk {where} at [{c_off}, +{c_len}) of {name} has xxh3 "
+                        f"{h.hexdigest()}, the part says {xxh3}"
+                    )
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                self.failed = SnapcoreError(
+                    f"partner memory full: writing the copy of rank {self.copy.rank}'s step "
+                    f"{self.copy.step} into {self.root}: {e.strerror}"
+                )
+            else:
+                self.failed = e
+        except BaseException as e:
+            self.failed = e
 
     def finish(self) -> None:
-        """Check every chunk of the received data against the part, then commit: the
-        part, then (``commit_index``) the index, each written atomically."""
+        """Check that every chunk arrived whole and intact, then commit: the part, then
+        (``commit_index``) the index, each written atomically."""
         copy = self.copy
         assert copy is not None
         try:
-            for b in copy.part.blobs:
-                for j, c in enumerate(b.chunks):
-                    arena = self.arenas[c.file]
-                    view = arena.view(c.offset, c.length)
-                    got = xxhash.xxh3_128_hexdigest(view)
-                    if got != c.xxh3:
-                        name = copy.part.files[c.file].name
+            if self.failed is not None:
+                raise self.failed
+            for file, chunks in enumerate(self._chunks):
+                for c_off, c_len, _, where in chunks:
+                    if c_len and self._done.get((file, c_off), 0) != c_len:
                         raise InvalidManifest(
-                            f"the copy of rank {copy.rank}'s step {copy.step} arrived damaged: "
-                            f"chunk {j} at [{c.offset}, +{c.length}) of {name} has xxh3 {got}, "
-                            f"the part says {c.xxh3}"
+                            f"the copy of rank {copy.rank}'s step {copy.step}: chunk {where} "
+                            "did not arrive whole"
                         )
         except BaseException:
             self.abort()
             raise
         self._close()
-        for name, size in copy.files:  # an arena's file is a whole number of pages
-            if os.path.getsize(self.root / name) != size:
-                os.truncate(self.root / name, size)
         step_dir = self.root / step_dir_name(copy.step)
         _write_atomic(self.root / copy.part_name, copy.part_bytes)
         if self.commit_index:
@@ -315,10 +360,10 @@ class Destination:
         self._close()
 
     def _close(self) -> None:
-        for a in self.arenas:
-            with contextlib.suppress(Exception):
-                a.close()
-        self.arenas = []
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
 
 
 def _bytes_of(root: Path, *, exclude: frozenset[str] | set[str] = frozenset(),

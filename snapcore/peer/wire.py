@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,6 @@ from .area import Copy, Destination
 __all__ = ["Incoming", "Outgoing", "PeerLinkError", "exchange"]
 
 MAGIC = 0x5C9EE4
-PAGE = _native.page_size()
 REPLY_BYTES = 1024
 
 
@@ -160,18 +158,9 @@ def exchange(
                 accepted_out.append(o)
         times["prepare"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        # 4. the data, piece by piece
-        keep: list[Any] = []  # the senders' mapped files, until the round is over
-        sends = {o.dst: _pieces(_mapped(o, keep), piece_bytes) for o in accepted_out}
-        recvs = {i.src: _pieces(i.dest.targets(), piece_bytes) for i in accepted_in}
-        pacer = Pacer(rate)
-        pacer.start()
-        rounds = max([len(p) for p in (*sends.values(), *recvs.values())], default=0)
-        for k in range(rounds):
-            works = [dist.isend(p[k], d, group=group) for d, p in sends.items() if k < len(p)]
-            works += [dist.irecv(p[k], s, group=group) for s, p in recvs.items() if k < len(p)]
-            _run(works)
-            pacer.account(sum(p[k].numel() for p in sends.values() if k < len(p)))
+        # 4. the data, piece by piece, through two buffers per copy: a piece is read
+        # from its file (sender) or written to it (receiver) while the next one travels
+        _data(group, accepted_out, accepted_in, piece_bytes, Pacer(rate))
         times["data"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         # 5. the receivers' verdicts
@@ -191,8 +180,6 @@ def exchange(
         )
         for d, t in verdicts_in.items():
             sent[d] = _why(t)
-        for arena in keep:
-            arena.close()
         times["check_commit"] = time.perf_counter() - t0
         last_round.clear()
         last_round.update(times)
@@ -224,33 +211,65 @@ def _describe(o: Outgoing) -> tuple[bytes, int, int]:
     return o.copy.meta(), 0, sum(n for _, n in o.copy.files)
 
 
-def _mapped(o: Outgoing, keep: list[Any]) -> list[torch.Tensor]:
-    """The data files, mapped (no copy is made). A file of whole pages is mapped as an
-    arena (its pages faulted in by several threads first: faults one at a time, as a
-    send would take them, are what a transfer's time goes to otherwise); ``keep`` holds
-    the arenas until the round is over."""
-    from ..staging.arena import HostArena
+def _data(group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pacer: Pacer) -> None:
+    import torch.distributed as dist
 
-    assert o.copy is not None
-    out = []
-    for path, (_, size) in zip(o.paths, o.copy.files, strict=True):
-        if size == 0:
-            out.append(torch.empty(0, dtype=torch.uint8))
-        elif size % PAGE == 0 and os.stat(path).st_size == size:
-            arena = HostArena(size, path, None)
-            keep.append(arena)
-            out.append(arena.u8[:size])
-        else:
-            out.append(torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8))
-    return out
+    sends = {o.dst: _cut(o.copy.files if o.copy else [], piece) for o in out}
+    recvs = {i.src: _cut(i.dest.copy.files if i.dest.copy else [], piece) for i in inc}
+    paths = {o.dst: o.paths for o in out}
+    dests = {i.src: i.dest for i in inc}
+    sbuf = {d: _buffers(p, piece) for d, p in sends.items()}
+    rbuf = {s: _buffers(p, piece) for s, p in recvs.items()}
+
+    def load(d: int, k: int) -> None:  # sender: piece k of its files into a buffer
+        f, off, n = sends[d][k]
+        _native.read_into(str(paths[d][f]), off, n, sbuf[d][k % 2].data_ptr())
+
+    def store(s: int, k: int) -> None:  # receiver: piece k from its buffer into the file
+        f, off, n = recvs[s][k]
+        dests[s].write(f, off, rbuf[s][k % 2][:n])
+
+    for d, p in sends.items():
+        if p:
+            load(d, 0)
+    pacer.start()
+    rounds = max([len(p) for p in (*sends.values(), *recvs.values())], default=0)
+    for k in range(rounds):
+        works = [
+            dist.isend(sbuf[d][k % 2][: p[k][2]], d, group=group)
+            for d, p in sends.items()
+            if k < len(p)
+        ]
+        works += [
+            dist.irecv(rbuf[s][k % 2][: p[k][2]], s, group=group)
+            for s, p in recvs.items()
+            if k < len(p)
+        ]
+        for s, p in recvs.items():  # the piece before, while this one travels
+            if 0 < k <= len(p):
+                store(s, k - 1)
+        for d, p in sends.items():  # the piece after, likewise
+            if k + 1 < len(p):
+                load(d, k + 1)
+        _run(works)
+        pacer.account(sum(p[k][2] for p in sends.values() if k < len(p)))
+    for s, p in recvs.items():
+        if p and len(p) >= rounds:
+            store(s, len(p) - 1)
 
 
-def _pieces(tensors: Iterable[torch.Tensor], piece: int) -> list[torch.Tensor]:
-    out = []
-    for t in tensors:
-        for off in range(0, t.numel(), piece):
-            out.append(t[off : off + piece])
-    return out
+def _cut(files: list[tuple[str, int]], piece: int) -> list[tuple[int, int, int]]:
+    """The pieces of a copy's files: (file, offset, length), in order."""
+    return [
+        (f, off, min(piece, size - off))
+        for f, (_, size) in enumerate(files)
+        for off in range(0, size, piece)
+    ]
+
+
+def _buffers(pieces: list[tuple[int, int, int]], piece: int) -> list[torch.Tensor]:
+    n = max([p[2] for p in pieces], default=0)
+    return [torch.empty(n, dtype=torch.uint8) for _ in range(2)] if n else []
 
 
 def _bytes(data: bytes) -> torch.Tensor:
