@@ -206,9 +206,14 @@ def _read(
     if job is not None and engine.config.peer_spec is not None:
         # The peer tier (snapcore/peer): a replaced node's parts come back from its
         # partners' memory into its host area first; then the tiers are listed again.
-        fetched = prepare_peer_restore(engine.config, steps, job, step, engine.peer_link(job))
-        steps = committed(store)
-        use = _noting_peer(use, fetched)
+        try:
+            link = engine.peer_link(job)  # a collective at the first call
+        except ValueError as e:  # a job of one node: no partner to restore from
+            log.warning("restore: %s", e)
+        else:
+            fetched = prepare_peer_restore(engine.config, steps, job, step, link)
+            steps = committed(store)
+            use = _noting_peer(use, fetched)
     if job is not None and step is None:  # every rank takes the same step
         return _read_agreed(engine, steps, job, verify, use)
     every = sorted({s for ss in steps.values() for s in ss})

@@ -61,33 +61,38 @@ _lock = threading.Lock()
 def connect(job: Job, store: Store) -> Connection:
     """The peer group and ring of ``job`` for ``store`` (made at the first call: a
     collective every rank makes). Raises ``ValueError`` when the job has one node."""
-    import torch.distributed as dist
 
     spec = store.peer_spec
     assert spec is not None
     key = (id(job), store.host, spec.k)
     with _lock:
         conn = _connections.get(key)
-        if conn is not None:
-            return conn
-        mine = Home(job.host, store.host, settings.failure_domain())
-        every = all_gather_bytes(job, json.dumps(mine.to_json()).encode())
-        homes = [Home.from_json(json.loads(b)) for b in every]
-        topo = Topology(homes, spec.k)
-        timeout = settings.peer_timeout_s()
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        conn = Connection(job, group, topo, timeout)
-        _connections[key] = conn
-    if len(topo.nodes) < 2:
+        if conn is None:
+            conn = _connections[key] = _make(job, store, spec)
+    topo = conn.topology
+    if len(topo.nodes) < 2:  # said at every call: no save may count a peer tier it lacks
         raise ValueError(
             f"{store.describe()}: the peer tier needs a job of two nodes or more (nodes are "
             "told apart by host name and host-memory area); this job has one"
         )
+    return conn
+
+
+def _make(job: Job, store: Store, spec: PeerSpec) -> Connection:
+    """Gather every rank's home, make the ring and the peer group (a collective)."""
+    import torch.distributed as dist
+
+    mine = Home(job.host, store.host, settings.failure_domain())
+    every = all_gather_bytes(job, json.dumps(mine.to_json()).encode())
+    homes = [Home.from_json(json.loads(b)) for b in every]
+    topo = Topology(homes, spec.k)
+    timeout = settings.peer_timeout_s()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     if spec.k > len(topo.nodes) - 1:
         log.warning(
             "PeerSpec(k=%d): only %d other node(s) in this job", spec.k, len(topo.nodes) - 1
         )
-    return conn
+    return Connection(job, group, topo, timeout)
 
 
 def peer_identity(store: Store, world_size: int) -> dict[str, Any]:

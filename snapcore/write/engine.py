@@ -144,6 +144,8 @@ class Engine:
             flat = flatten(state)
             sharded = None
             if djob is not None:
+                if "peer" in want:  # the peer tier's group and ring: a collective, once
+                    self.peer_link(djob)
                 sharded = self._sharded(djob, flat)
                 layout = sharded.spec.layout
             else:
@@ -219,8 +221,6 @@ class Engine:
             self._eid = next(_engine_ids)
             if self.host is not None:  # each rank stages into slot files of its own
                 self.host.rank = djob.rank
-            if self.config.peer_spec is not None and self.peer is None:
-                self.peer = open_link(djob, self.config)  # peer tier: a collective, once
         return ShardedSave(djob, self._sharder, self._eid, self._sharder.part(flat))
 
     def peer_link(self, djob: Job) -> PeerLink:

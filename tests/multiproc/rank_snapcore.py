@@ -362,7 +362,10 @@ def peer_save(a: dict[str, Any]) -> dict[str, Any]:
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, daemon=True).start()
-    handle = snapcore.async_save(state, store, step=step)
+    try:
+        handle = snapcore.async_save(state, store, step=step)
+    except ValueError as e:  # a store this job cannot save to (a peer tier on one node)
+        return {"error": f"{type(e).__name__}: {e}"}
     tiers: dict[str, str] = {}
     for tier in handle.tiers:
         try:

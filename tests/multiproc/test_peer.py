@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import ENV_DIR, free_port, run_nodes
+from launch import ENV_DIR, free_port, run_nodes, run_ranks
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "rank_snapcore.py"
@@ -261,3 +261,21 @@ def test_a_full_partner_memory_and_a_stale_partner_area_are_reported(nodes: Node
     for node in range(2):
         assert nodes.host_steps(node) == [3]
         assert nodes.copies(node, 2 * (1 - node)) == []
+
+
+def test_a_job_of_one_node_cannot_save_to_a_peer_tier(tmp_path: Path) -> None:
+    """Two ranks sharing one host area are one node: no partner to send to. Every save
+    says so (a ValueError), rather than counting a peer tier it does not have."""
+    area = f"test-{uuid.uuid4().hex[:8]}-one"
+    spec = {"host": area, "peer": True}
+    save = {"op": "peer-save", "kind": "fsdp2", "store": spec}
+    try:
+        res = run_ranks(
+            SCRIPT, 2, [json.dumps([{**save, "step": 1}, {**save, "step": 2}])],
+            timeout=TIMEOUT, env=ENV,
+        )  # fmt: skip
+        for r in res:
+            for out in r.result:
+                assert "the peer tier needs a job of two nodes" in out["error"], out
+    finally:
+        shutil.rmtree(Path("/dev/shm") / f"snapcore-{area}", ignore_errors=True)

@@ -206,3 +206,13 @@ def test_a_copy_of_another_step_or_rank_is_refused(area: Path) -> None:
     with pytest.raises(InvalidManifest, match="expected rank 0's part"):
         Destination(peer_root(area, 1), step=4, rank=0).prepare(copy.meta())
     assert not os.path.exists(peer_root(area, 1) / "slot-r1-0.bin")
+
+
+def test_a_copy_cut_short_is_not_committed(area: Path) -> None:
+    copy, data = make_copy(4)
+    dest = Destination(peer_root(area, 1), step=4, rank=1, identity=IDENTITY)
+    dest.prepare(copy.meta())
+    dest.write(0, 0, torch.frombuffer(bytearray(data[:40]), dtype=torch.uint8))
+    with pytest.raises(InvalidManifest, match="did not arrive whole"):
+        dest.finish()
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == []
