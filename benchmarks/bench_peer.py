@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ from common import cpu_model, free_port, targets_table, work_dir, write_figures
 
 TENSORS = 8  # the state: this many rank-local tensors per rank
 TARGET = 0.8  # fetch rate >= TARGET x the loopback TCP probe's
+TRAIN_ROUNDS = 3  # alternations of the training loop with and without the peer tier
 PIECE = 16 << 20  # the probe's send and receive size
 PROBE_RUNS = 3  # the probe's best of
 
@@ -175,6 +177,50 @@ def _send_once(port: int, nbytes: int) -> None:
     return None
 
 
+def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """A training loop (a matmul and an all_reduce per step) that snapshots every
+    ``--every`` steps with ``async_save`` and goes on at once, to a store with a host tier
+    only and to one with a host and a peer tier, alternated ``TRAIN_ROUNDS`` times; the
+    loop's time per step for each."""
+    import torch
+    import torch.distributed as dist
+
+    import snapcore
+
+    torch.manual_seed(rank)
+    a, b = torch.rand(384, 384), torch.rand(384, 384)
+    state = state_of(args.train_mb, rank, seed=3)
+    area = os.environ["BENCH_AREA"]
+    stores = {
+        "host": snapcore.Store(host=f"{area}-t"),
+        "host+peer": snapcore.Store(host=f"{area}-p", peer=True),
+    }
+    times: dict[str, list[float]] = {k: [] for k in stores}
+    failures: list[str] = []
+    step = 0
+    for r in range(TRAIN_ROUNDS + 1):  # the first round warms up (arenas, the plan)
+        for label, store in stores.items():
+            handles = []
+            dist.barrier()
+            t0 = time.perf_counter()
+            for s in range(args.train_steps):
+                c = a @ b
+                t = c[:1, :1].clone()
+                dist.all_reduce(t)
+                if s % args.every == 0:
+                    step += 1
+                    handles.append(snapcore.async_save(state, store, step=step))
+            seconds = time.perf_counter() - t0
+            for h in handles:
+                try:
+                    h.wait()
+                except snapcore.SnapcoreError as e:
+                    failures.append(f"{label}: {e}")
+            if r:
+                times[label].append(seconds / args.train_steps)
+    return {"step_s": times, "train_failures": failures}
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -196,6 +242,13 @@ def rank_main(args: argparse.Namespace) -> None:
             out["fault_bps"] = nbytes / (time.perf_counter() - t0)
             path.unlink()
     dist.init_process_group("gloo")
+    if args.role == "train":
+        out.update(train(args, rank))
+        snapcore.close()
+        Path(args.out).write_text(json.dumps(out))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     state = state_of(args.size_mb, rank, seed=1 if args.role == "save" else 2)
     if args.role == "save":
         stats = snapcore.save(state, store, step=1)
@@ -247,6 +300,12 @@ def run_job(role: str, args: argparse.Namespace, work: Path, areas: list[str]) -
             str(args.size_mb),
             "--probe-port",
             str(probe_port),
+            "--train-mb",
+            str(args.train_mb),
+            "--train-steps",
+            str(args.train_steps),
+            "--every",
+            str(args.every),
             "--out",
             str(work / f"{role}{rank}.json"),
         ]
@@ -270,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown")
     p.add_argument("--dir", help="where the run's logs go (a temporary directory)")
     p.add_argument("--timeout-s", type=float, default=600.0)
-    p.add_argument("--role", choices=["save", "restore"], help=argparse.SUPPRESS)
+    p.add_argument("--train-mb", type=float, default=128.0, help="the loop's state per rank")
+    p.add_argument("--train-steps", type=int, default=60, help="steps per timed loop")
+    p.add_argument("--every", type=int, default=10, help="a snapshot every N steps")
+    p.add_argument("--role", choices=["save", "restore", "train"], help=argparse.SUPPRESS)
     p.add_argument("--probe-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -278,14 +340,15 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(args)
         return 0
     if args.smoke:
-        args.size_mb = 8.0
+        args.size_mb, args.train_mb, args.train_steps = 8.0, 4.0, 10
     areas = [f"bench-peer-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
-    shm = [Path("/dev/shm") / f"snapcore-{a}" for a in areas]
+    shm = [Path("/dev/shm") / f"snapcore-{a}{x}" for a in areas for x in ("", "-t", "-p")]
     try:
         with work_dir(args.dir) as work:
             saved = run_job("save", args, work, areas)
-            shutil.rmtree(shm[1])  # node 1 is replaced: its memory is gone
+            shutil.rmtree(Path("/dev/shm") / f"snapcore-{areas[1]}")  # node 1 is replaced
             restored = run_job("restore", args, work, areas)
+            trained = run_job("train", args, work, areas)
     finally:
         for path in shm:
             shutil.rmtree(path, ignore_errors=True)
@@ -294,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     fetch_bps = lost["peer_bytes"] / lost["peer_s"] if lost["peer_s"] else 0.0
     restore_bps = lost["peer_bytes"] / lost["seconds"] if lost["seconds"] else 0.0
     exact = all(r["digest"] == s["digest"] for r, s in zip(restored, saved, strict=True))
+    step_s = {
+        k: statistics.median(x for t in trained for x in t["step_s"][k])
+        for k in trained[0]["step_s"]
+    }
+    slowdown = step_s["host+peer"] / step_s["host"]
     targets = [
         {
             "target": "replaced node's fetch from its partner >= 0.8 x loopback TCP",
@@ -318,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         "restore_bps": restore_bps,
         "fault_bps": lost["fault_bps"],
         "fresh_probe_bps": lost["fresh_probe_bps"],
+        "trained": trained,
+        "step_s": step_s,
+        "slowdown": slowdown,
         "targets": targets,
     }
     lines = [
@@ -336,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         f"fetch's receiving file is): {lost['fault_bps'] / 1e9:.2f} GB/s",
         "- the fetch's stages on the replaced node (s): "
         + ", ".join(f"{k} {v:.3f}" for k, v in lost["fetch_stages"].items()),
+        f"- training ({args.train_steps} steps of a 384x384 matmul and an all_reduce, an "
+        f"async_save of {args.train_mb:g} MiB per rank every {args.every} steps; median of "
+        f"{TRAIN_ROUNDS} alternated loops per rank): {step_s['host'] * 1e3:.1f} ms a step "
+        f"with a host tier, {step_s['host+peer'] * 1e3:.1f} ms with host and peer tiers: "
+        f"{slowdown:.2f} x; failures: {[f for t in trained for f in t['train_failures']]}",
         f"- the save's peer tier durable after {saved[1]['peer_s']:.3f} s (rank 1)",
         "",
         *targets_table(targets, "memory"),
