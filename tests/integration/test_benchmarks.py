@@ -251,5 +251,7 @@ def test_bench_peer(tmp_path: Path) -> None:
     assert lost["peer_bytes"] >= 8 << 20 and set(lost["tier_bytes"]) == {"host"}
     assert [r["digest"] for r in report["restored"]] == [s["digest"] for s in report["saved"]]
     assert [t["status"] in ("PASS", "FAIL") for t in report["targets"]] == [True]
+    assert report["step_s"]["host"] > 0 and report["step_s"]["host+peer"] > 0  # the slowdown
+    assert all(t["train_failures"] == [] for t in report["trained"])
     assert "| target | measured |" in out
     assert not list(tmp_path.glob("snapcore-bench-*"))
