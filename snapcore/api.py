@@ -44,7 +44,10 @@ def async_save(
     snapshot is durable once ``handle.wait()`` returns (``wait(tier=...)`` for one tier).
     By default the state may be changed as soon as this returns. With ``overlap=True`` the
     copies of tensors that the state's optimizers write run on while training goes on,
-    and each optimizer's next ``step()`` waits for them (or call ``handle.staged()``).
+    and each optimizer's next ``step()`` waits for them (or call ``handle.staged()``):
+    for CUDA tensors its current stream waits, the CPU does not. Only the current stream
+    is ordered (see docs/architecture.md); overlap mode is refused while a CUDA graph is
+    being captured.
     ``budget_bytes`` bounds the host memory used for staging (default: the size of the
     state, times two with a host-memory tier); a smaller budget streams the state through
     the arena, and the call then blocks until the last part is staged. ``tiers`` sends
@@ -303,10 +306,11 @@ def restore(
     t0 = time.perf_counter()
     job = current_job()
     rank, world = (job.rank, job.world_size) if job is not None else (0, 1)
+    node = _node(engine_for(store), job)
 
     def use(reader: Reader) -> tuple[RestorePlan, int]:
         reader.select(rank, world, rank_local)
-        return reader.restore(state, strict=strict, job=job)
+        return reader.restore(state, strict=strict, job=job, node=node)
 
     (plan, n), reader, skipped = _read(store, step, verify, use)
     for d in reader.damaged:
@@ -325,6 +329,15 @@ def restore(
         peer_bytes=reader.peer_bytes,
         peer_s=reader.peer_s,
     )
+
+
+def _node(engine: Engine, job: Job | None) -> list[Any] | None:
+    """This rank's node, as the ranks that share their reads of a restore see it: its host
+    and its node-local tiers (a directory, a host-memory area)."""
+    if job is None:
+        return None
+    local = engine.config.local
+    return [job.host, os.path.realpath(local) if local else None, engine.config.host]
 
 
 def load(

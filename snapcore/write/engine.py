@@ -33,7 +33,7 @@ from ..io_types import Aborted, WindowItem
 from ..peer import PeerLink, open_link
 from ..planning.layout import Layout, align_up, plan
 from ..staging.arena import HostArena, pin_device
-from ..staging.copy import Stager
+from ..staging.copy import Stager, refuse_overlap_in_graph_capture
 from ..staging.handle import SaveHandle, SaveStats
 from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, Tier, as_store, on_store_exit
 from ..tree import Flattened, flatten, is_dtensor
@@ -119,6 +119,8 @@ class Engine:
         t0 = time.perf_counter()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
+        if overlap:
+            refuse_overlap_in_graph_capture()
         want = self._wanted(tiers)
         djob = current_job()  # under torch.distributed: a sharded save (a collective, once)
         if "peer" in want and djob is None:

@@ -141,11 +141,19 @@ class PersistJob:
             raise StagingAborted(f"staging of step {self.handle.step} was interrupted") from w.error
         if w is None:
             return None
-        for copy in w.deferred:
-            copy()
+        # Overlap mode's copies run on the stager's overlap thread: wait for them, and
+        # for the CUDA copies, before reading the arena or dropping the sources.
+        error: BaseException | None = None
+        for fut in w.pending:
+            try:
+                fut.result()
+            except BaseException as e:
+                error = error or e
         for ev in w.events:
             ev.synchronize()
         w.keep.clear()
+        if error is not None:
+            raise error
         if self.handle.deferred:
             self.handle.mark_staged()
         return w
@@ -164,6 +172,7 @@ class PersistJob:
             self.slot,
             chunk_list(self.layout, settings.chunk_bytes()),
             part=self.sharded.spec.info() if self.sharded is not None else None,
+            drops=self.sharded.spec.drop if self.sharded is not None else {},
         )
         ready = [threading.Event() for _ in s.chunks]
 

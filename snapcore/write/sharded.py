@@ -2,9 +2,10 @@
 
 Under torch.distributed (``snapcore.distributed.job.current()``) the engine asks the
 ``Sharder`` of its store for a ``PartSpec`` at each save: the tensors this rank stages
-(its DTensor shards, the replicated tensors the plan gives it, its rank-local tensors),
-and the tensor table of its part (every tensor of its state with its global shape and the
-piece it writes, if any). The plan is agreed once, with one exchange on snapcore's gloo
+(its DTensor shards, the replicated tensors the plan gives it, its node copies, its
+rank-local tensors), and the tensor table of its part (every tensor of its state with
+its global shape and the piece it writes, if any), with what each tier's part leaves
+out (object storage: the node copies). The plan is agreed once, with one exchange on snapcore's gloo
 group, and cached: a later save compares a cheap signature of the state's structure with
 the cached one and makes no collective. A rank whose structure changed writes every byte
 it holds under the old plan's name and marks its part; the coordinator then fails that
@@ -13,6 +14,7 @@ step's commit and every rank re-plans at its next save (docs/distributed.md).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,6 +32,7 @@ from ..planning.global_plan import (
     LocalItem,
     describe_local,
     describe_sharded,
+    plan_copies,
     plan_save,
 )
 from ..planning.global_plan import structure_fingerprint as fingerprint
@@ -52,6 +55,10 @@ class PartSpec:
     replan: bool  # this rank's structure is not the plan's: the step cannot commit
     layout: Layout  # what it stages; ``entries`` is the part's tensor table
     keys: tuple[str | None, ...]  # per tensor of the state: its global key, or None
+    # Per tier: the tensors (indices into ``layout.entries``) whose pieces that tier's part
+    # leaves out: the node copies in object storage, and a node-local tier's those of
+    # the other node-local tier when the two are shared by different ranks.
+    drop: dict[str, frozenset[int]] = field(default_factory=dict)
 
     def info(self) -> mf.PartInfo:
         return mf.PartInfo(self.rank, self.plan, self.structure, self.keys, self.world_size)
@@ -62,6 +69,9 @@ class _Cached:
     signature: tuple[Any, ...]
     items: list[LocalItem]
     plan: GlobalPlan
+    # per node-local tier ("local", "host"): the boxes this rank writes there as its
+    # home's copy (``plan_copies``)
+    copies: dict[str, frozenset[tuple[str, Box]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,7 +133,7 @@ class Sharder:
         if replan:
             items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
         structure = fingerprint(items, job.world_size)
-        return self._spec(flat, glob, items, cached.plan, seq, structure, replan)
+        return self._spec(flat, glob, items, cached, seq, structure, replan)
 
     def _agree(
         self,
@@ -157,36 +167,53 @@ class Sharder:
             per_rank = [
                 [_item_from(x) for x in json.loads(b)] for b in all_gather_bytes(job, mine_items)
             ]
+        gplan = plan_save(per_rank, job.world_size)
         # A rank's home in a node-local tier: its host and directory (or host-memory area).
-        # Ranks of one home share it.
+        # Ranks of one home share it; each home gets its own copy of the boxes its ranks
+        # hold that the plan has a rank of another home write.
+        copies: dict[str, frozenset[tuple[str, Box]]] = {}
         for tier, field_name in (("local", "local"), ("host", "area")):
             homes = [(d["host"], d[field_name]) for d in every]
             self.leaders[tier] = homes.index(homes[job.rank]) == job.rank
             self.with_rank0[tier] = homes[job.rank] == homes[0]
-        gplan = plan_save(per_rank, job.world_size)
-        return _Cached(signature, per_rank[job.rank], gplan)
+            if mine[field_name] is not None:
+                extra = plan_copies(gplan, homes, only=job.rank)[job.rank]
+                copies[tier] = frozenset((w.path, w.box) for w in extra)
+        # The holders of every box (every rank, for each plain tensor) are needed only
+        # for the copies: not kept for the job's life.
+        gplan = dataclasses.replace(gplan, holders={})
+        return _Cached(signature, per_rank[job.rank], gplan, copies)
 
     def _spec(
         self,
         flat: Flattened,
         glob: list[int],
         items: list[LocalItem],
-        gplan: GlobalPlan,
+        cached: _Cached,
         seq: int,
         structure: str,
         replan: bool,
     ) -> PartSpec:
         rank = self.job.rank
+        gplan = cached.plan
         item_of = dict(zip(glob, items, strict=True))
         written: list[torch.Tensor] = []
         where: dict[int, int] = {}  # state tensor -> index among the written
+        # Each tier's part lists the rank's own writes of the plan (every tier) and its
+        # home's copies (that node-local tier only); the rank stages both.
+        drop: dict[str, set[int]] = {t: set() for t in ("host", "local", "remote")}
         for i, t in enumerate(flat.tensors):
             item = item_of.get(i)
             if item is not None:
                 if item.box.empty:
                     continue
-                if not replan and gplan.writers.get((item.path, item.box)) != rank:
-                    continue
+                key = (item.path, item.box)
+                if not replan and gplan.writers.get(key) != rank:
+                    outside = {x for x in drop if key not in cached.copies.get(x, ())}
+                    if len(outside) == len(drop):
+                        continue
+                    for tier in outside:
+                        drop[tier].add(i)
             where[i] = len(written)
             written.append(_local(t))
         layout = plan(written)
@@ -212,6 +239,7 @@ class Sharder:
             replan,
             Layout(layout.blobs, entries, layout.total),
             tuple(keys),
+            {tier: frozenset(d) for tier, d in drop.items() if d},
         )
 
 

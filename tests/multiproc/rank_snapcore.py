@@ -13,11 +13,8 @@ order; the report holds one entry per action.
   {"op": "kill-save", "kind": K, "store": DIR, "step": N, "victim": R, "point": P}
       save steps N then N + 1; rank R SIGKILLs itself during the second at point P
       ("staged": when async_save returns; "writing": once its data file exists; "part":
-<<<<<<< HEAD
       once its part file exists; "index": once the step's index exists, for rank 0, the
       coordinator). The others report how the second save ended.
-=======
-      once its part file exists). The others report how the second save ended.
   {"op": "dcp-vs-snapcore", "dcp": DIR, "store": DIR}
       build an FSDP2 model (seed 0, two AdamW steps); save get_state_dict's {"model",
       "optim"} with torch.distributed.checkpoint into "dcp" and {"app": AppState} with
@@ -25,7 +22,6 @@ order; the report holds one entry per action.
       + set_state_dict, the other with snapcore.restore; report the digests of the saved
       state and of both restored ones, and what snapcore's restore opened in "dcp" or
       unpickled (see `no_pickle`).
->>>>>>> dcp-interop
 
 Run without torchrun too (the kill test starts plain processes with the env:// rendezvous
 variables), so that a killed rank does not make an agent tear the others down.
