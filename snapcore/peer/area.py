@@ -390,8 +390,8 @@ _SOURCE_DIR = re.compile(r"^r(\d{1,7})$")
 class PeerCopies:
     """The copies a node holds of other ranks' parts, read as one tier (``"peer"``),
     together with the node's own parts in its host area: a restore reads from it the
-    chunks its node's own tiers lack (a tensor written once in the job by a rank of
-    another node) before it would go to object storage, and with every rank's part at
+    chunks its node's own tiers lack or hold damaged before it would go to object
+    storage, and with every rank's part at
     hand (a node's own and its copies, in a ring of two nodes) it is the complete view
     the reader checks the other, partial, node-local tiers against. Read only."""
 

@@ -190,8 +190,8 @@ def prepare_restore(
             if p == rank
         ]
 
-        # Before the restore reads: the replaced node needs its sources' copies too (a
-        # tensor written once in the job may be in another node's part only).
+        # Before the restore reads, so that the partners hold copies again before
+        # training goes on (and the node's copies serve the restore's reads).
         sent, got, failure = link.run(
             lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes)
         )
