@@ -112,10 +112,28 @@ class PeerLink:
         self.rank = conn.job.rank
         self.identity = peer_identity(store, conn.job.world_size)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapcore-peer")
+        self._notes: list[str] = []  # failures of background rounds, for the next handle
+        self._notes_lock = threading.Lock()
 
     def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the peer thread (the one user of the peer group) and wait."""
         return self.pool.submit(fn).result()
+
+    def background(self, fn: Callable[[], list[str]]) -> None:
+        """Queue ``fn`` on the peer thread; the failures it returns are logged and
+        warned on the next snapshot's handle."""
+
+        def call() -> None:
+            try:
+                notes = fn()
+            except Exception as e:
+                notes = [f"peer tier: {type(e).__name__}: {e}"]
+            for note in notes:
+                log.warning("%s", note)
+            with self._notes_lock:
+                self._notes.extend(notes)
+
+        self.pool.submit(call)
 
     def drain(self) -> None:
         """Wait for what is queued on the peer thread."""
@@ -131,6 +149,10 @@ class PeerLink:
         self.pool.shutdown(wait=True)
 
     def _run(self, handle: SaveHandle, step: int, index_key: str) -> None:
+        with self._notes_lock:
+            earlier, self._notes = self._notes, []
+        for note in earlier:
+            handle.warn(note)
         topo = self.conn.topology
         partners, sources = topo.partners(self.rank), topo.sources(self.rank)
         outgoing = [self._outgoing(p, step, index_key) for p in partners]

@@ -8,8 +8,8 @@ its part from a partner holding a copy (gloo point-to-point at restore time, on 
 training thread, where a collective is fine), into its own host-memory area, where it is
 committed as a host snapshot once every such rank of its node has its part: the node
 holds its own copy again, and the restore then reads it like any host snapshot. Then
-each rank whose partner lacks a copy of that step sends one (the re-send), so that the
-partners hold the copies again before training goes on. A copy that fails to arrive is
+each rank whose partner lacks a copy of that step sends one (the re-send), in the
+background on the peer thread, ahead of the next snapshot's transfer. A copy that fails to arrive is
 reported (``RestoreInfo.damaged``) and the restore falls back to what the other tiers
 hold.
 """
@@ -74,8 +74,9 @@ def prepare_restore(
     store: Store, steps: dict[str, list[int]], job: Job, step: int | None, link: PeerLink
 ) -> Fetched:
     """Fetch the parts this node lacks of the step every rank can restore, from the
-    partners' copies, then re-send the copies the partners lack (collective: every rank
-    calls it). The rounds run on ``link``'s thread, the one user of the peer group."""
+    partners' copies (collective: every rank calls it), then queue the re-send of the
+    copies the partners lack. The rounds run on ``link``'s thread, the one user of the
+    peer group."""
     conn = link.conn
     topo, rank, world = conn.topology, job.rank, job.world_size
     spec = store.peer_spec
@@ -190,18 +191,19 @@ def prepare_restore(
             if p == rank
         ]
 
-        # Before the restore reads, so that the partners hold copies again before
-        # training goes on (and the node's copies serve the restore's reads).
-        sent, got, failure = link.run(
-            lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes)
-        )
-        for who, why in [*sent.items(), *got.items()]:
-            if why is not None or failure:
-                notes.append(
-                    f"peer: step {target}: the re-send of the copies with rank {who} failed: "
-                    f"{failure or why} (the next snapshot sends again)"
-                )
-        all_gather_bytes(job, b"")  # every copy is committed before any rank reads
+        def resend() -> list[str]:
+            sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes)
+            return [
+                f"peer tier: the re-send of step {target}'s copies with rank {who} after the "
+                f"restore failed: {failure or why} (the next snapshot sends again)"
+                for who, why in [*sent.items(), *got.items()]
+                if why is not None or failure
+            ]
+
+        # On the peer thread, while the restore reads and training starts: the next
+        # snapshot's transfer comes after it on the same thread, so that snapshot's peer
+        # tier is durable only once the partners hold copies again.
+        link.background(resend)
     for note in notes:
         log.warning("%s", note)
     return out
