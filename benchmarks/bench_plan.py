@@ -7,9 +7,10 @@ per mesh and world size, on a transformer-shaped state (24 layers of attention a
 weights, norms, and AdamW's exp_avg, exp_avg_sq and step counters: 576 tensors):
 
 - **now**: what ``write/sharded.py`` does at the first save: ``planning.uniform``'s
-  ``local_items`` (the rank's own boxes, checked against its live ones) and
-  ``plan_uniform`` (who writes each of its boxes), for rank 0 and the last rank (the
-  slower is reported);
+  ``local_items`` (the rank's own boxes, checked against its live ones),
+  ``plan_uniform`` (who writes each of its boxes and its node's) and ``uniform_copies``
+  (its share of its node's copies for a node-local tier, 8 ranks a node), for rank 0
+  and the last rank (the slower is reported);
 - **before**: what it did until 2026-11-23: every rank's items (``describe_sharded``
   per DTensor and mesh coordinate) and ``global_plan.plan_save`` over all of them. Only
   up to ``--before-max`` ranks (it is O(ranks x tensors) in Python: minutes at 16,384);
@@ -47,12 +48,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, fmt_s, write_figures
 
-from snapcore.planning.global_plan import LocalItem, describe_sharded, plan_save
-from snapcore.planning.uniform import GlobalTensor, local_items, plan_uniform
+from snapcore.planning.global_plan import LocalItem, describe_sharded, plan_copies, plan_save
+from snapcore.planning.uniform import GlobalTensor, local_items, plan_uniform, uniform_copies
 from snapcore.sharding import Box
 
 MESHES = ("fsdp2", "hsdp", "fsdp2+tp", "ddp")
 TP = 8
+NODE = 8  # ranks per node: a node-local tier's home
 
 
 def state(mesh_kind: str, world: int, layers: int, d: int) -> list[GlobalTensor]:
@@ -96,12 +98,20 @@ def state(mesh_kind: str, world: int, layers: int, d: int) -> list[GlobalTensor]
     return out
 
 
+def home(rank: int, world: int) -> set[int]:
+    """The ranks of ``rank``'s node (8 a node), whose node-local tier it shares."""
+    first = rank // NODE * NODE
+    return set(range(first, min(first + NODE, world)))
+
+
 def now(tensors: list[GlobalTensor], world: int, rank: int) -> tuple[float, Any]:
     t0 = time.perf_counter()
     items = local_items(tensors, rank)
-    plan = plan_uniform(tensors, world, "digest", rank=rank)
+    node = home(rank, world)
+    plan = plan_uniform(tensors, world, "digest", ranks=node | {rank})
     writes = [plan.writer(item) == rank for item in items]
-    return time.perf_counter() - t0, (items, plan, writes)
+    copies = uniform_copies(tensors, plan, node, rank)
+    return time.perf_counter() - t0, (items, plan, writes, copies)
 
 
 def before(tensors: list[GlobalTensor], world: int) -> tuple[float, Any]:
@@ -118,6 +128,7 @@ def before(tensors: list[GlobalTensor], world: int) -> tuple[float, Any]:
         ).items():
             per_rank[r].append(item)
     plan = plan_save(per_rank, world)
+    plan_copies(plan, [r // NODE for r in range(world)], only=0)
     return time.perf_counter() - t0, (per_rank, plan)
 
 
@@ -126,8 +137,12 @@ def same_plan(tensors: list[GlobalTensor], world: int, old: Any) -> bool:
     new = plan_uniform(tensors, world, "digest")
     if new.rank_bytes != plan.rank_bytes:
         return False
+    homes = [r // NODE for r in range(world)]
     for r in range(world):
         if local_items(tensors, r) != per_rank[r]:
+            return False
+        want = frozenset((w.path, w.box) for w in plan_copies(plan, homes, only=r)[r])
+        if uniform_copies(tensors, new, home(r, world), r) != want:
             return False
         for item in per_rank[r]:
             want = None if item.box.empty else plan.writers[(item.path, item.box)]

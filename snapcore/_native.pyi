@@ -15,6 +15,13 @@ def cuda_available() -> bool:
 def cuda_status() -> str:
     """'ok: N device(s)', or why CUDA is unavailable."""
 
+def cuda_device_numa_node(device: int, sysfs_root: str = "/sys/bus/pci/devices") -> int:
+    """
+    The NUMA node of CUDA device `device`: its PCI bus id from the driver, then
+    <sysfs_root>/<bus id>/numa_node; -1 on a machine of one node. CudaError when CUDA
+    is unavailable.
+    """
+
 def page_size() -> int:
     """
     The page size: arena granularity and the alignment O_DIRECT writes use.
@@ -37,6 +44,7 @@ class Arena:
         huge_pages: bool = True,
         pin: bool = True,
         device: int = 0,
+        numa_node: int = -1,
         prefault: bool = True,
         threads: int = 0,
     ) -> None:
@@ -46,8 +54,10 @@ class Arena:
         not inherited by fork() (MADV_DONTFORK). `pin` registers the memory with CUDA
         (portable, in `device`'s primary context: the device the state lives on)
         when CUDA is available and does nothing otherwise; if the driver refuses, the
-        arena stays unpinned and `pin_error` says why. `threads` (0 = all)
-        prefault it.
+        arena stays unpinned and `pin_error` says why. `numa_node` (>= 0) is made
+        the preferred node of its pages before they are faulted (mbind through
+        libnuma.so.1; `numa_error` says why not, and the arena is made all the same).
+        `threads` (0 = all) prefault it.
         """
 
     @property
@@ -73,6 +83,14 @@ class Arena:
         """
         Why the driver refused to pin it (the arena is then unpinned), or None.
         """
+
+    @property
+    def numa_node(self) -> int:
+        """The NUMA node its pages were placed on (preferred), or -1."""
+
+    @property
+    def numa_error(self) -> str | None:
+        """Why the NUMA node asked for was not used, or None."""
 
     @property
     def huge_pages(self) -> bool:

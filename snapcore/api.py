@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 from .distributed.job import Job, all_gather_bytes
 from .distributed.job import current as current_job
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StateMismatch, StoreInUse
+from .peer import Fetched, peer_copies
+from .peer import prepare_restore as prepare_peer_restore
 from .read import Reader, RestoreInfo, exchange_plan
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
@@ -42,7 +44,10 @@ def async_save(
     snapshot is durable once ``handle.wait()`` returns (``wait(tier=...)`` for one tier).
     By default the state may be changed as soon as this returns. With ``overlap=True`` the
     copies of tensors that the state's optimizers write run on while training goes on,
-    and each optimizer's next ``step()`` waits for them (or call ``handle.staged()``).
+    and each optimizer's next ``step()`` waits for them (or call ``handle.staged()``):
+    for CUDA tensors its current stream waits, the CPU does not. Only the current stream
+    is ordered (see docs/architecture.md); overlap mode is refused while a CUDA graph is
+    being captured.
     ``budget_bytes`` bounds the host memory used for staging (default: the size of the
     state, times two with a host-memory tier); a smaller budget streams the state through
     the arena, and the call then blocks until the last part is staged. ``tiers`` sends
@@ -100,9 +105,26 @@ def _reader(engine: Engine, steps: dict[str, list[int]], step: int, verify: bool
     if not sources:
         assert first is not None
         raise first
+    sources = _with_peer_copies(engine, sources, step)
     reader = Reader(sources, verify=verify)
     reader.damaged.extend(damaged)
     return reader
+
+
+def _with_peer_copies(engine: Engine, sources: list[Any], step: int) -> list[Any]:
+    """The peer tier (snapcore/peer): the copies this node holds of other ranks' parts
+    serve, before object storage, the chunks its own tiers lack. Never a reason to take
+    a step (they are not listed in ``committed``): only a source of chunks."""
+    copies = peer_copies(engine.config)
+    if copies is None or step not in copies.committed_steps():
+        return sources
+    try:
+        m = copies.read_manifest(step)
+    except (OSError, SnapcoreError) as e:
+        log.warning("the peer copies of step %d cannot be read: %s", step, e)
+        return sources
+    at = next((i for i, (t, _) in enumerate(sources) if t.name == "remote"), len(sources))
+    return [*sources[:at], (copies, m), *sources[at:]]
 
 
 T = TypeVar("T")
@@ -184,6 +206,17 @@ def _read(
     engine = engine_for(store)
     steps = committed(store)
     job = current_job() if agree else None
+    if job is not None and engine.config.peer_spec is not None:
+        # The peer tier (snapcore/peer): a replaced node's parts come back from its
+        # partners' memory into its host area first; then the tiers are listed again.
+        try:
+            link = engine.peer_link(job)  # a collective at the first call
+        except ValueError as e:  # a job of one node: no partner to restore from
+            log.warning("restore: %s", e)
+        else:
+            fetched = prepare_peer_restore(engine.config, steps, job, step, link)
+            steps = committed(store)
+            use = _noting_peer(use, fetched)
     if job is not None and step is None:  # every rank takes the same step
         return _read_agreed(engine, steps, job, verify, use)
     every = sorted({s for ss in steps.values() for s in ss})
@@ -219,6 +252,15 @@ def _read(
     if len(skipped) > 1:
         newest.add_note("older steps are damaged too:\n" + "\n".join(skipped[1:]))
     raise newest
+
+
+def _noting_peer(use: Callable[[Reader], T], fetched: Fetched) -> Callable[[Reader], T]:
+    def noted(reader: Reader) -> T:
+        reader.peer_bytes, reader.peer_s = fetched.bytes, fetched.seconds
+        reader.damaged.extend(fetched.notes)
+        return use(reader)
+
+    return noted
 
 
 def restore(
@@ -264,10 +306,11 @@ def restore(
     t0 = time.perf_counter()
     job = current_job()
     rank, world = (job.rank, job.world_size) if job is not None else (0, 1)
+    node = _node(engine_for(store), job)
 
     def use(reader: Reader) -> tuple[RestorePlan, int]:
         reader.select(rank, world, rank_local)
-        return reader.restore(state, strict=strict, job=job)
+        return reader.restore(state, strict=strict, job=job, node=node)
 
     (plan, n), reader, skipped = _read(store, step, verify, use)
     for d in reader.damaged:
@@ -282,7 +325,19 @@ def restore(
         missing=plan.missing,
         unexpected=plan.unexpected,
         skipped=skipped,
+        tier_bytes=dict(reader.tier_bytes),
+        peer_bytes=reader.peer_bytes,
+        peer_s=reader.peer_s,
     )
+
+
+def _node(engine: Engine, job: Job | None) -> list[Any] | None:
+    """This rank's node, as the ranks that share their reads of a restore see it: its host
+    and its node-local tiers (a directory, a host-memory area)."""
+    if job is None:
+        return None
+    local = engine.config.local
+    return [job.host, os.path.realpath(local) if local else None, engine.config.host]
 
 
 def load(

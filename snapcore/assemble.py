@@ -164,6 +164,7 @@ def merge(index: mf.Index, parts: list[mf.Manifest | None], *, where: str) -> mf
         part_files=[ref.name for r, ref in enumerate(index.parts) if r not in missing],
         missing_ranks=missing,
         missing_parts=[_part_at(where, index.parts[r]) for r in missing],
+        keys=[keyed.get(i) for i in range(len(tensors))],
     )
     return m
 

@@ -7,6 +7,7 @@ none of them, so no stage needs another's module for a type.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,8 @@ class Window:
     end: int
     arena_offset: int
     half: int
-    deferred: list[Callable[[], None]] = field(default_factory=list)  # run on persist thread
+    deferred: list[Callable[[], None]] = field(default_factory=list)  # CPU copies run later
+    pending: list[Future[None]] = field(default_factory=list)  # copies running (overlap)
     events: list[Any] = field(default_factory=list)  # CUDA events to wait for before reading
     keep: list[torch.Tensor] = field(default_factory=list)  # alive until the copies ran
 

@@ -211,6 +211,9 @@ class Manifest:
     # None and their pieces absent; the chunks present are read from here.
     missing_ranks: list[int] = field(default_factory=list)
     missing_parts: list[str] = field(default_factory=list)  # where they are, for messages
+    # An assembled sharded snapshot: each tensor's global key (None: rank-local), which
+    # names it alike in every tier and on every node (its index may differ)
+    keys: list[str | None] | None = None
 
     @property
     def nbytes(self) -> int:

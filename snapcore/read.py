@@ -30,6 +30,7 @@ from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNot
 from .planning.global_plan import SavedPiece, describe_local, plan_read
 from .planning.layout import contiguous_strides
 from .sharding import Box
+from .staging.h2d import ChunkCopies, fill_devices
 from .tiers import Tier
 from .tree import RestorePlan, build, is_dtensor, plan_restore, tensor_paths, type_name
 
@@ -54,6 +55,9 @@ class RestoreInfo:
     missing: list[str] = field(default_factory=list)  # paths of the state left as they were
     unexpected: list[str] = field(default_factory=list)  # paths of the snapshot not read
     skipped: list[str] = field(default_factory=list)  # "step N: why", newer damaged steps
+    tier_bytes: dict[str, int] = field(default_factory=dict)  # bytes read, per tier
+    peer_bytes: int = 0  # bytes of this rank's part received from a partner's memory
+    peer_s: float = 0.0  # the time receiving them took (before the restore's reads)
 
 
 # Where a chunk is decoded to: an address, or a function that gives one for a number of
@@ -126,6 +130,9 @@ class Reader:
         self._partial: dict[int, tuple[torch.Tensor, set[int]]] = {}
         self.used: set[str] = set()
         self.bytes_read = 0  # from the tiers, as stored
+        self.tier_bytes: dict[str, int] = {}  # the same, per tier
+        self.peer_bytes = 0  # received from a partner before reading (snapcore/peer)
+        self.peer_s = 0.0
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._blobs: dict[int, torch.Tensor] = {}
@@ -213,6 +220,7 @@ class Reader:
         tier.read_into(name, offset, length, address)
         with self._lock:
             self.bytes_read += length
+            self.tier_bytes[tier.name] = self.tier_bytes.get(tier.name, 0) + length
 
     def _decode(
         self, tier: Tier, m: mf.Manifest, b_i: int, j: int, src: int, address: Address
@@ -556,7 +564,7 @@ class Reader:
         self._blobs.update(bufs)
 
     def restore(
-        self, state: Any, *, strict: bool = True, job: Job | None = None
+        self, state: Any, *, strict: bool = True, job: Job | None = None, node: Any = None
     ) -> tuple[RestorePlan, int]:
         """Fill ``state`` in place; returns the plan (what was missing and unexpected) and
         the number of tensors filled.
@@ -566,10 +574,12 @@ class Reader:
         updated, and last each object's ``load_state_dict`` called, innermost first: a
         damaged chunk found while reading leaves every object's own state untouched.
 
-        Under a job (torch.distributed), a whole tensor that every rank needs (replicated:
-        DDP's parameters) is read by one rank and broadcast on snapcore's gloo group,
-        instead of being read by every rank; the ranks agree on it in one exchange, which
-        also carries each rank's refusal, so that all raise together.
+        Under a job (torch.distributed), a whole tensor that every rank of a node needs
+        (replicated: DDP's parameters) is read by one rank of the node and broadcast to
+        the others on a gloo group of the node's ranks, instead of being read by every
+        rank; the ranks agree on it in one exchange, which also carries each rank's
+        refusal, so that all raise together. ``node``: this rank's node (JSON; ranks
+        with equal ones share their reads), by default its host.
         """
         targets: dict[int, list[torch.Tensor]] = {}
         try:
@@ -581,8 +591,8 @@ class Reader:
         readers: dict[int, int] = {}
         filled = len(targets) + len(plan.fresh)
         if job is not None:
-            readers = self._share_plan(job, targets, plan.fresh, None)
-            self._share(job, readers, targets)
+            readers, group = self._share_plan(job, targets, plan.fresh, None, node)
+            self._share(job, readers, targets, group)
         self.prefetch(sorted(plan.fresh - readers.keys()))
         self._fill(targets)
         with torch.no_grad():
@@ -604,9 +614,15 @@ class Reader:
         targets: dict[int, list[torch.Tensor]] | None,
         fresh: set[int],
         error: SnapcoreError | None,
-    ) -> dict[int, int]:
-        """Which whole tensors every rank needs, and the rank that reads each (balanced
-        by bytes, the same answer on every rank). Raises when any rank could not plan."""
+        node: Any = None,
+    ) -> tuple[dict[int, int], Any]:
+        """Which whole tensors every rank of this rank's node needs, the rank of the node
+        that reads each (balanced by bytes, the same answer on every rank of the node),
+        and the node's gloo group. Raises when any rank could not plan.
+
+        The ranks name the tensors by their global keys: the ranks of different nodes
+        may read different tiers (each its node's own), whose tensor indices differ. A
+        rank-local tensor is never shared."""
         need: set[int] = set()
         if targets is not None:
             need = {i for i in fresh if self.whole(i)}
@@ -615,28 +631,58 @@ class Reader:
                 for i, ts in targets.items()
                 if self.whole(i) and not any(is_dtensor(t) for t in ts)
             }
-        every = exchange_plan(job, self.m.step, sorted(need), error)
+        named = {k: i for i in need if (k := self._share_key(i)) is not None}
+        mine = job.host if node is None else node
+        every = exchange_plan(job, self.m.step, sorted(named), error, mine)
         if error is not None:
-            return {}
-        common = set.intersection(*(set(d["need"]) for d in every))
-        load = [0] * job.world_size
+            return {}, None
+        nodes: dict[str, list[int]] = {}
+        for r, d in enumerate(every):
+            nodes.setdefault(json.dumps(d["node"]), []).append(r)
+        # Every rank knows every node's needs: the nodes' groups are made (a collective)
+        # only when some node of several ranks shares a read, by every rank alike.
+        shared = [
+            set.intersection(*(set(every[r]["need"]) for r in ranks)) if len(ranks) > 1 else set()
+            for ranks in nodes.values()
+        ]
+        members = nodes[json.dumps(every[job.rank]["node"])]
+        common = shared[list(nodes.values()).index(members)]
+        group = job.group_of(list(nodes.values())) if any(shared) else job.group
+        load = dict.fromkeys(members, 0)
         readers = {}
-        for i in sorted(common, key=lambda i: (-self.m.tensors[i].nbytes, i)):
-            r = min(range(job.world_size), key=lambda r: (load[r], r))
-            readers[i] = r
-            load[r] += self.m.tensors[i].nbytes
-        return readers
+        for key in sorted(common, key=lambda k: (-self.m.tensors[named[k]].nbytes, k)):
+            r = min(members, key=lambda r: (load[r], r))
+            readers[named[key]] = r
+            load[r] += self.m.tensors[named[key]].nbytes
+        return readers, group
+
+    def _share_key(self, i: int) -> str | None:
+        """How every rank names tensor ``i`` (None: a rank-local tensor, never shared)."""
+        if self.m.keys is None:  # one manifest for all: its indices
+            return f"#{i}"
+        key = self.m.keys[i]
+        return None if key is None else f"k{key}"
 
     def _share(
-        self, job: Job, readers: dict[int, int], targets: dict[int, list[torch.Tensor]]
+        self,
+        job: Job,
+        readers: dict[int, int],
+        targets: dict[int, list[torch.Tensor]],
+        group: Any,
     ) -> None:
-        """Read the tensors this rank reads for all, and receive the others: one broadcast
-        per reading rank, of its tensors' bytes one after another. Every rank reads its
-        share first and the ranks tell each other whether it was intact, so that damage
-        on one rank raises on all of them instead of leaving the others in a broadcast."""
+        """Read the tensors this rank reads for its node, and receive the others: one
+        broadcast on the node's ``group`` per reading rank, of its tensors' bytes one
+        after another (in the order of their keys). Every rank reads its share first and
+        the ranks of the job tell each other whether it was intact, so that damage on one
+        rank raises on all of them instead of leaving the others in a broadcast."""
         import torch.distributed as dist
 
-        own = sorted(i for i, r in readers.items() if r == job.rank)
+        def order(r: int) -> list[int]:  # rank r's tensors, by key: the same on every rank
+            return sorted(
+                (i for i, x in readers.items() if x == r), key=lambda i: f"{self._share_key(i)}"
+            )
+
+        own = order(job.rank)
         error: CorruptSnapshot | None = None
         payload = torch.empty(0, dtype=torch.uint8)
         try:
@@ -655,11 +701,11 @@ class Reader:
                 f"step {self.m.step}: rank {r} read damage: {why}", step=self.m.step
             )
         for reader in sorted(set(readers.values())):
-            mine = sorted(i for i, r in readers.items() if r == reader)
+            mine = order(reader)
             sizes = [self.m.tensors[i].nbytes for i in mine]
             mine_now = reader == job.rank
             buf = payload if mine_now else torch.empty(sum(sizes), dtype=torch.uint8)
-            dist.broadcast(buf, src=reader, group=job.group)
+            dist.broadcast(buf, src=reader, group=group)
             pos = 0
             for i, n in zip(mine, sizes, strict=True):
                 e = self.m.tensors[i]
@@ -721,6 +767,11 @@ class Reader:
                 else:
                     copies.append((i, t))
         self.read_blobs(direct)
+        if _native.cuda_available():
+            on_gpu = [(i, t) for i, t in copies if self._h2d_ok(i, t)]
+            if on_gpu:
+                self._fill_cuda([(i, t.data_ptr(), _device_index(t)) for i, t in on_gpu])
+                copies = [(i, t) for i, t in copies if not self._h2d_ok(i, t)]
         batch: list[tuple[int, torch.Tensor]] = []
         size = 0
         for i, t in copies:
@@ -756,6 +807,34 @@ class Reader:
             and self.m.blobs[p.blob].nbytes == e.nbytes
             and len(self.blob_users[p.blob]) == 1
         )
+
+    def _h2d_ok(self, i: int, t: torch.Tensor) -> bool:
+        """Whether CUDA tensor ``t`` takes saved tensor ``i``'s bytes as they are stored (both
+        contiguous): then the native path fills it (``_fill_cuda``)."""
+        e = self.m.tensors[i]
+        return (
+            t.device.type == "cuda"
+            and t.is_contiguous()
+            and e.pieces[0].strides == contiguous_strides(e.shape)
+        )
+
+    def _fill_cuda(self, items: list[tuple[int, int, int]]) -> None:
+        """Fill CUDA tensors: ``items`` are (saved tensor, device address, device). The
+        chunks holding their bytes are read into a pinned ring and copied on the side
+        stream of each device, whose current stream waits for them (staging/h2d.py)."""
+        need: dict[tuple[int, int], ChunkCopies] = {}
+        for i, dst, device in items:
+            e = self.m.tensors[i]
+            p = e.pieces[0]
+            lo, hi = p.byte_offset, p.byte_offset + e.nbytes
+            pos = 0
+            for j, c in enumerate(self.m.blobs[p.blob].chunks):
+                start, end = max(lo, pos), min(hi, pos + c.raw_length)
+                if start < end:
+                    cc = need.setdefault((p.blob, j), ChunkCopies(p.blob, j, c.raw_length))
+                    cc.copies.append((device, dst + start - lo, start - pos, end - start))
+                pos += c.raw_length
+        fill_devices([need[k] for k in sorted(need)], self.read_chunks)
 
     def _copy_batch(self, batch: list[tuple[int, torch.Tensor]]) -> None:
         if not batch:
@@ -833,17 +912,19 @@ def _some(paths: list[str], n: int = 8) -> str:
 
 
 def exchange_plan(
-    job: Job, step: int, need: list[int], error: SnapcoreError | None
+    job: Job, step: int, need: list[str], error: SnapcoreError | None, node: Any = None
 ) -> list[dict[str, Any]]:
     """The one exchange of a restore under a job, made by every rank that takes part in
     the step, even one that could not open it or match its state (``error``): each
-    rank's needs, or its refusal. With no ``error`` of its own, a rank raises when
-    another refused: ``CorruptSnapshot`` when that rank found the step damaged (every
-    rank then moves to an older step together), else ``StateMismatch``."""
+    rank's needs (the keys of the whole tensors it needs) and its node, or its refusal.
+    With no ``error`` of its own, a rank raises when another refused: ``CorruptSnapshot``
+    when that rank found the step damaged (every rank then moves to an older step
+    together), else ``StateMismatch``."""
     mine = {
         "error": None if error is None else str(error),
         "damaged": isinstance(error, CorruptSnapshot | SnapshotNotFound),
         "need": need,
+        "node": node,
     }
     every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
     failed = [r for r, d in enumerate(every) if d["error"]]
@@ -883,6 +964,10 @@ def _by_content(ref: mf.Manifest, m: mf.Manifest) -> dict[tuple[int, int], tuple
             if at is not None:
                 out[(b_i, j)] = at
     return out
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def _chunk(m: mf.Manifest, job: tuple[int, int, int]) -> mf.Chunk:

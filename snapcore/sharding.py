@@ -1,9 +1,9 @@
 """Pure planning functions for sharded saves and resharding reads (issue 10).
 
-This module is the planning seam for issue 10 (sharded snapshots under
-torch.distributed). It is NOT yet used by the save or restore paths: nothing here
-touches a process group, a tensor or a file. It holds the small, deterministic
-computations those paths will need:
+This module holds the pure planning functions of issue 10 (sharded snapshots under
+torch.distributed), which the save plan (``planning/global_plan``) and the restore use:
+nothing here touches a process group, a tensor or a file. The small, deterministic
+computations:
 
 - ``assign_writers``: which rank writes each item (a shard or a replicated tensor) so
   that every byte is written once and the bytes are balanced over the ranks;
@@ -33,7 +33,9 @@ WriteItem = tuple[str, int, frozenset[int]]
 """(key, nbytes, holders): an item to write and the ranks that hold an identical copy."""
 
 
-def assign_writers(items: Iterable[WriteItem], world_size: int) -> dict[str, int]:
+def assign_writers(
+    items: Iterable[WriteItem], world_size: int, loads: Sequence[int] | None = None
+) -> dict[str, int]:
     """Choose the one rank that writes each item; return ``{key: rank}``.
 
     Each item is ``(key, nbytes, holders)``: ``holders`` are the ranks that hold an
@@ -52,11 +54,17 @@ def assign_writers(items: Iterable[WriteItem], world_size: int) -> dict[str, int
     when its last item was placed it was the least loaded, hence at most the average.
     Items held by some ranks only limit the choice and carry no such bound.
 
+    ``loads``: the bytes each rank writes already (default none), which the pass starts
+    from (the node copies of ``global_plan.plan_copies`` go to the ranks that write the
+    least of the job's items).
+
     Raises ``ValueError`` for a duplicate key, a negative size, or holders that are empty
     or outside ``range(world_size)``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if loads is not None and len(loads) != world_size:
+        raise ValueError(f"{len(loads)} loads for a world of {world_size}")
     order: list[tuple[int, int, str, tuple[int, ...]]] = []
     seen: set[str] = set()
     for key, nbytes, holders in items:
@@ -72,7 +80,7 @@ def assign_writers(items: Iterable[WriteItem], world_size: int) -> dict[str, int
             raise ValueError(f"item {key!r}: holders {ranks} outside 0..{world_size - 1}")
         order.append((len(ranks), -nbytes, key, ranks))
     order.sort(key=lambda o: o[:3])  # keys are unique: a total order
-    load = [0] * world_size
+    load = [0] * world_size if loads is None else list(loads)
     out: dict[str, int] = {}
     for _, neg_nbytes, key, ranks in order:
         rank = min(ranks, key=lambda r: (load[r], r))

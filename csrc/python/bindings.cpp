@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "snapcore/arena.hpp"
+#include "snapcore/cuda_context.hpp"
 #include "snapcore/cuda_copy.hpp"
 #include "snapcore/error.hpp"
 #include "snapcore/file_io.hpp"
@@ -87,6 +88,15 @@ NB_MODULE(_native, m) {
         "child forked after the driver was loaded. Never raises.");
   m.def("cuda_status", &snapcore::shim::CudaDriver::status,
         "'ok: N device(s)', or why CUDA is unavailable.");
+  m.def(
+      "cuda_device_numa_node",
+      [](int device, const std::string& sysfs_root) {
+        return snapcore::cuda_device_numa_node(device, sysfs_root);
+      },
+      "device"_a, "sysfs_root"_a = "/sys/bus/pci/devices",
+      "The NUMA node of CUDA device `device`: its PCI bus id from the driver, then\n"
+      "<sysfs_root>/<bus id>/numa_node; -1 on a machine of one node. CudaError when CUDA\n"
+      "is unavailable.");
   m.def("page_size", &snapcore::page_size,
         "The page size: arena granularity and the alignment O_DIRECT writes use.");
   m.def("hardware_threads", &snapcore::hardware_threads,
@@ -99,25 +109,30 @@ NB_MODULE(_native, m) {
       .def(
           "__init__",
           [](snapcore::Arena* self, std::size_t size, std::optional<std::string> shm_path,
-             bool huge_pages, bool pin, int device, bool prefault, std::size_t threads) {
+             bool huge_pages, bool pin, int device, int numa_node, bool prefault,
+             std::size_t threads) {
             snapcore::ArenaOptions options;
             options.shm_path = std::move(shm_path);
             options.huge_pages = huge_pages;
             options.pin = pin;
             options.device = device;
+            options.numa_node = numa_node;
             options.prefault = prefault;
             options.threads = threads;
             new (self) snapcore::Arena(size, std::move(options));
           },
           "size"_a, nb::kw_only(), "shm_path"_a = nb::none(), "huge_pages"_a = true,
-          "pin"_a = true, "device"_a = 0, "prefault"_a = true, "threads"_a = 0, release_gil(),
+          "pin"_a = true, "device"_a = 0, "numa_node"_a = -1, "prefault"_a = true,
+          "threads"_a = 0, release_gil(),
           "Maps `size` bytes. With `shm_path`, the file is created (0600) or reused,\n"
           "sized, mapped shared and never unlinked; without, the memory is private and\n"
           "not inherited by fork() (MADV_DONTFORK). `pin` registers the memory with CUDA\n"
           "(portable, in `device`'s primary context: the device the state lives on)\n"
           "when CUDA is available and does nothing otherwise; if the driver refuses, the\n"
-          "arena stays unpinned and `pin_error` says why. `threads` (0 = all)\n"
-          "prefault it.")
+          "arena stays unpinned and `pin_error` says why. `numa_node` (>= 0) is made\n"
+          "the preferred node of its pages before they are faulted (mbind through\n"
+          "libnuma.so.1; `numa_error` says why not, and the arena is made all the same).\n"
+          "`threads` (0 = all) prefault it.")
       .def_prop_ro("address", &snapcore::Arena::address,
                    "Start address; ValueError once closed.")
       .def_prop_ro("size", &snapcore::Arena::size, "Bytes usable: the size asked for.")
@@ -128,6 +143,10 @@ NB_MODULE(_native, m) {
       .def_prop_ro("pinned", &snapcore::Arena::pinned)
       .def_prop_ro("pin_error", &snapcore::Arena::pin_error,
                    "Why the driver refused to pin it (the arena is then unpinned), or None.")
+      .def_prop_ro("numa_node", &snapcore::Arena::numa_node,
+                   "The NUMA node its pages were placed on (preferred), or -1.")
+      .def_prop_ro("numa_error", &snapcore::Arena::numa_error,
+                   "Why the NUMA node asked for was not used, or None.")
       .def_prop_ro("huge_pages", &snapcore::Arena::huge_pages,
                    "Whether madvise(MADV_HUGEPAGE) succeeded.")
       .def_prop_ro("shm_path", &snapcore::Arena::shm_path)

@@ -47,6 +47,14 @@ Arena::Arena(std::size_t size, ArenaOptions options)
   SNAP_EXPECT_ARG(held_ >= size, "Arena size " << size << " is too large");
   try {
     map(options.huge_pages);
+    if (options.numa_node >= 0) {  // before the first fault: the policy places new pages
+      std::string why = prefer_numa_node(base_, held_, options.numa_node);
+      if (why.empty()) {
+        numa_node_ = options.numa_node;
+      } else {
+        numa_error_ = std::move(why);  // placement is an optimisation: go on without it
+      }
+    }
     if (options.prefault) {
       prefault(options.threads);
     }

@@ -1,6 +1,7 @@
 #include "snapcore/cuda_context.hpp"
 
 #include "snapcore/error.hpp"
+#include "snapcore/system.hpp"
 
 namespace snapcore {
 
@@ -30,6 +31,18 @@ ScopedContext::~ScopedContext() {
   if (const shim::CudaDriver* cu = shim::CudaDriver::in_process()) {
     (void)cu->CtxPopCurrent(&popped);
   }
+}
+
+int cuda_device_numa_node(int device, const std::string& sysfs_root) {
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  SNAP_EXPECT_ARG(device >= 0 && device < cu.device_count(),
+                  "CUDA device " << device << " does not exist (" << cu.device_count()
+                                 << " device(s))");
+  cu::CUdevice handle = 0;
+  CU_TRY(cu.DeviceGet(&handle, device));
+  char bus_id[64] = {};
+  CU_TRY(cu.DeviceGetPCIBusId(bus_id, sizeof(bus_id) - 1, handle));
+  return pci_numa_node(bus_id, sysfs_root);
 }
 
 }  // namespace snapcore

@@ -11,6 +11,27 @@ cu::CUstream as_stream(std::uintptr_t handle) {
   return reinterpret_cast<cu::CUstream>(handle);
 }
 
+// The copies without the empty ones, each run of copies that continue one another (the
+// next starts where the last ended, at both ends) merged into one.
+std::vector<CopySpec> coalesce(const std::vector<CopySpec>& copies) {
+  std::vector<CopySpec> runs;
+  runs.reserve(copies.size());
+  for (const CopySpec& c : copies) {
+    if (c.nbytes == 0) {
+      continue;
+    }
+    if (!runs.empty()) {
+      CopySpec& last = runs.back();
+      if (last.dst + last.nbytes == c.dst && last.src + last.nbytes == c.src) {
+        last.nbytes += c.nbytes;
+        continue;
+      }
+    }
+    runs.push_back(c);
+  }
+  return runs;
+}
+
 }  // namespace
 
 CudaEvent::CudaEvent(std::shared_ptr<PrimaryContext> ctx) : ctx_(std::move(ctx)) {
@@ -138,10 +159,10 @@ std::unique_ptr<CudaEvent> CudaCopier::copy(Direction dir, const std::vector<Cop
     CU_TRY(cu.StreamWaitEvent(stream_, ready.get(), cu::CU_EVENT_WAIT_DEFAULT));
   }
   try {
-    for (const CopySpec& c : copies) {
-      if (c.nbytes == 0) {
-        continue;
-      }
+    const std::vector<CopySpec> runs = coalesce(copies);
+    const bool batched = runs.size() > 1 && copy_batch(runs);
+    for (std::size_t i = 0; !batched && i < runs.size(); ++i) {
+      const CopySpec& c = runs[i];
       if (dir == Direction::DeviceToHost) {
         CU_TRY(cu.MemcpyDtoHAsync(reinterpret_cast<void*>(c.dst),
                                   static_cast<cu::CUdeviceptr>(c.src), c.nbytes, stream_));
@@ -158,6 +179,46 @@ std::unique_ptr<CudaEvent> CudaCopier::copy(Direction dir, const std::vector<Cop
     (void)cu.StreamSynchronize(stream_);
     throw;
   }
+}
+
+}  // namespace snapcore
+
+namespace snapcore {
+
+bool CudaCopier::copy_batch(const std::vector<CopySpec>& runs) {
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
+  if (!batch_ok_ || (cu.MemcpyBatchAsync == nullptr && cu.MemcpyBatchAsyncV1 == nullptr)) {
+    return false;
+  }
+  std::vector<cu::CUdeviceptr> dsts;
+  std::vector<cu::CUdeviceptr> srcs;
+  std::vector<size_t> sizes;
+  dsts.reserve(runs.size());
+  srcs.reserve(runs.size());
+  sizes.reserve(runs.size());
+  for (const CopySpec& c : runs) {  // unified addressing: host pointers are addresses too
+    dsts.push_back(static_cast<cu::CUdeviceptr>(c.dst));
+    srcs.push_back(static_cast<cu::CUdeviceptr>(c.src));
+    sizes.push_back(c.nbytes);
+  }
+  // One set of attributes for every copy: the source is read in stream order (after the
+  // event the side stream waits on), no location hints (they are for managed memory).
+  cu::CUmemcpyAttributes attrs{cu::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, {0, 0}, {0, 0}, 0};
+  size_t first = 0;
+  cu::CUresult rc = cu::CUDA_SUCCESS;
+  if (cu.MemcpyBatchAsync != nullptr) {
+    rc = cu.MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), runs.size(), &attrs,
+                             &first, 1, stream_);
+  } else {
+    size_t fail_idx = 0;
+    rc = cu.MemcpyBatchAsyncV1(dsts.data(), srcs.data(), sizes.data(), runs.size(), &attrs,
+                               &first, 1, &fail_idx, stream_);
+  }
+  if (rc != cu::CUDA_SUCCESS) {
+    batch_ok_ = false;  // one call per copy from now on: each reports its own error
+    return false;
+  }
+  return true;
 }
 
 }  // namespace snapcore

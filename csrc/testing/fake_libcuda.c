@@ -10,10 +10,13 @@
  *   fake_cuda_log()          the calls so far, one per line
  *   fake_cuda_mark(text)     adds a line of the caller's to that log
  *   fake_cuda_state(name)    ctx_refs, streams, events, registered, depth, event_flags
- * FAKE_CUDA_FAIL=<function> makes that function fail with CUDA_ERROR_OUT_OF_MEMORY;
+ * FAKE_CUDA_FAIL=<function> makes that function fail with CUDA_ERROR_OUT_OF_MEMORY (only in
+ * device <n>'s context with FAKE_CUDA_FAIL_DEVICE=<n>);
  * FAKE_CUDA_NO_DEVICE=1 makes cuInit fail with CUDA_ERROR_NO_DEVICE;
  * FAKE_CUDA_DEVICES=<n> (1 to 8, default 1) is the number of devices, each with a primary
  * context of its own; calls made in a context log it as "ctx<device>".
+ * FAKE_CUDA_PCI_BUS_ID=<id> is device 0's PCI bus id (default 0000:01:00.0).
+ * Built with -DFAKE_CUDA_BATCH it also has cuMemcpyBatchAsync_v2 (a CUDA 13 driver).
  */
 #include <pthread.h>
 #include <stdarg.h>
@@ -73,9 +76,13 @@ static void note(const char* fmt, ...) {
   va_end(ap);
 }
 
+/* FAKE_CUDA_FAIL names the function; FAKE_CUDA_FAIL_DEVICE, if set, limits the failure
+ * to calls made in that device's context. */
 static int failing(const char* name) {
   const char* f = getenv("FAKE_CUDA_FAIL");
-  return f != NULL && strcmp(f, name) == 0;
+  const char* d = getenv("FAKE_CUDA_FAIL_DEVICE");
+  if (f == NULL || strcmp(f, name) != 0) return 0;
+  return d == NULL || (depth > 0 && stack[depth - 1] == atoi(d));
 }
 
 /* Handles this fake made and has not destroyed; anything else is a foreign stream. */
@@ -163,6 +170,22 @@ CUresult cuDeviceGetCount(int* count) {
 CUresult cuDeviceGet(int* device, int ordinal) {
   if (ordinal < 0 || ordinal >= device_count()) return INVALID_DEVICE;
   *device = ordinal;
+  return SUCCESS;
+}
+
+/* Device 0: FAKE_CUDA_PCI_BUS_ID if set; else "0000:0<device + 1>:00.0", as the driver
+ * writes bus ids. */
+CUresult cuDeviceGetPCIBusId(char* bus_id, int len, int device) {
+  const char* id = getenv("FAKE_CUDA_PCI_BUS_ID");
+  char own[32];
+  if (device < 0 || device >= device_count()) return INVALID_DEVICE;
+  if (bus_id == NULL || len < 13) return INVALID_VALUE;
+  if (id == NULL || device != 0) {
+    snprintf(own, sizeof own, "0000:%02X:00.0", device + 1);
+    id = own;
+  }
+  snprintf(bus_id, (size_t)len, "%s", id);
+  note("DeviceGetPCIBusId %d", device);
   return SUCCESS;
 }
 
@@ -280,6 +303,37 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* 
   note("MemcpyHtoDAsync %zu %s", n, name_of(stream, b, sizeof b));
   return SUCCESS;
 }
+
+#ifdef FAKE_CUDA_BATCH
+/* Built with -DFAKE_CUDA_BATCH: a driver that has cuMemcpyBatchAsync_v2 (CUDA 13). */
+struct mem_location {
+  int type, id;
+};
+struct memcpy_attributes {
+  int src_access_order;
+  struct mem_location src_hint, dst_hint;
+  unsigned int flags;
+};
+
+CUresult cuMemcpyBatchAsync_v2(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes,
+                               size_t count, struct memcpy_attributes* attrs,
+                               size_t* attrs_idxs, size_t num_attrs, void* stream) {
+  char b[32];
+  size_t total = 0;
+  NEED_CONTEXT();
+  if (failing("cuMemcpyBatchAsync")) return INVALID_VALUE;
+  /* one set of attributes from copy 0, stream-ordered: what snapcore asks for */
+  if (count == 0 || num_attrs != 1 || attrs_idxs[0] != 0 || attrs[0].src_access_order != 1 ||
+      stream == NULL)
+    return INVALID_VALUE;
+  for (size_t i = 0; i < count; ++i) {
+    memcpy((void*)dsts[i], (const void*)srcs[i], sizes[i]);
+    total += sizes[i];
+  }
+  note("MemcpyBatchAsync %zu %zu %s", count, total, name_of(stream, b, sizeof b));
+  return SUCCESS;
+}
+#endif
 
 CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned int flags) {
   NEED_CONTEXT();

@@ -1,5 +1,5 @@
 """Dotted names to and from nested dicts, and the atomic file commit the torch and DCP
-formats share."""
+formats share (and the torch format's whole-state sink)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def commit_rename(tmp: Path, target: Path) -> None:
 
 
 class WholeStateSink:
-    """A sink for a format written whole (``torch.save``, DCP's ``save``): it keeps a copy
+    """A sink for a format written whole (``torch.save``): it keeps a copy
     of every tensor until ``commit`` (memory: the whole checkpoint; the caller may reuse
     its buffers), then ``_write``s the nested state to a temporary name beside the
     target, fsynced, and renames it onto the target; anything that fails removes it."""

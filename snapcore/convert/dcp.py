@@ -20,11 +20,27 @@ names) are kept, anything else is skipped with a warning naming it. Stream trans
 (DCP's experimental ``_extensions``, e.g. zstd) and the safetensors serialization format
 are not supported and raise an error naming the entry.
 
-Writing uses DCP's own ``FileSystemWriter`` through ``dcp.save(..., no_dist=True)``, so
-the output is exactly what DCP writes. ``dcp.save`` takes the whole state dict at once:
-the sink holds every tensor until ``commit``, so its memory is the checkpoint's size (not
-bounded, unlike reading). It writes into a temporary directory beside the target (files
-and ``.metadata`` fsynced by DCP), fsyncs that directory and renames it onto the target.
+Writing uses DCP's own ``dcp.save`` with its ``FileSystemWriter`` (``no_dist=True``), so
+the files and ``.metadata`` are DCP's, streamed: ``begin`` starts ``dcp.save`` on a
+thread of its own with the state's structure, every tensor a placeholder on the meta
+device (its shape and dtype: all DCP's planner needs), and the planner's
+``lookup_object`` (``DefaultSavePlanner``'s documented extension point) takes each real
+tensor from the converter when DCP's writer comes to it (``_Handoff``). ``order`` asks
+DCP's planner for its order, so the converter reads the tensors in the order DCP writes
+them, and each ``write`` returns once DCP is done with that tensor: memory is the tensor
+being written and the one read ahead, whatever the checkpoint's size. The writer runs
+with ``single_file_per_rank=False``, one ``__0_N.distcp`` file per tensor or value: with
+one file per rank (its default) ``FileSystemWriter`` keeps every tensor of the file
+until the file is closed (torch 2.13's ``_write_files_from_queue`` holds them in a dict),
+which is the whole checkpoint; both layouts are DCP's own and read the same. A tensor
+with aliases (tied names) is kept until DCP has written it under every name. The sink
+used without ``begin`` (the contract allows it) gathers the tensors and saves them whole
+at ``commit``. DCP writes into a temporary directory beside the target (files and
+``.metadata`` fsynced by DCP); the sink fsyncs that directory and renames it onto the
+target; ``abort`` stops DCP's thread (its wait for the next tensor raises) and removes
+the directory. DCP writes a plain tensor as one ``WriteItem``, resolved whole (only a
+``DTensor`` or ``ShardedTensor``, which need a process group, is written in chunks), so a
+tensor larger than the window is read whole.
 """
 
 from __future__ import annotations
@@ -32,6 +48,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import shutil
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -441,18 +459,162 @@ class DcpSource:
 # ---------------------------------------------------------------------------------------
 
 
-class DcpSink(_nested.WholeStateSink):
-    """Collects the state and writes it with DCP's ``FileSystemWriter`` at ``commit``
-    (memory: the whole checkpoint, see the module's docstring)."""
+class _Handoff:
+    """Tensors passed from the converter's thread (``put``) to DCP's writer thread
+    (``take``, from the planner's ``lookup_object``), one at a time.
+
+    ``put`` returns once DCP has finished with everything given so far and waits for a
+    tensor not given yet (or DCP is done): the converter's tensor is then written, and
+    dropped by both sides, before the next one is handed over. A name DCP asks for that
+    is not the next one given does not block the converter: what it gives meanwhile is
+    kept until DCP asks for it (memory then grows; it does not happen with the order
+    ``order`` gives, which is DCP's own plan order)."""
+
+    def __init__(self, names: dict[str, list[str]]) -> None:
+        self._names = names  # a tensor's name -> every fqn DCP writes it under (aliases)
+        self._cond = threading.Condition()
+        self._ready: dict[str, torch.Tensor] = {}  # fqn -> tensor, given, not yet taken
+        self._waiting: str | None = None  # the fqn DCP waits for (absent from _ready)
+        self._closed = False  # every tensor was given
+        self._stopped: str | None = None  # why DCP must stop (the conversion failed)
+        self.done = False  # DCP's thread has ended
+        self.failure: BaseException | None = None
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        with self._cond:
+            for fqn in self._names.get(name, [name]):
+                self._ready[fqn] = tensor
+            self._cond.notify_all()
+            while not self.done and (self._waiting is None or self._waiting in self._ready):
+                self._cond.wait()
+
+    def take(self, fqn: str) -> torch.Tensor:
+        with self._cond:
+            while fqn not in self._ready:
+                if self._stopped is not None:
+                    raise RuntimeError(f"DCP target: {self._stopped}")
+                if self._closed:
+                    # DCP wraps what its planner raises: the sink raises this instead
+                    self.failure = ValueError(f"DCP target: {fqn} was planned but never given")
+                    raise self.failure
+                self._waiting = fqn
+                self._cond.notify_all()
+                self._cond.wait()
+            self._waiting = None
+            return self._ready.pop(fqn)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def stop(self, why: str) -> None:
+        with self._cond:
+            self._stopped = why
+            self._cond.notify_all()
+
+    def finished(self) -> None:
+        with self._cond:
+            self.done = True
+            self._ready.clear()
+            self._cond.notify_all()
+
+
+def _planner_class() -> type:
+    import torch.distributed.checkpoint as dcp
+
+    class StreamPlanner(dcp.DefaultSavePlanner):
+        """DCP's default planner, whose tensors are placeholders on the meta device
+        (shape and dtype: all the plan needs) until ``lookup_object`` (the planner's
+        documented extension point) takes the real one from the hand-off."""
+
+        def __init__(self, handoff: _Handoff | None) -> None:
+            super().__init__()
+            self.handoff = handoff
+
+        def lookup_object(self, index: Any) -> Any:
+            obj = super().lookup_object(index)
+            if isinstance(obj, torch.Tensor) and obj.is_meta and self.handoff is not None:
+                return self.handoff.take(index.fqn)
+            return obj
+
+    return StreamPlanner
+
+
+class DcpSink:
+    """Writes with DCP's own ``dcp.save`` and ``FileSystemWriter`` on a thread of its
+    own, fed tensor by tensor (see the module's docstring)."""
 
     def __init__(self, path: Path, options: dict[str, Any] | None = None) -> None:
-        super().__init__(path, options)
+        self.path = Path(path)
         if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
             raise StorageError(
                 17, f"{self.path}: the target exists (DCP writes a new directory)", str(path)
             )
+        self._tmp = _nested.temp_name(self.path)
+        self._leaves: dict[str, Any] = {}  # dotted name -> value, or a meta placeholder
+        self._handoff: _Handoff | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
-    def _write(self, state: dict[str, Any], tmp: Path) -> None:
+    def write_values(self, values: dict[str, Value]) -> None:
+        self._leaves.update(values)
+
+    def _skeleton(self, infos: list[TensorInfo], aliases: dict[str, str]) -> dict[str, Any]:
+        leaves = dict(self._leaves)
+        by_name = {i.name: i for i in infos}
+        for info in infos:
+            leaves[info.name] = torch.empty(info.shape, dtype=info.dtype, device="meta")
+        for alias, target in aliases.items():
+            i = by_name[target]
+            leaves[alias] = torch.empty(i.shape, dtype=i.dtype, device="meta")
+        return _nested.unflatten(leaves)
+
+    def order(self, infos: list[TensorInfo], aliases: dict[str, str]) -> list[TensorInfo]:
+        """The tensors in the order DCP's plan writes them (asked of DCP's planner)."""
+        planner = _planner_class()(None)
+        planner.set_up_planner(self._skeleton(infos, aliases), None, True)
+        plan = planner.create_local_plan()
+        names = {i.name: i for i in infos}
+        out: list[TensorInfo] = []
+        seen: set[str] = set()
+        for item in plan.items:
+            name = aliases.get(item.index.fqn, item.index.fqn)
+            if name in names and name not in seen:
+                seen.add(name)
+                out.append(names[name])
+        return out + [i for i in infos if i.name not in seen]
+
+    def begin(
+        self,
+        infos: list[TensorInfo],
+        aliases: dict[str, str],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        """Start ``dcp.save`` of the planned state on DCP's thread: it plans, writes the
+        values, then asks for each tensor in its order."""
+        names: dict[str, list[str]] = {i.name: [i.name] for i in infos}
+        for alias, target in aliases.items():
+            names[target].append(alias)
+        state = self._skeleton(infos, aliases)
+        self._handoff = handoff = _Handoff(names)
+        planner = _planner_class()(handoff)
+        self._remove_tmp()
+
+        def run() -> None:
+            try:
+                self._save(state, planner)
+            except BaseException as e:
+                self._error = e
+            finally:
+                handoff.finished()
+
+        self._thread = threading.Thread(target=run, name="snapcore-convert-dcp", daemon=True)
+        self._thread.start()
+
+    def _save(self, state: dict[str, Any], planner: Any) -> None:
+        """DCP's own save of ``state`` into the temporary directory (files and
+        ``.metadata`` fsynced by DCP), one file per tensor."""
         import torch.distributed.checkpoint as dcp
 
         with warnings.catch_warnings():
@@ -460,10 +622,54 @@ class DcpSink(_nested.WholeStateSink):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(
                 state,
-                storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                storage_writer=dcp.FileSystemWriter(
+                    self._tmp, sync_files=True, single_file_per_rank=False
+                ),
+                planner=planner,
                 no_dist=True,
             )
-        fsync_dir(tmp)
+
+    def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
+        if self._handoff is None:  # used without begin(): gathered, saved whole by commit
+            self._leaves[info.name] = tensor.detach().clone()
+            return
+        self._handoff.put(info.name, tensor)
+        self._raise()
+
+    def _raise(self) -> None:
+        """DCP's own error (a full disk, a bad value...), raised in the converter."""
+        if self._handoff is not None and self._handoff.failure is not None:
+            raise self._handoff.failure
+        if self._error is not None:
+            raise self._error
+
+    def commit(self, metadata: dict[str, str]) -> None:
+        try:
+            if self._handoff is None or self._thread is None:
+                import torch.distributed.checkpoint as dcp
+
+                self._remove_tmp()
+                self._save(_nested.unflatten(self._leaves), dcp.DefaultSavePlanner())
+            else:
+                self._handoff.close()
+                self._thread.join()
+                self._raise()
+            fsync_dir(self._tmp)
+            _nested.commit_rename(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if self._handoff is not None and self._thread is not None:
+            self._handoff.stop("the conversion was aborted")
+            self._thread.join()
+        self._leaves.clear()
+        self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        if self._tmp.is_dir() and not self._tmp.is_symlink():
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 FORMAT = register(

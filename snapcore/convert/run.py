@@ -2,24 +2,32 @@
 
 ``convert`` detects the source's format (or takes ``from_``), opens the source and the
 sink, and streams: the next tensor is read on a thread while the previous one is
-written, so at most two tensors are in flight besides the sink's own buffer. Names are
-filtered (``only``: globs on dotted names), stripped of a prefix, renamed (``REGEX``,
-``REPL`` pairs, applied in order) and floating tensors cast (``dtype``) on the way. The
-sink is committed at the end and aborted on any error, ``KeyboardInterrupt`` included:
-an interrupted conversion leaves no target.
+written, so at most two tensors are in flight besides the sink's own buffer. A tensor
+larger than the window (``WINDOW``, 256 MiB) is read and written in ranges of at most
+that many bytes where both formats can (``read_range``, ``write_range``), so that it is
+never whole in memory. Names are filtered (``only``: globs on dotted names), stripped
+of a prefix, renamed (``REGEX``, ``REPL`` pairs, applied in order) and floating tensors
+cast (``dtype``) on the way. The sink is committed at the end and aborted on any error,
+``KeyboardInterrupt`` included: an interrupted conversion leaves no target.
 
-Besides the contract of ``base.py``, two optional methods are used when a format has
-them: ``Source.aliases()`` (name -> the name of the tensor it is the same as: tied
-weights) and ``Sink.begin(infos, aliases, metadata)`` (the tensors it will be given, in
-order, the aliases among them and the provenance ``commit`` will be given, before the
-first ``write``). A source without ``aliases`` has none; a sink without ``begin`` is
-given aliased tensors as tensors of their own. ``write_values`` comes first of all, so a
-sink that writes a header before its tensors knows everything that goes into it.
+Besides the contract of ``base.py``, optional methods are used when a format has them:
+``Source.aliases()`` (name -> the name of the tensor it is the same as: tied weights)
+and ``Sink.begin(infos, aliases, metadata)`` (the tensors it will be given, in order,
+the aliases among them and the provenance ``commit`` will be given, before the first
+``write``); ``Sink.order(infos, aliases)`` (the tensors in the order the sink wants
+them, asked after ``write_values`` and before ``begin``); ``Source.read_range(info,
+start, stop)`` and ``Sink.write_range(info, start, piece)`` (elements ``[start, stop)``
+of a tensor in C order, as a 1-D tensor; a tensor's ranges are written in order, one
+after another, and cover it exactly). A source without ``aliases`` has none; a sink
+without ``begin`` is given aliased tensors as tensors of their own. ``write_values``
+comes first of all, so a sink that writes a header before its tensors knows everything
+that goes into it.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import re
 import threading
@@ -139,6 +147,7 @@ def convert(
     dtype: torch.dtype | None = None,
     shard_size: int = 5 * GB,
     progress: Any = None,
+    window: int | None = None,
     **options: Any,
 ) -> ConvertStats:
     """Convert the checkpoint ``src`` into a new checkpoint ``dst`` in format ``to``.
@@ -149,7 +158,10 @@ def convert(
     ``rename`` (``(REGEX, REPL)`` pairs, ``re.sub`` in order) map the names kept.
     ``dtype``: cast floating tensors to it (others are left as they are).
     ``shard_size``: the most bytes of one safetensors file. ``progress(done, total)``
-    is called with tensor bytes after each tensor. ``options`` go to the formats
+    is called with tensor bytes after each tensor (or range of one). ``window``: the
+    most bytes of one tensor read at a time where both formats read and write ranges
+    (default ``WINDOW``, 256 MiB); a larger tensor is converted in ranges of it.
+    ``options`` go to the formats
     (``storage_options``, ``store``: a ``snapcore.Store`` to read...).
 
     Raises ``FileExistsError`` for a target that exists (an empty directory is fine),
@@ -162,6 +174,8 @@ def convert(
         raise ValueError(f"unknown target format {to!r} (formats: {', '.join(sorted(FORMATS))})")
     if from_ is not None and from_ not in FORMATS:
         raise ValueError(f"unknown source format {from_!r} (formats: {', '.join(sorted(FORMATS))})")
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be a positive number of bytes, not {window}")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"--dtype must be a floating type, not {dtype}")
     names = _Names(only, strip_prefix, rename)
@@ -181,13 +195,19 @@ def convert(
             # in a header it writes before the tensors (safetensors' last file)
             sink.write_values(values)
             stats.values = len(values)
+            order = getattr(sink, "order", None)
+            if order is not None:  # the sink writes in an order of its own (DCP's plan)
+                pos = {o.name: k for k, o in enumerate(order([o for _, o in plan], dict(aliases)))}
+                if sorted(pos) != sorted(o.name for _, o in plan):
+                    raise AssertionError(f"{to} sink: order() did not give every tensor once")
+                plan = sorted(plan, key=lambda p: pos[p[1].name])
             begin = getattr(sink, "begin", None)
             if begin is not None:
                 begin([out for _, out in plan], dict(aliases), metadata)
                 stats.aliases = len(aliases)
             else:  # a sink that knows no aliases gets them as tensors of their own
                 plan = _with_aliases(plan, aliases)
-            _stream(source, sink, plan, stats, progress)
+            _stream(source, sink, plan, stats, progress, window or WINDOW)
             sink.commit(metadata)
         except BaseException:
             sink.abort()
@@ -266,20 +286,66 @@ def _with_aliases(plan: Plan, aliases: Iterable[tuple[str, str]]) -> Plan:
     return out
 
 
-def _stream(source: Source, sink: Sink, plan: Plan, stats: ConvertStats, progress: Any) -> None:
-    """Read tensor k+1 on a thread while tensor k is written: two tensors in flight."""
+WINDOW = 256 << 20  # the most bytes of one tensor read at a time, when both formats can
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One read and write of ``_stream``: the tensor ``src`` (as read) written as
+    ``out``, whole (``start`` None) or its elements ``[start, stop)`` in C order."""
+
+    src: TensorInfo
+    out: TensorInfo
+    start: int | None = None
+    stop: int | None = None
+
+
+def _tasks(source: Source, sink: Sink, plan: Plan, window: int) -> list[_Task]:
+    """The plan cut into reads of at most ``window`` bytes: a tensor larger than that is
+    read and written in ranges when the source has ``read_range`` and the sink
+    ``write_range``; any other tensor is read whole."""
+    ranged = hasattr(source, "read_range") and hasattr(sink, "write_range")
+    out: list[_Task] = []
+    for src, dst in plan:
+        size = max(src.dtype.itemsize, dst.dtype.itemsize)
+        numel = math.prod(src.shape)
+        if not ranged or numel * size <= window:
+            out.append(_Task(src, dst))
+            continue
+        step = max(1, window // size)
+        out += [_Task(src, dst, a, min(a + step, numel)) for a in range(0, numel, step)]
+    return out
+
+
+def _stream(
+    source: Source,
+    sink: Sink,
+    plan: Plan,
+    stats: ConvertStats,
+    progress: Any,
+    window: int = WINDOW,
+) -> None:
+    """Read the next tensor (or range of one) on a thread while the previous one is
+    written: two reads in flight, each a tensor or at most ``window`` bytes of one."""
     total = sum(out.nbytes for _, out in plan)
     done = 0
     stop = threading.Event()
+    tasks = _tasks(source, sink, plan, window)
 
-    def read(info: TensorInfo, out: TensorInfo) -> torch.Tensor:
+    def read(task: _Task) -> torch.Tensor:
         if stop.is_set():
             raise RuntimeError("conversion stopped")
-        t = source.read(info)
-        if t.dtype != info.dtype or tuple(t.shape) != info.shape:
+        info, out = task.src, task.out
+        if task.start is None:
+            t = source.read(info)
+            shape = info.shape
+        else:
+            assert task.stop is not None
+            t = source.read_range(info, task.start, task.stop)  # type: ignore[attr-defined]
+            shape = (task.stop - task.start,)
+        if t.dtype != info.dtype or tuple(t.shape) != shape:
             raise ValueError(
-                f"{info.name}: the source gave {t.dtype} {tuple(t.shape)}, "
-                f"not {info.dtype} {info.shape}"
+                f"{info.name}: the source gave {t.dtype} {tuple(t.shape)}, not {info.dtype} {shape}"
             )
         if out.dtype != t.dtype:
             t = t.to(out.dtype)
@@ -288,17 +354,24 @@ def _stream(source: Source, sink: Sink, plan: Plan, stats: ConvertStats, progres
     with ThreadPoolExecutor(1, thread_name_prefix="snapcore-convert-read") as pool:
         ahead: Future[torch.Tensor] | None = None
         try:
-            if plan:
-                ahead = pool.submit(read, *plan[0])
-            for k, (_, out) in enumerate(plan):
+            if tasks:
+                ahead = pool.submit(read, tasks[0])
+            for k, task in enumerate(tasks):
                 assert ahead is not None
                 tensor = ahead.result()
-                ahead = pool.submit(read, *plan[k + 1]) if k + 1 < len(plan) else None
-                sink.write(out, tensor)
+                ahead = pool.submit(read, tasks[k + 1]) if k + 1 < len(tasks) else None
+                out = task.out
+                if task.start is None:
+                    sink.write(out, tensor)
+                    nbytes = out.nbytes
+                else:
+                    sink.write_range(out, task.start, tensor)  # type: ignore[attr-defined]
+                    nbytes = tensor.numel() * tensor.element_size()
                 del tensor
-                stats.tensors += 1
-                stats.bytes += out.nbytes
-                done += out.nbytes
+                if task.stop is None or task.stop == math.prod(out.shape):
+                    stats.tensors += 1
+                stats.bytes += nbytes
+                done += nbytes
                 if progress is not None:
                     progress(done, total)
         except BaseException:

@@ -11,28 +11,31 @@ then the tensors' bytes. The JSON maps each tensor's name to ``{"dtype": "F32",
 contiguous, covering them exactly, little-endian, C order) plus an optional
 ``"__metadata__"`` of strings.
 
-Source: each file's header is read and checked before any tensor (``_read_header``:
-a bounded length, strict JSON without duplicate keys, known dtypes, sizes that match the
+Source: each file's header is read and checked before any tensor (``_read_header``: a
+bounded length, strict JSON without duplicate keys, known dtypes, sizes that match the
 offsets, offsets that tile the rest of the file exactly); anything else raises
-``InvalidManifest`` naming the file. A tensor is read with positioned reads straight into
-a new tensor: one tensor in memory at a time. Aliases are safetensors' own convention
-(``save_model``): a ``__metadata__`` entry ``{removed name: kept name}`` for a tensor that
-shared storage with a kept one; values written by this module come back from
-``snapcore.values``.
+``InvalidManifest`` naming the file. A tensor is read with positioned reads straight
+into a new tensor: one tensor in memory at a time; a tensor larger than the converter's
+window is read range by range instead (``read_range``), never whole. Aliases are
+safetensors' own convention (``save_model``): a ``__metadata__`` entry ``{removed name:
+kept name}`` for a tensor that shared storage with a kept one; values written by this
+module come back from ``snapcore.values``.
 
-Sink: a single file when every tensor fits one ``--shard-size``, else the sharded layout,
-shards cut at ``--shard-size`` the way ``save_pretrained`` cuts them (a tensor larger than
-the size gets a shard of its own). ``begin`` gets every tensor up front, so each file's
-header (and every tensor's offset in it) is known before its first tensor arrives:
-tensors are laid out as the library's writer lays them out (larger items first, then by
-name, so each is aligned to its item size) and each one is written at its offset
-(``pwrite``) as it arrives and dropped: the sink holds no tensor. Every header's
-``__metadata__`` holds ``format: pt`` and the aliases whose kept tensor is in that file;
-the last file's (the only one's) also holds the provenance (``snapcore.*`` keys) and the
-values as one JSON object (``snapcore.values``); the driver gives both before the first
-tensor (values, then ``begin``'s ``metadata``). Tensors that were one tensor in the source
-are written once, as ``save_model`` does. Everything is written into a temporary directory
-beside the target, fsynced, and renamed into place by ``commit``; ``abort`` removes it.
+Sink: a single file when every tensor fits one ``--shard-size``, else the sharded
+layout, shards cut at ``--shard-size`` the way ``save_pretrained`` cuts them (a tensor
+larger than the size gets a shard of its own). ``begin`` gets every tensor up front, so
+each file's header (and every tensor's offset in it) is known before its first tensor
+arrives: tensors are laid out as the library's writer lays them out (larger items first,
+then by name, so each is aligned to its item size) and each one is written at its offset
+(``pwrite``) as it arrives and dropped: the sink holds no tensor (a tensor larger than
+the converter's window arrives in ranges, ``write_range``, each written at its place).
+Every header's ``__metadata__`` holds ``format: pt`` and the aliases whose kept tensor
+is in that file; the last file's (the only one's) also holds the provenance
+(``snapcore.*`` keys) and the values as one JSON object (``snapcore.values``); the
+driver gives both before the first tensor (values, then ``begin``'s ``metadata``).
+Tensors that were one tensor in the source are written once, as ``save_model`` does.
+Everything is written into a temporary directory beside the target, fsynced, and renamed
+into place by ``commit``; ``abort`` removes it.
 """
 
 from __future__ import annotations
@@ -324,6 +327,29 @@ class SafetensorsSource:
             )
         return t
 
+    def read_range(self, info: TensorInfo, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the tensor in C order (a positioned read of
+        that byte range only), as a 1-D tensor."""
+        entry = self._entries[info.name]
+        numel = math.prod(entry.info.shape)
+        if not 0 <= start <= stop <= numel:
+            raise ValueError(f"{info.name}: elements [{start}, {stop}) of {numel}")
+        if self._open is None or self._open[0] != entry.file:
+            self._close()
+            self._open = (entry.file, os.open(self.files[entry.file], os.O_RDONLY))
+        t = torch.empty(stop - start, dtype=entry.info.dtype)
+        n = t.numel() * t.element_size()
+        at = entry.offset + start * entry.info.dtype.itemsize
+        if n and _pread_exact(self._open[1], _buffer(t), at) != n:
+            where = str(self.files[entry.file])
+            raise CorruptSnapshot(
+                f"{where}: {info.name}: the file ends inside the tensor (truncated since it "
+                "was opened?)",
+                tensor=info.name,
+                file=where,
+            )
+        return t
+
     def values(self) -> dict[str, Value]:
         return dict(self._values)
 
@@ -364,6 +390,7 @@ class _File:
         self.meta = meta
         self.offsets = _layout(infos)
         self.missing = {i.name for i in infos}
+        self.progress: dict[str, int] = {}  # bytes written of a tensor given in ranges
         self.fd: int | None = None
         self.data_start = 0
         self.finished = False
@@ -396,6 +423,28 @@ class _File:
         if e > b:
             _pwrite_all(self.fd, _buffer(tensor), self.data_start + b)
         self.missing.discard(info.name)
+
+    def write_range(self, info: TensorInfo, start: int, piece: torch.Tensor) -> None:
+        """Elements ``[start, start + piece.numel())`` of ``info``, in order: the tensor
+        counts as written once its last range is."""
+        if self.fd is None:
+            self.open()
+        assert self.fd is not None
+        b, e = self.offsets[info.name]
+        done = self.progress.get(info.name, 0)
+        at = start * info.dtype.itemsize
+        n = piece.numel() * piece.element_size()
+        if at != done or b + at + n > e:
+            raise ValueError(
+                f"{info.name}: bytes [{at}, {at + n}) given after {done} of {e - b}: ranges "
+                "must come in order and stay inside the tensor"
+            )
+        if n:
+            _pwrite_all(self.fd, _buffer(piece), self.data_start + b + at)
+        self.progress[info.name] = at + n
+        if at + n == e - b:
+            self.missing.discard(info.name)
+            del self.progress[info.name]
 
     def finish(self) -> None:
         """Every tensor is in: size, fsync, close."""
@@ -521,11 +570,39 @@ class SafetensorsSink:
                 f"planned {planned.dtype} {planned.shape} (CPU, contiguous)"
             )
         f = self._file(k)
-        if info.name not in f.missing:
+        if info.name not in f.missing or info.name in f.progress:
             raise ValueError(f"{info.name}: written twice")
         f.write(info, tensor)
         if not f.missing and k < len(self._shards) - 1:
             f.finish()  # the last file is finished by commit
+
+    def write_range(self, info: TensorInfo, start: int, piece: torch.Tensor) -> None:
+        """Elements ``[start, start + piece.numel())`` of ``info`` (1-D, CPU,
+        contiguous), written at their place in the file: a tensor larger than the
+        converter's window is never whole in memory."""
+        if not self._began:
+            raise RuntimeError("safetensors sink: begin() was not called")
+        k = self._shard_of.get(info.name)
+        if k is None:
+            raise ValueError(f"{info.name}: not a tensor given to begin()")
+        planned = self._planned[info.name]
+        if (
+            planned != info
+            or piece.dtype != info.dtype
+            or piece.dim() != 1
+            or piece.device.type != "cpu"
+            or not piece.is_contiguous()
+        ):
+            raise ValueError(
+                f"{info.name}: given a range {piece.dtype} {tuple(piece.shape)} on "
+                f"{piece.device}, planned {planned.dtype} {planned.shape} (1-D, CPU, contiguous)"
+            )
+        f = self._file(k)
+        if info.name not in f.missing:
+            raise ValueError(f"{info.name}: written twice")
+        f.write_range(info, start, piece)
+        if not f.missing and k < len(self._shards) - 1:
+            f.finish()
 
     def commit(self, metadata: dict[str, str]) -> None:
         if not self._began:

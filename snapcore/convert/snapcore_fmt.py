@@ -9,13 +9,19 @@ listed once, the other paths as aliases. Non-tensor leaves become values: ints, 
 strings, bools and None by dotted path; other values (NumPy arrays, bytes, generators,
 enums...) have no place in the other formats and are listed in ``skipped``.
 
-Sink: the tensors and values are gathered into a nested dict by dotted path (aliases
-are the same tensor object, so they stay tied) and saved as one snapshot, step
-``step`` (default 0), by ``snapcore.save``. A snapshot is written whole by snapcore's
-engine, so this sink holds every tensor of the checkpoint in memory until ``commit``
-(plus the engine's staging copy): memory is about twice the checkpoint's size. A local
-target is written into a temporary directory beside it and renamed into place once
-committed; a URL target relies on snapcore's own commit (its manifest is written last).
+Sink: each tensor is written into the new snapshot's data file as it arrives, straight
+from the converter's buffer, and hashed on the way (``snapcore.write.stream``); the sink
+keeps only the manifest's records and the tree (dotted names split into nested dicts,
+values first, then tensors in order, aliases last: the tensor they are the same as, so
+they stay tied). ``commit`` writes the manifest, step ``step`` (default 0): an ordinary
+committed snapshot, chunked and hashed as ``snapcore.save`` would, with codec ``none``.
+Memory: the tensor being written, whatever the checkpoint's size. A local target is
+written into a temporary store beside it and renamed into place once committed. A URL
+target is not streamed: the tensors are gathered and saved whole by ``snapcore.save``
+(snapcore's commit, the manifest written last, is the atomic step), so its memory is
+about twice the checkpoint (the tensors and the engine's staging copy). A tensor larger
+than the converter's window may arrive in ranges (``write_range``), each written into
+its blob as it comes.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import torch
 from .. import api
 from ..durable import fsync_dir
 from ..tiers import Store, as_store
-from ..tree import decode_float, join_path
+from ..tree import decode_float, flatten, join_path
+from ..write.stream import StreamWriter
 from .base import Format, TensorInfo, Value, register
 
 
@@ -127,15 +134,35 @@ class SnapcoreSource:
         self.store.__exit__(None, None, None)
 
 
+class _Ref:
+    """A tensor leaf of the sink's tree: the index the stream writer gave it."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _node(obj: Any) -> dict[str, Any]:
+    """The manifest tree node of the sink's nested dict (``_Ref`` leaves are tensors;
+    the plain values are encoded by snapcore's own ``tree.flatten``)."""
+    if isinstance(obj, _Ref):
+        return {"tensor": obj.index}
+    if isinstance(obj, dict):
+        return {"dict": [[k, _node(v)] for k, v in obj.items()]}
+    return flatten(obj).tree
+
+
 class SnapcoreSink:
     def __init__(self, path: Any, options: dict[str, Any]) -> None:
         self.step = options.get("step") or 0
         self.storage_options = options.get("storage_options")
         self.target = path
         self.tree: dict[str, Any] = {}
-        self._by_name: dict[str, torch.Tensor] = {}
+        self._by_name: dict[str, Any] = {}
         self._aliases: dict[str, str] = {}
         self._tmp: Path | None = None
+        self._stream: StreamWriter | None = None
 
     def begin(
         self,
@@ -157,9 +184,41 @@ class SnapcoreSink:
             raise ValueError(f"{name} is given twice, or is a leaf and a prefix")
         node[parts[-1]] = value
 
+    def _writer(self) -> StreamWriter:
+        """The stream writer of the temporary store beside the target (made on first use)."""
+        if self._stream is None:
+            target = Path(self.target).absolute()
+            self._tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+            self._stream = StreamWriter(self._tmp, self.step)
+        return self._stream
+
     def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
-        self._by_name[info.name] = tensor
-        self._put(info.name, tensor)
+        if isinstance(self.target, str):  # a URL: gathered, saved whole by commit
+            value: Any = tensor
+        else:
+            value = _Ref(self._writer().add(tensor))
+        self._put(info.name, value)
+        self._by_name[info.name] = value
+
+    def write_range(self, info: TensorInfo, start: int, piece: torch.Tensor) -> None:
+        """Elements ``[start, start + piece.numel())`` of ``info``, in order: written
+        into the tensor's blob as they arrive (a URL target gathers them)."""
+        if piece.dtype != info.dtype or piece.dim() != 1:
+            raise ValueError(f"{info.name}: a range of {piece.dtype} {tuple(piece.shape)}")
+        if start == 0:
+            if isinstance(self.target, str):
+                value: Any = torch.empty(info.shape, dtype=info.dtype)
+            else:
+                value = _Ref(self._writer().add_tensor(info.dtype, info.shape))
+            self._put(info.name, value)
+            self._by_name[info.name] = value
+        value = self._by_name.get(info.name)
+        if value is None:
+            raise ValueError(f"{info.name}: a range at element {start} before the first")
+        if isinstance(value, torch.Tensor):
+            value.view(-1)[start : start + piece.numel()] = piece
+        else:
+            self._writer().write(value.index, start * info.dtype.itemsize, piece)
 
     def write_values(self, values: dict[str, Value]) -> None:
         for name, value in values.items():
@@ -172,10 +231,9 @@ class SnapcoreSink:
             with Store(remote=self.target, storage_options=self.storage_options) as store:
                 api.save(self.tree, store, step=self.step)
             return
+        self._writer().commit(_node(self.tree))
+        assert self._tmp is not None
         target = Path(self.target).absolute()
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        with Store(local=self._tmp) as store:
-            api.save(self.tree, store, step=self.step)
         if target.is_dir():
             target.rmdir()  # empty, as convert checked: replaced by the new store
         os.replace(self._tmp, target)
@@ -185,6 +243,9 @@ class SnapcoreSink:
     def abort(self) -> None:
         self.tree.clear()
         self._by_name.clear()
+        if self._stream is not None:
+            self._stream.abort()
+            self._stream = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

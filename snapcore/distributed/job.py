@@ -5,7 +5,8 @@ Made once, at the first sharded save or restore, which every rank enters (it is 
 collective: a gloo group is created and rank 0's store address is broadcast). After
 that, nothing here is a collective except ``all_gather_bytes``, which the engine calls
 only when the save plan must be agreed (the first save, and the save after a structure
-change). The commit of each save is coordinated through the key-value store (a
+change), and ``Job.group_of`` the first time a restore shares reads within nodes. The
+commit of each save is coordinated through the key-value store (a
 ``torch.distributed.TCPStore`` served by rank 0), from the background threads: setting
 and waiting for keys involves no other rank's threads, so a dead rank makes the others
 time out with its rank named, never hang (docs/distributed.md).
@@ -43,6 +44,24 @@ class Job:
     timeout_s: float
     _threads: threading.local = field(default_factory=threading.local)
     _acks: list[str] = field(default_factory=list)
+    _groups: dict[tuple[tuple[int, ...], ...], list[Any]] = field(default_factory=dict)
+
+    def group_of(self, parts: list[list[int]]) -> Any:
+        """This rank's gloo group in ``parts``, a partition of the job's ranks (the ranks
+        of each node). Every rank must pass the same partition: the first time it is a
+        collective (every part's group is made, in order, on every rank), later cached.
+        One part: snapcore's group of the whole job."""
+        key = tuple(sorted(tuple(sorted(p)) for p in parts))
+        if len(key) == 1:
+            return self.group
+        groups = self._groups.get(key)
+        if groups is None:
+            import torch.distributed as dist
+
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            groups = [dist.new_group(list(p), backend="gloo", timeout=timeout) for p in key]
+            self._groups[key] = groups
+        return groups[next(i for i, p in enumerate(key) if self.rank in p)]
 
     @property
     def kv(self) -> Any:

@@ -1,6 +1,6 @@
 """The global save plan and the resharding read plan for sharded snapshots (issue 10).
 
-A planning seam for issue 10: NOT used by save or restore yet. Everything here is a
+The planning of issue 10's sharded saves and restores. Everything here is a
 pure function of metadata (paths, dtypes, shapes, boxes, ranks): no process group is
 entered, no tensor data is read and no file is touched, so the plan can be tested for
 any world size in one process. The layers, bottom up:
@@ -14,6 +14,8 @@ any world size in one process. The layers, bottom up:
   ``(path, box)`` (replicas balanced by ``snapcore.sharding.assign_writers``), the
   per-rank write lists and the plan's fingerprint; it checks that the boxes of each
   tensor tile it exactly;
+- ``plan_copies``: the node copies of a node-local tier, so that each node's tier holds
+  every box its ranks hold although the job writes each box once;
 - ``plan_read``: for each box a rank wants, the saved pieces it overlaps, the common
   boxes and the byte runs to read (``sharding.BoxIndex`` and ``sharding.byte_ranges``).
 
@@ -56,6 +58,7 @@ __all__ = [
     "SavedPiece",
     "describe_local",
     "describe_sharded",
+    "plan_copies",
     "plan_read",
     "plan_save",
     "replica_ranks",
@@ -329,6 +332,8 @@ class GlobalPlan:
     rank_fingerprints: tuple[str, ...]
     fingerprint: str
     rank_bytes: tuple[int, ...] = field(default=())
+    # (path, box) -> the ranks that hold it (reported it): where its node copies may come from
+    holders: dict[tuple[str, Box], frozenset[int]] = field(default_factory=dict)
 
 
 def _first_gap(region: Box, boxes: Sequence[Box]) -> Box | None:
@@ -452,7 +457,60 @@ def plan_save(per_rank: Sequence[Sequence[LocalItem]], world_size: int) -> Globa
         rank_fingerprints=rank_fps,
         fingerprint=fingerprint,
         rank_bytes=tuple(sum(w.nbytes for w in lst) for lst in lists),
+        holders={k: frozenset(r) for k, r in reported.items()},
     )
+
+
+def plan_copies(
+    plan: GlobalPlan, homes: Sequence[object], only: int | None = None
+) -> tuple[tuple[PlannedWrite, ...], ...]:
+    """The node copies of a node-local tier: per rank, the boxes it writes into that
+    tier besides its own writes of ``plan``.
+
+    ``homes[r]`` is rank r's home in the tier (its host and directory, or host-memory
+    area): the ranks of one home share the tier, and a home holds only its ranks' parts.
+    ``plan`` writes each box once in the job, so a home whose ranks hold a box that a
+    rank elsewhere writes would lack it; it gets a copy of its own, written by one of its
+    ranks that holds the box. Each home thus holds every box its ranks hold exactly once
+    (the job's writer's where that writer is in the home, else the copy). The copies of
+    a home are balanced as ``plan`` is (``sharding.assign_writers``: scarce and large
+    first, each to the least-loaded holder of the home), counting each rank's bytes of
+    ``plan``, so that a home's ranks write about the same bytes into it. Pure and
+    deterministic: every rank computes the same answer from the same plan and homes.
+    With one home (every rank shares the tier) there are no copies.
+
+    ``only``: compute the copies of that rank's home alone (the others' lists are
+    empty), which is all a rank needs: O(boxes x ranks of the home), not of the job.
+    """
+    if len(homes) != plan.world_size:
+        raise ValueError(f"{len(homes)} homes for a world of {plan.world_size}")
+    members: dict[object, set[int]] = {}
+    for r, h in enumerate(homes):
+        members.setdefault(h, set()).add(r)
+    wanted = list(members.values()) if only is None else [members[homes[only]]]
+    loads = plan.rank_bytes or (0,) * plan.world_size
+    lists: list[list[PlannedWrite]] = [[] for _ in range(plan.world_size)]
+    for home in wanted:
+        items: list[tuple[str, int, frozenset[int]]] = []
+        keys: dict[str, tuple[str, Box]] = {}
+        for key, holders in plan.holders.items():
+            if plan.writers[key] in home:
+                continue
+            ranks = home & holders if len(home) < len(holders) else holders & home
+            if ranks:
+                name = json.dumps([key[0], key[1].offsets, key[1].shape])
+                keys[name] = key
+                items.append((name, _nbytes(plan, key), frozenset(ranks)))
+        for name, rank in sharding.assign_writers(items, plan.world_size, loads).items():
+            key = keys[name]
+            lists[rank].append(PlannedWrite(key[0], key[1], _nbytes(plan, key)))
+    for lst in lists:
+        lst.sort(key=lambda w: (w.path, w.box.offsets))
+    return tuple(tuple(lst) for lst in lists)
+
+
+def _nbytes(plan: GlobalPlan, key: tuple[str, Box]) -> int:
+    return key[1].numel() * DTYPES[plan.tensors[key[0]][0]].itemsize
 
 
 @dataclass(frozen=True)

@@ -35,18 +35,26 @@ import hashlib
 import heapq
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .. import sharding
 from ..errors import UnsupportedState
 from ..manifest import DTYPES
 from ..sharding import Box
 from .global_plan import LocalItem, _check_placements, _shards, _strided
 
-__all__ = ["GlobalTensor", "UniformPlan", "plan_uniform", "shard_table"]
+__all__ = [
+    "GlobalTensor",
+    "UniformPlan",
+    "local_items",
+    "plan_uniform",
+    "shard_table",
+    "uniform_copies",
+]
 
 
 @dataclass(frozen=True)
@@ -243,14 +251,16 @@ def plan_uniform(
     world_size: int,
     digest: str,
     *,
-    rank: int | None = None,
+    ranks: Collection[int] | None = None,
 ) -> UniformPlan:
     """The plan ``global_plan.plan_save`` makes from the items every rank derives from
     ``tensors`` (each DTensor's mesh ranks within ``range(world_size)``, plain tensors
-    held by every rank), for ``rank`` (``None``: every rank's replicated writers, for
+    held by every rank), with the writers of the replicated boxes that ``ranks`` hold
+    (a rank's own, or its node's for ``uniform_copies``; ``None``: every box, for
     tests). ``digest`` is the description's hash that every rank sent."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    wanted = None if ranks is None else torch.tensor(sorted(set(ranks)), dtype=torch.int64)
     load_t = torch.zeros(world_size, dtype=torch.int64)
     tables: Tables = {}
     # (holder count, -bytes, key, tensor, row): assign_writers' order, then where the
@@ -307,10 +317,10 @@ def plan_uniform(
         best = rows.gather(1, least).squeeze(1)
         load_t.index_add_(0, best, torch.tensor([-x[1] for x in run], dtype=torch.int64))
         writers = best.tolist()
-        if rank is None:
+        if wanted is None:
             replicated.update((x[2], w) for x, w in zip(run, writers, strict=True))
         else:
-            for i in (rows == rank).any(dim=1).nonzero().reshape(-1).tolist():
+            for i in torch.isin(rows, wanted).any(dim=1).nonzero().reshape(-1).tolist():
                 replicated[run[i][2]] = writers[i]
         k = e
     load = load_t.tolist()
@@ -351,3 +361,65 @@ def local_items(tensors: Sequence[GlobalTensor], rank: int) -> list[LocalItem]:
         box = Box(tuple(offsets[coordinate].tolist()), tuple(sizes[coordinate].tolist()))
         out.append(LocalItem(t.path, t.dtype, shape, box, len(holders) > 1, holders))
     return out
+
+
+def uniform_copies(
+    tensors: Sequence[GlobalTensor], plan: UniformPlan, home: Collection[int], rank: int
+) -> frozenset[tuple[str, Box]]:
+    """The boxes ``rank`` writes into a node-local tier as its home's copy: what
+    ``global_plan.plan_copies(plan_save(...), homes, only=rank)[rank]`` gives, from the
+    description. ``home`` is the ranks sharing ``rank``'s home in the tier; ``plan`` must
+    hold the writers of the boxes they hold (``plan_uniform(..., ranks=home)``). A box a
+    home rank holds and a rank of another home writes gets a copy, written by one of the
+    home's holders, balanced as ``plan_copies`` does (``sharding.assign_writers`` over the
+    plan's bytes per rank). O(tensors x ranks of the home)."""
+    members = frozenset(home)
+    items: list[tuple[str, int, frozenset[int]]] = []
+    boxes: dict[str, tuple[str, Box]] = {}
+    tables: Tables = {}
+    coordinates: dict[int, dict[int, tuple[int, ...]]] = {}  # id(mesh) -> rank -> coordinate
+    for t in tensors:
+        itemsize = DTYPES[t.dtype].itemsize
+        shape = t.global_shape
+        if t.mesh is None:
+            if 0 in shape:
+                continue
+            key = _key(t.path, (0,) * len(shape), shape)
+            if plan.replicated[key] not in members:
+                boxes[key] = (t.path, Box((0,) * len(shape), shape))
+                items.append((key, math.prod(shape) * itemsize, members))
+            continue
+        mesh = t.mesh.to(torch.int64)
+        where = coordinates.get(id(t.mesh))
+        if where is None:
+            where = coordinates[id(t.mesh)] = {}
+            for r in members:
+                at = (mesh == r).nonzero()
+                if at.shape[0] == 1:
+                    where[r] = tuple(at[0].tolist())
+        offsets, sizes, numel = _table(tables, t)
+        seen: set[tuple[int, ...]] = set()
+        for r in sorted(members):
+            c = where.get(r)
+            if c is None:
+                continue
+            index = tuple(
+                x if _shards(p) else slice(None) for x, p in zip(c, t.placements, strict=True)
+            )
+            shard = tuple(x for x, p in zip(c, t.placements, strict=True) if _shards(p))
+            if shard in seen:  # another home rank holds the same box
+                continue
+            seen.add(shard)
+            size = tuple(sizes[c].tolist())
+            holders = mesh[index].reshape(-1)
+            if 0 in size or holders.numel() == 1:  # empty, or written by its own holder
+                continue
+            box = Box(tuple(offsets[c].tolist()), size)
+            key = _key(t.path, box.offsets, box.shape)
+            if plan.replicated[key] in members:
+                continue
+            boxes[key] = (t.path, box)
+            mine = members & frozenset(holders.tolist())
+            items.append((key, int(numel[c]) * itemsize, mine))
+    assigned = sharding.assign_writers(items, plan.world_size, plan.rank_bytes)
+    return frozenset(boxes[key] for key, r in assigned.items() if r == rank)

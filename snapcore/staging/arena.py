@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import _native, settings
+from ..errors import SnapcoreError
 
 
 def pin_device(devices: Iterable[torch.device]) -> int | None:
@@ -20,6 +21,18 @@ def pin_device(devices: Iterable[torch.device]) -> int | None:
         if d.type == "cuda":
             return d.index if d.index is not None else torch.cuda.current_device()
     return None
+
+
+def numa_node(device: int | None) -> int:
+    """The NUMA node of CUDA device ``device`` (sysfs, through the driver's PCI bus id), where
+    an arena pinned for it should live: its copies then cross no socket link. -1 when there
+    is no device, CUDA is unavailable, or the machine has one node."""
+    if device is None or not _native.cuda_available():
+        return -1
+    try:
+        return _native.cuda_device_numa_node(device)
+    except (SnapcoreError, ValueError):
+        return -1
 
 
 class HostArena:
@@ -37,6 +50,7 @@ class HostArena:
             huge_pages=settings.huge_pages(),
             pin=device is not None,
             device=device or 0,
+            numa_node=numa_node(device),
             prefault=True,
             threads=settings.threads(),
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -25,13 +26,34 @@ from .handle import SaveHandle, protect
 NONTEMPORAL_MIN = 64 << 20
 
 
+def refuse_overlap_in_graph_capture() -> None:
+    """Overlap mode while a CUDA graph is being captured on the current stream would record
+    the copies' ordering and the optimizer hook's stream wait into the graph instead of
+    running them: refused with an error saying so."""
+    # CUDA never initialised: no stream can be capturing (and a CPU build has no capture).
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise SnapcoreError(
+            "async_save(..., overlap=True) was called while a CUDA graph is being captured "
+            "on the current stream (torch.cuda.is_current_stream_capturing()): its copies "
+            "and the optimizer's stream wait would be captured into the graph instead of "
+            "run. Save outside the capture, or without overlap=True"
+        )
+
+
 class Stager:
     """Stages a snapshot's blobs into an arena, window by window (one engine's copiers)."""
 
     def __init__(self) -> None:
         self._copiers: dict[int, Any] = {}
+        # Overlap mode's CPU copies: on a thread of their own, not the persist thread, so
+        # that the optimizer's step waits for them alone, never behind the previous
+        # snapshot's hashing, writing and commit.
+        self._overlap: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
+        if self._overlap is not None:
+            self._overlap.shutdown(wait=True)
+            self._overlap = None
         for c in self._copiers.values():
             c.close()
         self._copiers.clear()
@@ -56,12 +78,50 @@ class Stager:
         later: list[BlobPlan] = []
         for b in layout.blobs:
             (later if protected and _storage_ptr(b) in protected else now).append(b)
-        self.copy(now, w, defer=False, wait_gpu="stream" if optimizers else "cpu")
-        if later:
-            handle.defer_staging(self.copy(later, w, defer=True, wait_gpu="none"))
-            for opt in optimizers or []:
-                protect(opt, handle)
+        try:
+            self.copy(now, w, defer=False, wait_gpu="stream" if optimizers else "cpu")
+            if later:
+                events = self.copy(later, w, defer=True, wait_gpu="none")
+                host = self._run_deferred(w, events, handle)
+                handle.defer_staging(events, host)
+                for opt in optimizers or []:
+                    protect(opt, handle)
+        except BaseException:
+            # Overlap mode: copies queued on other devices (or running on the overlap
+            # thread) still write into the arena and read their sources. They finish
+            # before the error goes up: the arena is reused and the sources freed after.
+            _settle(w)
+            raise
         windows.put(w)
+
+    def _run_deferred(
+        self, w: Window, events: list[tuple[torch.device, Any]], handle: SaveHandle
+    ) -> Future[None]:
+        """Start overlap mode's CPU copies (``w.deferred``) on the overlap thread; returns
+        the future of the CPU copies alone, which the optimizer's step waits for. The same
+        thread then waits for the CUDA copies (sleeping: blocking-sync events) and marks
+        the snapshot staged; the persist thread waits for ``w.pending`` before reading."""
+        copies, w.deferred = w.deferred, []
+        host: Future[None] = Future()
+        host.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                for c in copies:
+                    c()
+            except BaseException as e:
+                host.set_exception(e)  # the persist job fails the snapshot with it
+                raise
+            else:
+                host.set_result(None)
+            for _, ev in events:
+                ev.synchronize()
+            handle.mark_staged()
+
+        if self._overlap is None:
+            self._overlap = ThreadPoolExecutor(1, thread_name_prefix="snapcore-overlap")
+        w.pending.append(self._overlap.submit(run))
+        return host
 
     def stage_streaming(
         self,
@@ -72,6 +132,7 @@ class Stager:
         handle: SaveHandle,
     ) -> None:
         half = arena.size // 2
+        gathered: dict[int, torch.Tensor] = {}  # strided CUDA tensors, gathered once
         for i, start in enumerate(range(0, layout.total, half)):
             h = i % 2
             while not halves[h].wait(0.05):
@@ -79,16 +140,29 @@ class Stager:
                     handle.wait()  # the writer failed: raise its error here
             halves[h].clear()
             w = Window(arena, start, min(start + half, layout.total), h * half, h)
-            self.copy(layout.blobs, w, defer=False, wait_gpu="cpu")
+            self.copy(layout.blobs, w, defer=False, wait_gpu="cpu", gathered=gathered)
             windows.put(w)
 
-    def copy(self, blobs: list[BlobPlan], w: Window, *, defer: bool, wait_gpu: str) -> list[Any]:
+    def copy(
+        self,
+        blobs: list[BlobPlan],
+        w: Window,
+        *,
+        defer: bool,
+        wait_gpu: str,
+        gathered: dict[int, torch.Tensor] | None = None,
+    ) -> list[Any]:
         """Copy the parts of ``blobs`` inside window ``w`` into the arena.
 
+        A strided CUDA tensor is gathered on its GPU into a contiguous temporary first;
+        ``gathered`` (streaming) keeps that temporary from the first window that cuts the
+        tensor to the last, so that it is gathered once per snapshot, not once per window.
+
         Every device's CUDA copies are queued on its side stream first, then the CPU
-        copies run (now, or on the persist thread when ``defer``) while the GPUs copy, then
-        the CUDA copies are waited for as ``wait_gpu`` says: "cpu" (block), "stream" (make
-        the current stream wait), "none" (the caller decides). If queueing fails on one
+        copies run (now, or, when ``defer``, later: put in ``w.deferred``, which
+        ``stage_whole`` hands to the overlap thread) while the GPUs copy, then the CUDA
+        copies are waited for as ``wait_gpu`` says: "cpu" (block), "stream" (make the
+        current stream wait), "none" (the caller decides). If queueing fails on one
         device, the copies already queued on the others are waited for before raising.
         """
         host: list[tuple[int, int, int]] = []
@@ -108,7 +182,14 @@ class Stager:
             elif b.device.type == "cuda":
                 src_ptr = b.src_ptr
                 if not b.raw:  # gather on the GPU first; the temporary lives until written
-                    tmp = b.source.contiguous()
+                    tmp = gathered.get(id(b)) if gathered is not None else None
+                    if tmp is None:
+                        tmp = b.source.contiguous()
+                    if gathered is not None:  # kept for the next window, up to the last
+                        if e < b.offset + b.nbytes:
+                            gathered[id(b)] = tmp
+                        else:
+                            gathered.pop(id(b), None)
                     w.keep.append(tmp)
                     src_ptr = tmp.data_ptr()
                 else:
@@ -160,6 +241,16 @@ class Stager:
             elif wait_gpu == "stream":
                 ev.make_stream_wait(stream)
         return events
+
+
+def _settle(w: Window) -> None:
+    """Wait, raising nothing, for every copy of ``w`` already queued or running."""
+    for fut in w.pending:
+        with contextlib.suppress(BaseException):
+            fut.result()
+    for ev in w.events:
+        with contextlib.suppress(Exception):
+            ev.synchronize()
 
 
 def _storage_ptr(b: BlobPlan) -> int:

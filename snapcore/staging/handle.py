@@ -53,15 +53,17 @@ class SaveHandle:
         self._cuda_staged: list[tuple[torch.device, Any]] = []
         self._t0 = time.perf_counter() if t0 is None else t0  # when async_save was called
         self._reported: set[str] = set()
-        self._deferred = False  # some copies run on the persist thread (overlap mode)
+        self._deferred = False  # some copies run after async_save returned (overlap mode)
+        self._host_copies: Future[None] | None = None  # overlap mode's CPU copies
 
     def done(self, tier: str | None = None) -> bool:
         """True once the snapshot is durable (or failed) in ``tier`` (default: all)."""
         return all(f.done() for f in self._select(tier).values())
 
     def wait(self, timeout: float | None = None, tier: str | None = None) -> SaveStats:
-        """Block until durable in ``tier`` (``"host"``, ``"local"``, ``"remote"``; default:
-        every tier this snapshot goes to). Raises ``SnapshotFailed`` if it failed there."""
+        """Block until durable in ``tier`` (``"host"``, ``"local"``, ``"remote"``,
+        ``"peer"``: committed in the partners' memory; default: every tier this snapshot
+        goes to). Raises ``SnapshotFailed`` if it failed there."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for name, fut in self._select(tier).items():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -85,11 +87,24 @@ class SaveHandle:
     def staged(self, timeout: float | None = None) -> None:
         """Block until the snapshot no longer reads the live state (safe to modify it).
 
-        For CUDA tensors this makes the current stream wait for the copies (no CPU block).
+        For CUDA tensors this makes the current stream of each device wait for the copies
+        (a GPU-side wait: the CPU does not block, and the snapshot holds its references
+        to the sources until the copies have run). Only the current stream is ordered:
+        a write queued on another stream is not. The CPU blocks only for CPU copies still
+        running (overlap mode's, on their own thread), never for the persist thread.
         """
         for device, ev in self._cuda_staged:
             ev.make_stream_wait(torch.cuda.current_stream(device).cuda_stream)
-        if not self._staged.wait(timeout):
+        if self._host_copies is not None:
+            try:
+                self._host_copies.result(timeout)
+            except FutureTimeout:
+                raise TimeoutError(
+                    f"snapshot of step {self.step} not staged after {timeout}s"
+                ) from None
+            except BaseException:
+                pass  # the copy's failure fails the snapshot: reported by wait()
+        elif not self._staged.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not staged after {timeout}s")
 
     def unreported(self) -> tuple[str, BaseException] | None:
@@ -140,11 +155,15 @@ class SaveHandle:
         """Whether some copies run after ``async_save`` returned (overlap mode)."""
         return self._deferred
 
-    def defer_staging(self, cuda_events: list[tuple[torch.device, Any]]) -> None:
-        """Some copies run after ``async_save`` returns (overlap mode): the snapshot is
-        staged once the persist thread has run them and ``cuda_events`` have completed."""
+    def defer_staging(
+        self, cuda_events: list[tuple[torch.device, Any]], host_copies: Future[None]
+    ) -> None:
+        """Some copies run after ``async_save`` returns (overlap mode): ``cuda_events``
+        complete with the CUDA copies (on the side streams), ``host_copies`` with the CPU
+        copies (on the stager's overlap thread). ``staged()`` waits for these only."""
         self._deferred = True
         self._cuda_staged.extend(cuda_events)
+        self._host_copies = host_copies
 
     def mark_staged(self) -> None:
         """Every copy has finished: the state may change (idempotent)."""

@@ -33,6 +33,8 @@ class Staged:
     chunks: list[tuple[int, int, int, int]]  # (blob, chunk index, arena offset, length)
     digests: list[str] = field(default_factory=list)
     part: mf.PartInfo | None = None  # a rank's part of a sharded save
+    # per tier: the tensors whose pieces its part leaves out (``PartSpec.drop``)
+    drops: dict[str, frozenset[int]] = field(default_factory=dict)
 
     def blob_chunks(self) -> list[list[int]]:
         """Indices into ``chunks`` per blob."""

@@ -60,6 +60,7 @@ class PersistJob:
         self.slot = slot
         self.slot_free = slot_free
         self.helpers: list[Future[Any]] = []  # hash and encode work that reads the arena
+        self.peer: Future[None] | None = None  # the peer tier's transfer (snapcore/peer)
 
     def run(self) -> None:
         h = self.handle
@@ -98,7 +99,7 @@ class PersistJob:
             for half in self.halves:
                 half.set()
             if sh is not None:  # the coordinator must not wait for parts that will not come
-                sh.fail(h.tiers, h.step, e)
+                sh.fail(tuple(t for t in h.tiers if t != "peer"), h.step, e)
             if self.pending is not None and not self.pending.committed:
                 with contextlib.suppress(Exception):
                     self.pending.abort()
@@ -116,10 +117,23 @@ class PersistJob:
                 fut.result()
 
     def _release_slot(self, upload: Future[None] | None) -> None:
-        if upload is None:
+        # The uploader and the peer tier read the slot: it stays busy until they are done.
+        busy = [f for f in (upload, self.peer) if f is not None]
+        if not busy:
             self.slot_free.set_result(None)
-        else:  # the uploader reads the arena: the slot stays busy until it is done
-            upload.add_done_callback(lambda _: self.slot_free.set_result(None))
+            return
+        left = [len(busy)]
+        lock = threading.Lock()
+
+        def one_done(_: Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.slot_free.set_result(None)
+
+        for f in busy:
+            f.add_done_callback(one_done)
 
     def _take_window(self) -> Window | None:
         w = self.windows.get()
@@ -127,11 +141,19 @@ class PersistJob:
             raise StagingAborted(f"staging of step {self.handle.step} was interrupted") from w.error
         if w is None:
             return None
-        for copy in w.deferred:
-            copy()
+        # Overlap mode's copies run on the stager's overlap thread: wait for them, and
+        # for the CUDA copies, before reading the arena or dropping the sources.
+        error: BaseException | None = None
+        for fut in w.pending:
+            try:
+                fut.result()
+            except BaseException as e:
+                error = error or e
         for ev in w.events:
             ev.synchronize()
         w.keep.clear()
+        if error is not None:
+            raise error
         if self.handle.deferred:
             self.handle.mark_staged()
         return w
@@ -150,6 +172,7 @@ class PersistJob:
             self.slot,
             chunk_list(self.layout, settings.chunk_bytes()),
             part=self.sharded.spec.info() if self.sharded is not None else None,
+            drops=self.sharded.spec.drop if self.sharded is not None else {},
         )
         ready = [threading.Event() for _ in s.chunks]
 
@@ -160,8 +183,18 @@ class PersistJob:
                     commit_host(engine.host, s, h, self.sharded)
                 except BaseException as e:
                     h.resolve("host", e)
+                    if "peer" in h.tiers:  # peer tier: nothing to send
+                        h.resolve("peer", SnapshotFailed(
+                            f"step {h.step}: not sent to the peer tier: the host tier failed "
+                            f"({e})", step=h.step, tier="peer"))  # fmt: skip
                 else:
                     h.resolve("host")
+                    if "peer" in h.tiers:  # peer tier: the parts go to the partners
+                        assert self.sharded is not None
+                        try:
+                            self.peer = engine.peer_submit(h, self.sharded)
+                        except BaseException as e:  # e.g. the engine is closing
+                            h.resolve("peer", e)
 
         hashing = engine.hasher.submit(hash_chunks, s, ready, after_hashing)
         self.helpers.append(hashing)

@@ -27,7 +27,7 @@ from ..staging.handle import SaveHandle
 from ..tiers import HostTier
 from .chunks import Staged
 from .commit import OutcomeUnknown, ShardedSave, part_ref
-from .manifest_builder import staged_manifest
+from .manifest_builder import kept, staged_manifest
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ def commit_host(
     manifest is written (a sharded save: this rank's part, then the index, write/commit.py)."""
     size = os.stat(host.slot_path(s.slot)).st_size
     locs = [Location(host.slot_name(s.slot), off, n, size) for _, _, off, n in s.chunks]
-    m = staged_manifest(s, locs, ["none"] * len(locs), [n for *_, n in s.chunks])
+    drop = s.drops.get("host", ())
+    m = staged_manifest(s, locs, ["none"] * len(locs), [n for *_, n in s.chunks], drop)
     pending = host.store.begin(s.step)
     try:
         if sharded is None:
@@ -97,6 +98,7 @@ class LocalWriter:
         self.encode_ahead = encode_ahead
         self.name = pending.data_name(rank)
         self.path = root / self.name
+        self.skip: set[int] = set()  # chunks of blobs this tier's part leaves out
 
     def write(self, ready: list[threading.Event], hashing: Any) -> mf.Manifest:
         s, index = self.s, self.index
@@ -111,6 +113,9 @@ class LocalWriter:
         end = 0
         run: list[int] | None = None  # [file offset, arena offset, length]
         reused = 0
+        drop = s.drops.get("local", ())
+        keep, _ = kept(s.layout.entries, len(s.layout.blobs), drop)
+        skip = self.skip = {k for k, c in enumerate(s.chunks) if c[0] not in keep}  # not here
 
         def flush() -> None:
             nonlocal run
@@ -120,6 +125,8 @@ class LocalWriter:
 
         try:
             for k, (_, _, off, length) in enumerate(s.chunks):
+                if k in skip:
+                    continue
                 while not ready[k].wait(0.1):
                     if hashing.done():
                         hashing.result()  # raises the hash thread's error
@@ -169,11 +176,8 @@ class LocalWriter:
                 self.path.unlink()
         self.handle.stats.written["local"] = size
         self.handle.stats.reused["local"] = reused
-        final = [loc for loc in locs if loc is not None]
-        if len(final) != n:
-            raise AssertionError(f"step {s.step}: {n - len(final)} chunk(s) without a location")
         # A shared chunk was looked up with this tier's codec, so every chunk has it.
-        return staged_manifest(s, final, [self.codec] * n, stored)
+        return staged_manifest(s, locs, [self.codec] * n, stored, drop)
 
     def _encoded(
         self,
@@ -190,7 +194,7 @@ class LocalWriter:
         s = self.s
         pool = self.encoder()
         for j in range(k, min(k + self.encode_ahead, len(s.chunks))):
-            if j in cache or not ready[j].is_set():
+            if j in cache or j in self.skip or not ready[j].is_set():
                 continue
             key = (s.digests[j], s.chunks[j][3], self.codec)
             if j > k and (key in new or key in index):

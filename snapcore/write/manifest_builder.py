@@ -3,10 +3,11 @@ here are ``world_size`` and ``rank_files`` set (docs/format.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,21 +79,87 @@ def build_manifest(
 
 
 def staged_manifest(
-    s: Staged, locations: list[Location], codecs: list[str], stored: list[int]
+    s: Staged,
+    locations: Sequence[Location | None],
+    codecs: list[str],
+    stored: list[int],
+    drop: Collection[int] = (),
 ) -> mf.Manifest:
-    """The manifest of a staged snapshot whose chunk ``k`` is stored at ``locations[k]``."""
+    """The manifest of a staged snapshot whose chunk ``k`` is stored at ``locations[k]``.
+
+    ``drop``: tensors whose pieces this tier's part leaves out (``PartSpec.drop``); the
+    blobs no other piece names are left out too, and their chunks need no location."""
+    keep, tensors = kept(s.layout.entries, len(s.layout.blobs), drop)
     records: list[list[ChunkRecord]] = [[] for _ in s.layout.blobs]
     for k, (b_i, _, _, raw) in enumerate(s.chunks):
-        records[b_i].append(ChunkRecord(locations[k], stored[k], s.digests[k], codecs[k], raw))
+        loc = locations[k]
+        if b_i in keep:
+            if loc is None:
+                raise AssertionError(f"step {s.step}: chunk {k} has no location")
+            records[b_i].append(ChunkRecord(loc, stored[k], s.digests[k], codecs[k], raw))
     blobs = [
-        BlobRecord(b.nbytes, b.element_size, records[b_i]) for b_i, b in enumerate(s.layout.blobs)
+        BlobRecord(b.nbytes, b.element_size, records[b_i])
+        for b_i, b in enumerate(s.layout.blobs)
+        if b_i in keep
+    ]
+    return build_manifest(step=s.step, blobs=blobs, tensors=tensors, tree=s.tree, part=s.part)
+
+
+def kept(
+    tensors: Sequence[mf.TensorEntry], nblobs: int, drop: Collection[int]
+) -> tuple[dict[int, int], list[mf.TensorEntry]]:
+    """The blobs that the pieces of ``tensors`` outside ``drop`` name (old index -> new,
+    in order), and the tensor table with the pieces of ``drop`` left out and the others
+    renumbered. No ``drop``: every blob, the table as it is."""
+    if not drop:
+        return {b: b for b in range(nblobs)}, list(tensors)
+    named = sorted({p.blob for i, t in enumerate(tensors) if i not in drop for p in t.pieces})
+    keep = {b: n for n, b in enumerate(named)}
+    table = [
+        mf.TensorEntry(
+            t.dtype,
+            t.shape,
+            [] if i in drop else [dataclasses.replace(p, blob=keep[p.blob]) for p in t.pieces],
+        )
+        for i, t in enumerate(tensors)
+    ]
+    return keep, table
+
+
+def restrict(m: mf.Manifest, drop: Collection[int]) -> mf.Manifest:
+    """A part ``m`` as a tier that lacks the pieces of the tensors in ``drop`` records it
+    (object storage: a rank's part without its node copies): those tensors keep their
+    entry with no piece, the blobs no remaining piece names and the files no remaining
+    chunk names are left out. ``m`` itself when that changes nothing."""
+    if not any(m.tensors[i].pieces for i in drop):
+        return m
+    keep, tensors = kept(m.tensors, len(m.blobs), drop)
+    blobs = [
+        BlobRecord(
+            b.nbytes,
+            b.element_size,
+            [
+                ChunkRecord(
+                    Location(m.files[c.file].name, c.offset, c.length, m.files[c.file].size),
+                    c.length,
+                    c.xxh3,
+                    c.codec,
+                    c.raw_length,
+                )
+                for c in b.chunks
+            ],
+        )
+        for b_i, b in enumerate(m.blobs)
+        if b_i in keep
     ]
     return build_manifest(
-        step=s.step,
+        step=m.step,
         blobs=blobs,
-        tensors=s.layout.entries,
-        tree=s.tree,
-        part=s.part,
+        tensors=tensors,
+        tree=m.tree,
+        created_unix=m.created_unix,
+        writer=m.writer,
+        part=m.part,
     )
 
 

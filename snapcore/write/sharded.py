@@ -2,9 +2,10 @@
 
 Under torch.distributed (``snapcore.distributed.job.current()``) the engine asks the
 ``Sharder`` of its store for a ``PartSpec`` at each save: the tensors this rank stages
-(its DTensor shards, the replicated tensors the plan gives it, its rank-local tensors),
-and the tensor table of its part (every tensor of its state with its global shape and the
-piece it writes, if any). The plan is agreed once, with one exchange on snapcore's gloo
+(its DTensor shards, the replicated tensors the plan gives it, its node copies, its
+rank-local tensors), and the tensor table of its part (every tensor of its state with
+its global shape and the piece it writes, if any), with what each tier's part leaves
+out (object storage: the node copies). The plan is agreed once, with one exchange on snapcore's gloo
 group, and cached: a later save compares a cheap signature of the state's structure with
 the cached one and makes no collective. A rank whose structure changed writes every byte
 it holds under the old plan's name and marks its part; the coordinator then fails that
@@ -13,6 +14,7 @@ step's commit and every rank re-plans at its next save (docs/distributed.md).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,10 +27,16 @@ import torch
 from .. import manifest as mf
 from ..distributed.job import Job, all_gather_bytes
 from ..manifest import dtype_name
-from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_save
+from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_copies, plan_save
 from ..planning.global_plan import structure_fingerprint as fingerprint
 from ..planning.layout import Layout, plan
-from ..planning.uniform import GlobalTensor, UniformPlan, local_items, plan_uniform
+from ..planning.uniform import (
+    GlobalTensor,
+    UniformPlan,
+    local_items,
+    plan_uniform,
+    uniform_copies,
+)
 from ..sharding import Box
 from ..tree import Flattened, is_dtensor, local_shard
 
@@ -47,6 +55,10 @@ class PartSpec:
     replan: bool  # this rank's structure is not the plan's: the step cannot commit
     layout: Layout  # what it stages; ``entries`` is the part's tensor table
     keys: tuple[str | None, ...]  # per tensor of the state: its global key, or None
+    # Per tier: the tensors (indices into ``layout.entries``) whose pieces that tier's part
+    # leaves out: the node copies in object storage, and a node-local tier's those of
+    # the other node-local tier when the two are shared by different ranks.
+    drop: dict[str, frozenset[int]] = field(default_factory=dict)
 
     def info(self) -> mf.PartInfo:
         return mf.PartInfo(self.rank, self.plan, self.structure, self.keys, self.world_size)
@@ -62,6 +74,9 @@ class _Cached:
     plan: GlobalPlan | UniformPlan
     structure: str  # structure_fingerprint(items)
     writes: list[bool]  # per item: whether this rank writes its box under the plan
+    # per node-local tier ("local", "host"): the boxes this rank writes there as its
+    # home's copy (``plan_copies``)
+    copies: dict[str, frozenset[tuple[str, Box]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -124,7 +139,7 @@ class Sharder:
             items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
             structure = fingerprint(items, job.world_size)
             writes = [not item.box.empty for item in items]
-        return self._spec(flat, glob, items, writes, cached.plan, seq, structure, replan)
+        return self._spec(flat, glob, items, writes, cached, seq, structure, replan)
 
     def _agree(
         self,
@@ -137,9 +152,9 @@ class Sharder:
         global description (paths, dtypes, shapes, and each DTensor's mesh and
         placements), about 200 bytes a rank. When every rank has the same description,
         which is the case of FSDP2, TP, HSDP and DDP, the plan follows from it, and each
-        rank computes what it needs of it alone (``planning.uniform.plan_uniform``:
-        never every rank's boxes). Only when the ranks' states differ are the items
-        themselves exchanged, and ``plan_save`` run on every rank's."""
+        rank computes what it needs of it alone (``planning.uniform``: its writes and its
+        home's copies, never every rank's boxes). Only when the ranks' states differ are
+        the items themselves exchanged, and ``plan_save`` run on every rank's."""
         job = self.job
         description, tensors = _description(flat, glob)
         mine = {
@@ -150,29 +165,46 @@ class Sharder:
         }
         every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
         self.small_exchange = len({d["g"] for d in every}) == 1
+        # A rank's home in a node-local tier: its host and directory (or host-memory area).
+        # Ranks of one home share it; each home gets its own copy of the boxes its ranks
+        # hold that the plan has a rank of another home write.
+        homes: dict[str, list[tuple[Any, Any]]] = {}
+        for tier, field_name in (("local", "local"), ("host", "area")):
+            homes[tier] = [(d["host"], d[field_name]) for d in every]
+            self.leaders[tier] = homes[tier].index(homes[tier][job.rank]) == job.rank
+            self.with_rank0[tier] = homes[tier][job.rank] == homes[tier][0]
+        tiers = [t for t, f in (("local", "local"), ("host", "area")) if mine[f] is not None]
+        copies: dict[str, frozenset[tuple[str, Box]]] = {}
         gplan: GlobalPlan | UniformPlan
         if self.small_exchange:
             if local_items(tensors, job.rank) != items:
                 raise AssertionError("the boxes derived from the mesh differ from this rank's")
-            gplan = plan_uniform(tensors, job.world_size, mine["g"], rank=job.rank)
+            members = {
+                t: {r for r, h in enumerate(homes[t]) if h == homes[t][job.rank]} for t in tiers
+            }
+            near = set().union({job.rank}, *members.values())  # whose writers it needs
+            gplan = plan_uniform(tensors, job.world_size, mine["g"], ranks=near)
             writes = [gplan.writer(item) == job.rank for item in items]
+            for tier in tiers:
+                copies[tier] = uniform_copies(tensors, gplan, members[tier], job.rank)
         else:
             mine_items = json.dumps([_item_json(i) for i in items]).encode()
             per_rank = [
                 [_item_from(x) for x in json.loads(b)] for b in all_gather_bytes(job, mine_items)
             ]
-            gplan = plan_save(per_rank, job.world_size)
+            full = plan_save(per_rank, job.world_size)
             writes = [
-                not item.box.empty and gplan.writers.get((item.path, item.box)) == job.rank
+                not item.box.empty and full.writers.get((item.path, item.box)) == job.rank
                 for item in items
             ]
-        # A rank's home in a node-local tier: its host and directory (or host-memory area).
-        # Ranks of one home share it.
-        for tier, field_name in (("local", "local"), ("host", "area")):
-            homes = [(d["host"], d[field_name]) for d in every]
-            self.leaders[tier] = homes.index(homes[job.rank]) == job.rank
-            self.with_rank0[tier] = homes[job.rank] == homes[0]
-        return _Cached(signature, items, gplan, fingerprint(items, job.world_size), writes)
+            for tier in tiers:
+                extra = plan_copies(full, homes[tier], only=job.rank)[job.rank]
+                copies[tier] = frozenset((w.path, w.box) for w in extra)
+            # The holders of every box (every rank, for each plain tensor) are needed only
+            # for the copies: not kept for the job's life.
+            gplan = dataclasses.replace(full, holders={})
+        structure = fingerprint(items, job.world_size)
+        return _Cached(signature, items, gplan, structure, writes, copies)
 
     def _spec(
         self,
@@ -180,22 +212,36 @@ class Sharder:
         glob: list[int],
         items: list[LocalItem],
         writes: list[bool],
-        gplan: GlobalPlan | UniformPlan,
+        cached: _Cached,
         seq: int,
         structure: str,
         replan: bool,
     ) -> PartSpec:
+        rank = self.job.rank
+        gplan = cached.plan
         n = len(flat.tensors)
         at = [-1] * n  # state tensor -> its item (a global tensor), or -1 (rank-local)
         for k, i in enumerate(glob):
             at[i] = k
         written: list[torch.Tensor] = []
         where = [-1] * n  # state tensor -> index among the written, or -1
+        # Each tier's part lists the rank's own writes of the plan (every tier) and its
+        # home's copies (that node-local tier only); the rank stages both.
+        drop: dict[str, set[int]] = {t: set() for t in ("host", "local", "remote")}
         for i, t in enumerate(flat.tensors):
             k = at[i]
-            if k < 0 or writes[k]:
-                where[i] = len(written)
-                written.append(local_shard(t))
+            if k >= 0 and not writes[k]:
+                item = items[k]
+                if item.box.empty:
+                    continue
+                key = (item.path, item.box)
+                outside = {x for x in drop if key not in cached.copies.get(x, ())}
+                if len(outside) == len(drop):
+                    continue
+                for tier in outside:
+                    drop[tier].add(i)
+            where[i] = len(written)
+            written.append(local_shard(t))
         layout = plan(written)
         entries: list[mf.TensorEntry] = []
         keys: list[str | None] = []
@@ -214,13 +260,14 @@ class Sharder:
             entries.append(mf.TensorEntry(item.dtype, item.global_shape, pieces))
         return PartSpec(
             seq,
-            self.job.rank,
+            rank,
             self.job.world_size,
             gplan.fingerprint,
             structure,
             replan,
             Layout(layout.blobs, entries, layout.total),
             tuple(keys),
+            {tier: frozenset(d) for tier, d in drop.items() if d},
         )
 
 

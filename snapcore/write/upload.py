@@ -19,7 +19,7 @@ from .. import manifest as mf
 from ..directory import part_file_name, rank_prefix, step_dir_name
 from ..io_types import Location
 from .commit import ShardedSave, part_ref
-from .manifest_builder import BlobRecord, ChunkRecord, build_manifest
+from .manifest_builder import BlobRecord, ChunkRecord, build_manifest, restrict
 
 if TYPE_CHECKING:
     from ..staging.arena import HostArena
@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 
 class Upload:
     """Upload one snapshot. ``source`` is the tier whose committed manifest ``m`` is read;
-    with ``arena`` set, chunks are read from host memory instead of that tier's files."""
+    with ``arena`` set, chunks are read from host memory instead of that tier's files.
+    A sharded save uploads its rank's part without the node copies (``PartSpec.drop``):
+    object storage gets each box of the job once."""
 
     def __init__(
         self,
@@ -47,7 +49,9 @@ class Upload:
         self.engine = engine
         self.handle = handle
         self.source = source
-        self.m = m
+        drop = sharded.spec.drop.get("remote", frozenset()) if sharded is not None else ()
+        self.m = restrict(m, drop)
+        self.trimmed = self.m is not m  # the source's data file holds chunks we leave out
         self.arena = arena
 
     def run(self) -> None:
@@ -189,7 +193,7 @@ class Upload:
     def _whole_file(self, index: dict[tuple[str, int, str], Location], target: str) -> str | None:
         """The name of this snapshot's local data file if the remote needs exactly the
         chunks it holds, in the same codec (the common case): it is then uploaded as is."""
-        if self.arena is not None:
+        if self.arena is not None or self.trimmed:
             return None
         own = f"{step_dir_name(self.m.step)}/data-"
         mine = {f.name for f in self.m.files if f.name.startswith(own)}

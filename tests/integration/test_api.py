@@ -261,6 +261,78 @@ def test_overlap_mode_optimizer_step_waits_for_the_copies(tmp_path, monkeypatch)
     assert not torch.equal(model.weight, before["weight"])  # the step did happen
 
 
+def test_overlap_mode_step_waits_for_the_cpu_copies_not_for_the_previous_persist(
+    tmp_path, host_name, monkeypatch
+):
+    """The optimizer's step waits for overlap mode's CPU copies (on a thread of their own),
+    never for the persist thread, which may still be writing the previous snapshot."""
+    from snapcore.write.job import PersistJob
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(8, 64)).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    order: list[str] = []
+    persist_gate, copy_gate, copying = threading.Event(), threading.Event(), threading.Event()
+    real_commit, real_copy = PersistJob._commit_local, _native.copy_host
+
+    def held_commit(self, m):  # step 1's local commit waits (at most 60 s) for the gate
+        if self.handle.step == 1 and not persist_gate.wait(60):
+            order.append("persist gate timed out")
+        real_commit(self, m)
+
+    def held_copy(copies, threads=0, **kw):  # overlap mode's CPU copies wait for the gate
+        if threading.current_thread().name.startswith("snapcore-overlap"):
+            copying.set()
+            copy_gate.wait(60)
+            real_copy(copies, threads, **kw)
+            order.append("copied")
+        else:
+            real_copy(copies, threads, **kw)
+
+    monkeypatch.setattr(PersistJob, "_commit_local", held_commit)
+    monkeypatch.setattr(_native, "copy_host", held_copy)
+    store = snapcore.Store(host=host_name, local=tmp_path)
+    h1 = snapcore.async_save({"model": model, "optim": opt}, store, step=1)
+    h2 = snapcore.async_save({"model": model, "optim": opt}, store, step=2, overlap=True)
+
+    def step() -> None:
+        opt.step()  # the pre-hook: waits for the CPU copies, not for step 1's persist
+        order.append("stepped")
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    assert copying.wait(60), "overlap mode's CPU copies never started on their own thread"
+    stepper.join(0.5)  # room for a step that does not wait for the copies to show it
+    copy_gate.set()
+    stepper.join(120)
+    assert not stepper.is_alive()
+    order.append("persist released")
+    persist_gate.set()
+    h1.wait()
+    h2.wait()
+    assert order == ["copied", "stepped", "persist released"], order
+    saved = snapcore.load(store, step=2)["model"]
+    for k, v in before.items():
+        assert torch.equal(saved[k], v), k
+    assert not torch.equal(model.weight, before["weight"])
+
+
+def test_overlap_mode_is_refused_while_a_cuda_graph_is_captured(tmp_path, monkeypatch):
+    """The copies' ordering and the hook's stream wait would be captured, not run."""
+    model = torch.nn.Linear(4, 4)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(snapcore.SnapcoreError, match="CUDA graph is being captured"):
+        snapcore.async_save(state, tmp_path, step=1, overlap=True)
+    assert snapcore.committed(tmp_path)["local"] == []  # nothing was staged or written
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    snapcore.async_save(state, tmp_path, step=1, overlap=True).wait()
+    assert snapcore.committed(tmp_path)["local"] == [1]
+
+
 def test_overlap_mode_copies_non_optimizer_tensors_before_returning(tmp_path, monkeypatch):
     model = torch.nn.BatchNorm1d(4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

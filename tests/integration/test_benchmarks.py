@@ -251,3 +251,18 @@ def test_bench_plan(tmp_path: Path) -> None:
         assert r["now_s"] > 0 and r["tensors"] > 0
         assert r["same_plan"] is True  # the smoke worlds are small enough for the old plan
     assert "| mesh | ranks |" in out
+
+
+def test_bench_peer(tmp_path: Path) -> None:
+    raw = tmp_path / "raw.json"
+    out = run("bench_peer.py", "--dir", tmp_path, "--json", raw, timeout=240)
+    report = json.loads(raw.read_text())
+    assert report["probe_bps"] > 0 and report["fetch_bps"] > 0 and report["restore_bps"] > 0
+    lost = report["restored"][1]  # the replaced node's rank got its part from its partner
+    assert lost["peer_bytes"] >= 8 << 20 and set(lost["tier_bytes"]) == {"host"}
+    assert [r["digest"] for r in report["restored"]] == [s["digest"] for s in report["saved"]]
+    assert [t["status"] in ("PASS", "FAIL") for t in report["targets"]] == [True]
+    assert report["step_s"]["host"] > 0 and report["step_s"]["host+peer"] > 0  # the slowdown
+    assert all(t["train_failures"] == [] for t in report["trained"])
+    assert "| target | measured |" in out
+    assert not list(tmp_path.glob("snapcore-bench-*"))

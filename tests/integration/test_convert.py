@@ -204,7 +204,9 @@ def test_existing_target_refused(store: Path, tmp_path: Path) -> None:
     assert (tmp_path / "empty" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize(("to", "shard_size"), [("safetensors", 64), ("snapcore", 5 * 10**9)])
+@pytest.mark.parametrize(
+    ("to", "shard_size"), [("safetensors", 64), ("snapcore", 5 * 10**9), ("dcp", 5 * 10**9)]
+)
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 def test_interrupted_leaves_no_target(
     store: Path,
@@ -242,6 +244,46 @@ def test_interrupted_leaves_no_target(
         convert(store, target, to=to, shard_size=shard_size)
     assert not target.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # no temporary left
+
+
+def test_ranges_write_what_whole_tensors_write(tmp_path: Path) -> None:
+    """A tensor larger than the window goes in ranges (safetensors source; safetensors and
+    snapcore targets, a cast on the way): the output is the one whole tensors give."""
+    from snapcore.directory import LocalDirectory
+
+    g = torch.Generator().manual_seed(1)
+    src = {
+        "big": torch.randn(1000, 33, generator=g),
+        "bf": torch.randn(513, generator=g).bfloat16(),
+        "ints": torch.arange(999, dtype=torch.int32),
+        "small": torch.ones(3),
+    }
+    save_file(src, tmp_path / "a.safetensors")
+    a = tmp_path / "a.safetensors"
+    for w in (None, 1000):
+        stats = convert(a, tmp_path / f"st-{w}.safetensors", to="safetensors", window=w)
+        assert (stats.tensors, stats.bytes) == (4, sum(t.nbytes for t in src.values()))
+        convert(a, tmp_path / f"sc-{w}", to="snapcore", window=w)
+        convert(a, tmp_path / f"bf-{w}", to="snapcore", window=w, dtype=torch.bfloat16)
+    whole, ranged = (tmp_path / "st-None.safetensors", tmp_path / "st-1000.safetensors")
+    assert whole.read_bytes() == ranged.read_bytes()
+    for name in ("sc", "bf"):
+        m1 = LocalDirectory(tmp_path / f"{name}-None").read_manifest(0)
+        m2 = LocalDirectory(tmp_path / f"{name}-1000").read_manifest(0)
+        assert m1.tree == m2.tree
+        assert [[c.xxh3 for c in b.chunks] for b in m1.blobs] == [
+            [c.xxh3 for c in b.chunks] for b in m2.blobs
+        ]
+    back = snapcore.load(tmp_path / "sc-1000")
+    cast = snapcore.load(tmp_path / "bf-1000")
+    for k, v in src.items():
+        assert _same(v, back[k]), k
+        assert _same(v.bfloat16() if v.is_floating_point() else v, cast[k]), k
+
+
+def test_window_must_be_positive(store: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="window"):
+        convert(store, tmp_path / "out", to="safetensors", window=0)
 
 
 def test_cli(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

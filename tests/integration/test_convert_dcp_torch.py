@@ -327,6 +327,65 @@ def test_dcp_sink_atomic(tmp_path: Path) -> None:
         FORMATS["dcp"].sink(tmp_path / "full", {})
 
 
+def test_dcp_target_streams_through_convert(tmp_path: Path) -> None:
+    """convert() feeds DCP's own writer tensor by tensor (begin, DCP's plan order, the
+    hand-off); dcp.load and dcp_to_torch_save are the judges, tied names included."""
+    import snapcore
+    from snapcore.convert import convert
+
+    state = {**model_optim_state(), "dt": dtype_state()}
+    state["model"]["tied.weight"] = state["model"]["0.weight"]  # one tensor, two names
+    snapcore.save(state, tmp_path / "src", step=3)
+    snapcore.close()
+    stats = convert(tmp_path / "src", tmp_path / "out", to="dcp")
+    assert stats.aliases == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no temporary
+    expected = flat(state)
+    tensors = {k: v for k, v in expected.items() if isinstance(v, torch.Tensor)}
+    live = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    dcp.load(live, storage_reader=dcp.FileSystemReader(tmp_path / "out"), no_dist=True)
+    assert_same(live, tensors)
+    dcp_to_torch_save(tmp_path / "out", tmp_path / "c.pt")
+    got = flat(torch.load(tmp_path / "c.pt", weights_only=True))
+    assert_same({k: v for k, v in got.items() if isinstance(v, torch.Tensor)}, tensors)
+    assert got["step"] == 7 and got["optim.param_groups.0.lr"] == 1e-3
+
+
+def test_dcp_sink_order_is_dcps_plan_order(tmp_path: Path) -> None:
+    """The sink asks for the tensors in the order DCP's planner writes them (nested
+    names grouped by subtree), not in the order the source lists them."""
+    sink = FORMATS["dcp"].sink(tmp_path / "out", {})
+    sink.write_values({"b.lr": 0.5})
+    infos = [TensorInfo(n, torch.float32, (2,)) for n in ["a.x", "b.y", "a.z", "c"]]
+    got = [i.name for i in sink.order(infos, {"a.tied": "b.y"})]
+    # the value b.lr came first, so b's subtree is planned first; a.tied is b.y's alias
+    assert got == ["b.y", "a.x", "a.z", "c"]
+    sink.abort()
+
+
+def test_dcp_sink_abort_mid_stream_stops_dcp_and_leaves_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    sink = FORMATS["dcp"].sink(target, {})
+    infos = [TensorInfo(n, torch.float32, (3,)) for n in ["a", "b", "c"]]
+    sink.write_values({"v": 1})
+    sink.begin(infos, {}, {})
+    sink.write(infos[0], torch.ones(3))
+    sink.abort()  # DCP waits for "b": it must give up, and the temporary must go
+    assert sink._thread is not None and not sink._thread.is_alive()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dcp_sink_commit_before_every_tensor_fails(tmp_path: Path) -> None:
+    sink = FORMATS["dcp"].sink(tmp_path / "out", {})
+    infos = [TensorInfo(n, torch.float32, (3,)) for n in ["a", "b"]]
+    sink.write_values({})
+    sink.begin(infos, {}, {})
+    sink.write(infos[0], torch.ones(3))
+    with pytest.raises(ValueError, match="b was planned but never given"):
+        sink.commit({})
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------
 # torch.save files
 # ---------------------------------------------------------------------------------------

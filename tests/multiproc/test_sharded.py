@@ -45,12 +45,12 @@ def saved_bytes(store: Path, step: int) -> tuple[int, int]:
     return data, meta
 
 
-def loaded_digests(store: Path, step: int | None = None) -> dict[str, str]:
+def loaded_digests(store: Any, step: int | None = None, rank: int | None = None) -> dict[str, str]:
     """snapcore.load in this process (no process group): full tensors, by the paths
-    get_state_dict gives them."""
+    get_state_dict gives them (with the rank-local values of ``rank``)."""
     import models
 
-    tree = snapcore.load(store, step=step)
+    tree = snapcore.load(store, step=step, rank=rank)
     app = tree["app"]
     return {k: models.digest(t) for k, t in models.tensors(app)}
 
@@ -540,3 +540,116 @@ def test_a_step_one_node_cannot_open_is_skipped_by_every_rank(tmp_path: Path, s3
     for (r,) in res:
         assert r.get("step") == 1 and r["digests"] == first, r
         assert "(rank 1)" in r["skipped"][0]
+
+
+def _two_nodes(tmp_path: Path, **tiers: Any) -> tuple[list[Path], list[str], Any]:
+    """Two "nodes" of 2 ranks: each its own directory and host-memory area; ``tiers``
+    adds object storage. Returns the directories, the area names and a launcher."""
+    import uuid
+
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    areas = [f"test-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
+    spec = {"local": "$SNAPCORE_TEST_LOCAL", "host": "$SNAPCORE_TEST_HOST", **tiers}
+    nodes = [
+        {"SNAPCORE_TEST_LOCAL": str(d), "SNAPCORE_TEST_HOST": a}
+        for d, a in zip(dirs, areas, strict=True)
+    ]
+
+    def launch(actions: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        actions = [{**a, "store": spec} for a in actions]
+        results = run_nodes(
+            SCRIPT, 2, [json.dumps(actions)], timeout=TIMEOUT, node_envs=nodes, env=ENV
+        )
+        return [r.result for r in results]
+
+    return dirs, areas, launch
+
+
+def test_each_node_holds_the_replicated_tensors_its_ranks_need_and_restores_alone(
+    tmp_path: Path,
+) -> None:
+    """HSDP on a 2x2 mesh over two nodes, with no object storage: the replicate dimension
+    spans the nodes (each shard is held by one rank of each node), AdamW's `step`
+    counters and the model's buffer are plain tensors on every rank. Each node's tiers
+    must hold every tensor its ranks need, so that a restore from node-local tiers alone
+    is whole and bit-exact."""
+    import shutil
+
+    dirs, areas, launch = _two_nodes(tmp_path)
+    shm = [Path("/dev/shm") / f"snapcore-{a}" for a in areas]
+    try:
+        saved = launch([{"op": "save", "kind": "hsdp", "step": 7}])
+        digests = saved[0][0]["digests"]
+        for node in range(2):  # each node's directory alone gives the full global tensors
+            rank = 2 * node
+            assert loaded_digests(dirs[node], rank=rank) == digests
+            assert snapcore.load(dirs[node], rank=rank)["data"]["value"] == {"pos": 100 * rank + 7}
+        snapcore.close()
+        res = launch([{"op": "restore", "kind": "hsdp"}])
+        for rank, (r,) in enumerate(res):
+            assert "error" not in r, r
+            assert r["digests"] == digests and r["step"] == 7 and r["pos"] == 100 * rank + 7
+            assert r["tier"].split("+")[0] == "host", r["tier"]
+    finally:
+        for path in shm:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def test_object_storage_gets_each_replicated_tensor_once_and_each_node_a_copy(
+    tmp_path: Path, s3_bucket, s3_client
+) -> None:
+    """DDP on two nodes of 2 ranks with object storage: every tensor is replicated.
+    Object storage holds each once in the whole job; each node's directory holds each
+    once too (its ranks' share of the node's copy). A restore reads each once per node,
+    from the node's own tiers, shared by its ranks."""
+    import shutil
+
+    from snapcore.tiers import RemoteStoreTier
+
+    remote = {"remote": s3_bucket.url, "storage_options": s3_bucket.storage_options}
+    dirs, areas, launch = _two_nodes(tmp_path, **remote)
+    try:
+        saved, restored = zip(
+            *launch([{"op": "save", "kind": "ddp", "step": 3}, {"op": "restore", "kind": "ddp"}]),
+            strict=True,
+        )
+    finally:
+        for a in areas:
+            shutil.rmtree(Path("/dev/shm") / f"snapcore-{a}", ignore_errors=True)
+    digests = saved[0]["digests"]
+    only_remote = snapcore.Store(**remote)
+    assert loaded_digests(only_remote) == digests
+    replicated = _nbytes(snapcore.load(only_remote)["app"])  # model and optimizer, once
+    own = [_nbytes(snapcore.load(only_remote, rank=r)["rng"]) for r in range(4)]
+    assert replicated > 64 * 64  # a second copy would not fit in the slack below
+    objects = [
+        o
+        for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket.name)
+        for o in page.get("Contents", [])
+    ]
+    data = [o for o in objects if o["Key"].rsplit("/", 1)[-1].startswith("data-")]
+    assert len(data) <= 4, [o["Key"] for o in data]  # a data object per rank at most
+    remote_bytes = sum(o["Size"] for o in data)
+    # (equal chunks, such as AdamW's `step` counters, are stored once by a rank: a few
+    # bytes less than the sum)
+    assert replicated <= remote_bytes <= replicated + sum(own) + 64 * 64
+    tier = RemoteStoreTier(s3_bucket.url, s3_bucket.storage_options)
+    try:
+        m = tier.read_manifest(3)  # every piece once: the pieces of each tensor tile it
+    finally:
+        tier.close()
+    assert not m.missing_ranks
+    for node in range(2):  # each node: the replicated tensors once, its ranks' own
+        mine = own[2 * node] + own[2 * node + 1]
+        local, _ = saved_bytes(dirs[node], 3)
+        assert replicated <= local <= replicated + mine + 64 * 64, node
+        assert loaded_digests(dirs[node], rank=2 * node) == digests
+        # read once per node: each of its ranks a share, together the whole state once
+        ranks = restored[2 * node : 2 * node + 2]
+        for r in ranks:
+            assert r["digests"] == digests and r["tier"] == "host", r
+        read = [r["bytes"] for r in ranks]
+        assert replicated + mine <= sum(read) <= replicated + mine + 64 * 64, read
+        for rank, n in enumerate(read, 2 * node):  # less than it restores: a share
+            assert n < replicated + own[rank], read
+    snapcore.close()

@@ -22,6 +22,7 @@ from snapcore.planning.global_plan import (
     SavedPiece,
     describe_local,
     describe_sharded,
+    plan_copies,
     plan_read,
     plan_save,
     replica_ranks,
@@ -237,6 +238,58 @@ def test_plan_save_balances_replicated_bytes() -> None:
     avg = sum(plan.rank_bytes) / 4
     assert max(plan.rank_bytes) <= 1.05 * avg
     assert sum(len(w) for w in plan.writes) == 40
+
+
+def test_plan_copies_give_each_home_every_box_its_ranks_hold_exactly_once() -> None:
+    """A node-local tier holds its home's parts only: with the copies, every element a
+    home's ranks hold is written into it exactly once, by a rank of that home holding it;
+    object storage (one home: the whole job) gets no copy."""
+    rng = random.Random(22)
+    for _ in range(300):
+        world = rng.randint(1, 8)
+        per_rank = _random_state(rng, world)
+        plan = plan_save(per_rank, world)
+        homes = [rng.randint(0, 2) for _ in range(world)]
+        copies = plan_copies(plan, homes)
+        assert plan_copies(plan, ["one"] * world) == ((),) * world
+        assert plan_copies(plan, homes) == copies  # deterministic
+        for r in range(world):  # what a rank computes: its own home's copies only
+            alone = plan_copies(plan, homes, only=r)
+            assert alone[r] == copies[r]
+            assert all(not alone[x] for x in range(world) if homes[x] != homes[r])
+        for home in set(homes):
+            ranks = [r for r in range(world) if homes[r] == home]
+            for path, (_, shape) in plan.tensors.items():
+                held = torch.zeros(shape, dtype=torch.int32)
+                for r in ranks:
+                    for i in (i for i in per_rank[r] if i.path == path):
+                        held[_slices(i.box)] = 1
+                count = torch.zeros(shape, dtype=torch.int32)
+                for r in ranks:
+                    for w in (w for w in plan.writes[r] + copies[r] if w.path == path):
+                        assert any(i.path == path and i.box == w.box for i in per_rank[r])
+                        count[_slices(w.box)] += 1
+                assert torch.equal(count, held), (path, home)
+
+
+def test_plan_copies_balance_the_bytes_of_each_home() -> None:
+    """DDP on two nodes of 4 ranks: each node writes the whole model into its own tier,
+    its ranks about alike (the job's writes and the node's copies together)."""
+    sizes = [1 << (i % 7 + 10) for i in range(40)]
+    per_rank = [
+        [LocalItem(f"p{i}", "float32", (n,), Box((0,), (n,)), True) for i, n in enumerate(sizes)]
+        for _ in range(8)
+    ]
+    plan = plan_save(per_rank, 8)
+    copies = plan_copies(plan, [r // 4 for r in range(8)])
+    total = 4 * sum(sizes)
+    for node in range(2):
+        ranks = range(4 * node, 4 * node + 4)
+        load = [plan.rank_bytes[r] + sum(w.nbytes for w in copies[r]) for r in ranks]
+        assert sum(load) == total
+        assert max(load) <= 1.05 * total / 4, load
+    with pytest.raises(ValueError, match="homes"):
+        plan_copies(plan, [0, 1])
 
 
 def test_fingerprint_tracks_structure() -> None:

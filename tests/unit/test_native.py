@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import errno
 import os
 import random
@@ -181,6 +182,31 @@ def test_arena_close_is_idempotent_and_final():
     assert arena.closed is True
     with pytest.raises(ValueError, match="closed"):
         _ = arena.address
+
+
+@pytest.mark.skipif(
+    ctypes.util.find_library("numa") is None or not Path("/proc/self/numa_maps").exists(),
+    reason="no libnuma (or no NUMA support in the kernel): arenas are not placed",
+)
+def test_arena_prefers_the_numa_node_asked_for():
+    """The pages of an arena for a GPU come from the GPU's NUMA node: the policy is set
+    before the prefault (node 0 exists on every Linux machine)."""
+
+    def policy(address: int) -> str:
+        for line in Path("/proc/self/numa_maps").read_text().splitlines():
+            if int(line.split()[0], 16) == address:
+                return line.split()[1]
+        raise AssertionError(f"no mapping at {address:#x}")
+
+    with _native.Arena(4 * MiB, pin=False, numa_node=0) as arena:
+        assert arena.numa_error is None, arena.numa_error
+        assert arena.numa_node == 0
+        assert policy(arena.address) == "prefer:0"
+    with _native.Arena(4 * MiB, pin=False) as arena:
+        assert arena.numa_node == -1 and arena.numa_error is None
+        assert policy(arena.address) == "default"
+    with _native.Arena(4 * MiB, pin=False, numa_node=4095) as arena:  # no such node
+        assert arena.numa_node == -1 and "mbind" in (arena.numa_error or ""), arena.numa_error
 
 
 def test_arena_rejects_size_zero():
@@ -593,7 +619,8 @@ assert event.query() is True
 event.make_stream_wait(12345)
 assert log()[start:] == [
     "EventRecord e2 ext:0", "StreamWaitEvent s1 e2",  # after the caller's stream
-    "MemcpyDtoHAsync 600 s1", "MemcpyDtoHAsync 400 s1", "EventRecord e3 s1",
+    "MemcpyDtoHAsync 1000 s1",  # the two halves continue one another: merged, one call
+    "EventRecord e3 s1",
     "EventSynchronize e3", "StreamWaitEvent ext:12345 e3",
 ], log()[start:]
 assert ctypes.string_at(arena.address, 1000) == data
@@ -648,6 +675,17 @@ def fake_driver_dir(tmp_path_factory):
         [cc, "-shared", "-fPIC", "-O1", "-o", out / "libcuda.so.1", source, "-lpthread"],
         check=True,
     )
+    return out
+
+
+@pytest.fixture(scope="module")
+def fake_batch_driver_dir(fake_driver_dir, tmp_path_factory):
+    """The fake driver of a CUDA 13 machine: with cuMemcpyBatchAsync_v2."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    source = Path(__file__).resolve().parents[2] / "csrc" / "testing" / "fake_libcuda.c"
+    out = tmp_path_factory.mktemp("fake-cuda-batch")
+    flags = ["-shared", "-fPIC", "-O1", "-DFAKE_CUDA_BATCH"]
+    subprocess.run([cc, *flags, "-o", out / "libcuda.so.1", source, "-lpthread"], check=True)
     return out
 
 
@@ -948,6 +986,413 @@ def test_default_staging_queues_every_device_then_copies_on_cpu_then_waits(fake_
     result = run_with_fake_driver(fake_driver_dir, STAGING_ORDER_SCENARIO, FAKE_CUDA_DEVICES="2")
     assert result.returncode == 0, result.stderr.decode()
     assert b"staging-order-ok" in result.stdout
+
+
+# The fake driver's "device memory" is host memory: a CPU tensor stands for a CUDA one.
+FAKE_CUDA_BLOBS = """
+import warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import torch
+from snapcore import _native
+from snapcore.planning.layout import BlobPlan
+
+class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch
+    def __init__(self, device=None):
+        self.cuda_stream = 1000 + (device.index if device is not None else 0)
+torch.cuda.current_stream = Stream
+
+class Blob(BlobPlan):
+    def __init__(self, offset, source, device, raw=True):
+        super().__init__(offset, source.nbytes, source, raw, source.data_ptr(), [0])
+        self._device = torch.device(device)
+    @property
+    def device(self): return self._device
+"""
+
+OVERLAP_SCENARIO = (
+    FAKE_LOG
+    + FAKE_CUDA_BLOBS
+    + """
+import queue, threading, types
+from snapcore.staging.arena import HostArena
+from snapcore.staging.copy import Stager
+from snapcore.staging.handle import SaveHandle, SaveStats
+from snapcore.write.job import PersistJob
+
+on_gpu = torch.nn.Parameter(torch.full((256,), 1.0))  # "cuda:0", written by the optimizer
+on_cpu = torch.nn.Parameter(torch.full((256,), 2.0))
+opt = torch.optim.SGD([on_gpu, on_cpu], lr=1.0)
+on_gpu.grad, on_cpu.grad = torch.ones(256), torch.ones(256)
+blobs = [Blob(0, on_gpu.data, "cuda:0"), Blob(1024, on_cpu.data, "cpu")]
+layout = types.SimpleNamespace(blobs=blobs, total=2048)
+arena = HostArena(2048, device=0)
+stager = Stager()
+handle = SaveHandle(1, SaveStats(1, 2048, 2048), ("local",))
+windows = queue.Queue()
+order = []
+stepped = threading.Event()
+
+stager.stage_whole(arena, layout, windows, [opt], handle)
+assert handle.deferred
+assert handle._staged.wait(60)  # the overlap thread: CPU copies, then the CUDA events
+
+def persist():  # the persist thread, still busy with an earlier snapshot until the step
+    stepped.wait(60)
+    PersistJob._take_window(types.SimpleNamespace(windows=windows, handle=handle))
+    order.append("window taken")
+
+persister = threading.Thread(target=persist)
+persister.start()
+fake.fake_cuda_mark(b"step")
+opt.step()
+fake.fake_cuda_mark(b"stepped")
+order.append("stepped")
+stepped.set()
+persister.join(120)
+assert order == ["stepped", "window taken"], order
+calls = log()
+during = calls[calls.index("step") + 1 : calls.index("stepped")]
+copied = [c for c in calls if c.startswith("MemcpyDtoHAsync")]
+assert copied == ["MemcpyDtoHAsync 1024 s1"], calls
+done = calls[calls.index(copied[0]) + 1].split()  # EventRecord eN s1: the copy's event
+# the host does not block for the CUDA copies: the current stream waits for them
+assert during == [f"StreamWaitEvent ext:1000 {done[1]}"], calls
+assert torch.equal(arena.u8.view(torch.float32), torch.tensor([1.0] * 256 + [2.0] * 256))
+assert torch.equal(on_gpu.data, torch.zeros(256))  # the step did happen
+
+# A failed CPU copy fails the snapshot, and the step does not hang on it.
+native_copy_host = _native.copy_host
+def failing_copy_host(*args, **kwargs):
+    if threading.current_thread().name.startswith("snapcore-overlap"):
+        raise OSError("a CPU copy failed")
+    native_copy_host(*args, **kwargs)
+_native.copy_host = failing_copy_host
+handle2 = SaveHandle(2, SaveStats(2, 2048, 2048), ("local",))
+stager.stage_whole(arena, layout, windows, [opt], handle2)
+opt.step()
+try:
+    PersistJob._take_window(types.SimpleNamespace(windows=windows, handle=handle2))
+    raise AssertionError("the overlap thread's failure was lost")
+except OSError:
+    pass
+stager.close()
+arena.close()
+del handle, handle2  # their completion events hold the context
+import gc; gc.collect()  # and the failed window, through its error's traceback
+LEAKS = ("streams", "events", "ctx_refs", "depth")
+assert state(*LEAKS) == [0, 0, 0, 0], state(*LEAKS)
+print("overlap-ok")
+"""
+)
+
+
+def test_overlap_mode_step_makes_the_stream_wait_and_never_waits_for_the_persist_thread(
+    fake_driver_dir,
+):
+    """Overlap mode: for CUDA tensors optimizer.step() only makes the current stream wait
+    for the copies (no host block), and for no tensor does it wait for the persist thread,
+    which may still be writing the previous snapshot."""
+    result = run_with_fake_driver(fake_driver_dir, OVERLAP_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"overlap-ok" in result.stdout
+
+
+STREAMING_GATHER_SCENARIO = (
+    FAKE_LOG
+    + FAKE_CUDA_BLOBS
+    + """
+import queue, threading, types
+from snapcore.staging.arena import HostArena
+from snapcore.staging.copy import Stager
+from snapcore.staging.handle import SaveHandle, SaveStats
+
+gathers = []
+class Strided(torch.Tensor):  # counts the gathers of a strided "CUDA" tensor
+    def contiguous(self, *args, **kwargs):
+        gathers.append(1)
+        return torch.Tensor.contiguous(self.as_subclass(torch.Tensor), *args, **kwargs)
+
+base = torch.arange(32 * 96, dtype=torch.int32).to(torch.uint8).view(32, 96)
+source = base.t().as_subclass(Strided)  # 3072 bytes, not contiguous
+assert not source.is_contiguous()
+blobs = [Blob(0, source, "cuda:0", raw=False)]
+layout = types.SimpleNamespace(blobs=blobs, total=3072)
+arena = HostArena(2048, device=0)  # windows of 1024 bytes: three of them cut the tensor
+stager = Stager()
+handle = SaveHandle(1, SaveStats(1, 3072, 3072), ("local",))
+windows = queue.Queue()
+halves = [threading.Event(), threading.Event()]
+for h in halves:
+    h.set()
+want = base.t().contiguous().view(-1)
+got = []
+
+def persist():  # takes each window as the persist thread does, frees its half
+    for _ in range(3):
+        w = windows.get()
+        lo = w.arena_offset
+        got.append(arena.u8[lo : lo + w.end - w.start].clone())
+        w.keep.clear()
+        halves[w.half].set()
+
+taker = threading.Thread(target=persist)
+taker.start()
+stager.stage_streaming(arena, layout, windows, halves, handle)
+taker.join(120)
+assert torch.equal(torch.cat(got), want)
+assert len(gathers) == 1, gathers  # once per snapshot, not once per window
+assert [c for c in log() if c.startswith("MemcpyDtoHAsync")] == ["MemcpyDtoHAsync 1024 s1"] * 3
+stager.close()
+arena.close()
+print("streaming-gather-ok")
+"""
+)
+
+
+def test_streaming_gathers_a_strided_cuda_tensor_once_per_snapshot(fake_driver_dir):
+    """A strided CUDA tensor that several streaming windows cut through is gathered on the
+    GPU once (and its temporary kept up to the last window), not once per window."""
+    result = run_with_fake_driver(fake_driver_dir, STREAMING_GATHER_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"streaming-gather-ok" in result.stdout
+
+
+RESTORE_H2D_SCENARIO = (
+    FAKE_LOG
+    + """
+import re, sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import torch
+import snapcore
+from snapcore.read import Reader
+from snapcore.staging import h2d
+from snapcore.tiers import LocalTier
+
+class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch
+    def __init__(self, device=None): self.cuda_stream = 1000 + device
+torch.cuda.current_stream = Stream
+
+store = sys.argv[1]
+g = torch.Generator().manual_seed(0)
+saved = {"a": torch.randn(5 << 17, generator=g), "b": torch.randn(1000, generator=g)}
+snapcore.save(saved, store, step=1)  # 1 MiB chunks: "a" is three, "b" one
+snapcore.close()
+tier = LocalTier(store)
+reader = Reader([(tier, tier.read_manifest(1))])
+index = {p: i for i, p in reader.paths.items()}
+out = {k: torch.zeros_like(v) for k, v in saved.items()}  # "device memory" of GPUs 0 and 1
+read = reader.read_chunks
+def marked_read(jobs):  # the reader's parallel, verified reads, placed in the log
+    fake.fake_cuda_mark(f"read {len(jobs)}".encode())
+    read(jobs)
+reader.read_chunks = marked_read
+h2d.RING_SLOT_BYTES = 1 << 20  # two slots of 1 MiB: the first is read into twice
+start = len(log())
+reader._fill_cuda([(index["a"], out["a"].data_ptr(), 0), (index["b"], out["b"].data_ptr(), 1)])
+for k in saved:
+    assert torch.equal(out[k], saved[k]), k
+
+names = {}
+def norm(line):  # handles named by first appearance: e1, e2, ... and s1, s2, ...
+    def sub(m):
+        key = m.group(0)
+        if key not in names:
+            names[key] = key[0] + str(1 + sum(n[0] == key[0] for n in names))
+        return names[key]
+    return re.sub(r"\\b[es]\\d+\\b", sub, line)
+calls = [norm(c) for c in log()[start:] if not c.startswith("PrimaryCtx")]
+MiB = 1 << 20
+expected = [
+    "DeviceGetPCIBusId 0",  # the ring is placed on GPU 0's NUMA node (none here)
+    "MemHostRegister 2097152 ctx0",  # the ring: two pinned slots, registered once
+    "read 1",  # chunk 0 of "a" into slot 0
+    "StreamCreate s1",
+    "EventRecord e1 ext:1000", "StreamWaitEvent s1 e1",  # after GPU 0's current stream
+    f"MemcpyHtoDAsync {MiB} s1", "EventRecord e2 s1",
+    "StreamWaitEvent ext:1000 e2",  # GPU 0's current stream waits: no host block
+    "read 1",  # chunk 1 into slot 1, while slot 0 is copied
+    "EventRecord e3 ext:1000", "StreamWaitEvent s1 e3",
+    f"MemcpyHtoDAsync {MiB} s1", "EventRecord e4 s1", "StreamWaitEvent ext:1000 e4",
+    "EventSynchronize e2",  # slot 0 is read into again only once its copy has run
+    "read 2",  # the rest of "a", and "b"
+    "EventRecord e5 ext:1000", "StreamWaitEvent s1 e5",
+    f"MemcpyHtoDAsync {MiB // 2} s1", "EventRecord e6 s1", "StreamWaitEvent ext:1000 e6",
+    "StreamCreate s2",
+    "EventRecord e7 ext:1001", "StreamWaitEvent s2 e7",
+    "MemcpyHtoDAsync 4000 s2", "EventRecord e8 s2", "StreamWaitEvent ext:1001 e8",
+    "EventSynchronize e6", "EventSynchronize e8", "EventSynchronize e4",  # before freeing
+    "StreamSynchronize s1", "StreamDestroy s1", "StreamSynchronize s2", "StreamDestroy s2",
+    "MemHostUnregister ctx0",
+]
+assert calls == expected, calls
+assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
+print("restore-h2d-ok")
+"""
+)
+
+
+def test_restore_to_the_gpu_reads_into_a_pinned_ring_and_copies_on_the_side_stream(
+    fake_driver_dir, tmp_path
+):
+    """Restore to CUDA tensors: chunks read into a registered ring of two slots, copied
+    host-to-device on each device's side stream after its current stream, which then waits
+    for them (no blocking copy_ per tensor, no torch pinned allocation); a slot is reused
+    only once its copies have run, and nothing is freed before every copy completed."""
+    code = RESTORE_H2D_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
+    result = run_with_fake_driver(
+        fake_driver_dir, code, FAKE_CUDA_DEVICES="2", SNAPCORE_CHUNK_MB="1"
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"restore-h2d-ok" in result.stdout
+
+
+BATCH_SCENARIO = (
+    FAKE_LOG
+    + """
+import os
+from snapcore import _native
+src = _native.Arena(1 << 16, pin=False)  # "device memory"
+dst = _native.Arena(1 << 16)
+ctypes.memset(src.address, 5, 1 << 16)
+copier = _native.CudaCopier(0)
+copies = [(dst.address + 4096 * i, src.address + 8192 * i, 100 + i) for i in range(8)]
+copies.append((dst.address + 4096 * 7 + 107, src.address + 8192 * 7 + 107, 50))  # continues
+start = len(log())
+copier.d2h(copies, 0).synchronize()
+batch = [c for c in log()[start:] if c.startswith("Memcpy")]
+assert batch == [f"MemcpyBatchAsync 8 {sum(100 + i for i in range(8)) + 50} s1"], log()[start:]
+assert all(ctypes.string_at(dst.address + 4096 * i, 100 + i) == bytes([5]) * (100 + i)
+           for i in range(8))
+
+os.environ["FAKE_CUDA_FAIL"] = "cuMemcpyBatchAsync"  # a driver refusing the batch
+other = _native.CudaCopier(0)
+ctypes.memset(dst.address, 0, 1 << 16)
+start = len(log())
+other.h2d(copies[:3], 0).synchronize()
+calls = [c for c in log()[start:] if c.startswith("Memcpy")]
+assert [c.split()[:2] for c in calls] == [["MemcpyHtoDAsync", str(n)] for n in (100, 101, 102)]
+assert ctypes.string_at(dst.address + 4096 * 2, 102) == bytes([5]) * 102
+del os.environ["FAKE_CUDA_FAIL"]
+copier.close()
+other.close()
+src.close()
+dst.close()
+assert state("streams", "ctx_refs", "depth", "registered") == [0, 0, 0, 0]
+print("batch-ok")
+"""
+)
+
+
+def test_many_small_copies_go_to_the_driver_in_one_batch(fake_batch_driver_dir):
+    """One driver call for a whole window's copies where the driver has cuMemcpyBatchAsync
+    (copies that continue one another merged first); one call per copy where it refuses."""
+    result = run_with_fake_driver(fake_batch_driver_dir, BATCH_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"batch-ok" in result.stdout
+
+
+NUMA_SCENARIO = (
+    FAKE_LOG
+    + """
+import os, sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+from snapcore import _native
+from snapcore.staging.arena import HostArena, numa_node
+root = sys.argv[1]  # a sysfs tree of PCI devices: 0000:3b:00.0 on node 1
+assert _native.cuda_device_numa_node(0, root) == 1  # "00000000:3B:00.0" from the driver
+assert _native.cuda_device_numa_node(1, root) == -1  # "0000:02:00.0": not in the tree
+try:
+    _native.cuda_device_numa_node(2, root)
+    raise AssertionError("a device that does not exist")
+except ValueError:
+    pass
+assert numa_node(None) == -1  # no device: no placement, no driver call
+start = len(log())
+arena = HostArena(1 << 20, device=1)  # this machine's sysfs: the node is found before pinning
+assert log()[start:start + 2] == ["DeviceGetPCIBusId 1", "PrimaryCtxRetain 1"], log()[start:]
+assert arena.native.numa_node == numa_node(1)
+arena.close()
+print("numa-ok")
+"""
+)
+
+
+def test_the_arena_of_a_gpu_is_placed_on_its_numa_node(fake_driver_dir, tmp_path):
+    """The GPU's NUMA node comes from the driver's PCI bus id and sysfs's numa_node."""
+    device = tmp_path / "pci" / "0000:3b:00.0"
+    device.mkdir(parents=True)
+    (device / "numa_node").write_text("1\n")
+    code = NUMA_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "pci")))
+    result = run_with_fake_driver(
+        fake_driver_dir, code, FAKE_CUDA_DEVICES="2", FAKE_CUDA_PCI_BUS_ID="00000000:3B:00.0"
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"numa-ok" in result.stdout
+
+
+PARTIAL_FAILURE_SCENARIO = (
+    FAKE_LOG
+    + FAKE_CUDA_BLOBS
+    + """
+import os, queue, types
+from snapcore.errors import CudaError
+from snapcore.io_types import Window
+from snapcore.staging.arena import HostArena
+from snapcore.staging.copy import Stager
+from snapcore.staging.handle import SaveHandle, SaveStats
+
+os.environ["FAKE_CUDA_FAIL"] = "cuMemcpyDtoHAsync"
+os.environ["FAKE_CUDA_FAIL_DEVICE"] = "1"  # GPU 1's copies fail, GPU 0's are queued
+buffer = torch.full((256,), 1.0)  # on GPU 0: copied before async_save returns
+param = torch.nn.Parameter(torch.full((256,), 2.0))  # on GPU 1, written by the optimizer
+opt = torch.optim.SGD([param], lr=1.0)
+arena = HostArena(2048, device=0)
+stager = Stager()
+
+def queued_then_failed(calls):
+    \"\"\"GPU 0's copy event, and whether it is waited for before the error goes up.\"\"\"
+    record = next(i for i, c in enumerate(calls) if c.startswith("MemcpyDtoHAsync"))
+    event = calls[record + 1].split()[1]  # EventRecord eN s1
+    raised = calls.index("raised")
+    return f"EventSynchronize {event}" in calls[record + 2 : raised]
+
+# default mode: both devices in one call
+blobs = [Blob(0, buffer, "cuda:0"), Blob(1024, param.data, "cuda:1")]
+start = len(log())
+try:
+    stager.copy(blobs, Window(arena, 0, 2048, 0, 0), defer=False, wait_gpu="stream")
+    raise AssertionError("GPU 1's failure was lost")
+except CudaError:
+    fake.fake_cuda_mark(b"raised")
+assert queued_then_failed(log()[start:]), log()[start:]
+
+# overlap mode: GPU 0's copies (not the optimizer's) queued with a stream wait, then GPU
+# 1's (the optimizer's) fail
+layout = types.SimpleNamespace(blobs=blobs, total=2048)
+handle = SaveHandle(1, SaveStats(1, 2048, 2048), ("local",))
+start = len(log())
+try:
+    stager.stage_whole(arena, layout, queue.Queue(), [opt], handle)
+    raise AssertionError("GPU 1's failure was lost")
+except CudaError:
+    fake.fake_cuda_mark(b"raised")
+calls = log()[start:]
+assert "StreamWaitEvent ext:1000" in " ".join(calls), calls  # GPU 0's: no host wait then
+assert queued_then_failed(calls), calls
+stager.close()
+arena.close()
+print("partial-failure-ok")
+"""
+)
+
+
+def test_a_partial_multi_device_failure_waits_for_every_queued_copy(fake_driver_dir):
+    """When one GPU's copies fail, the copies already queued on the others still write into
+    the arena and read their sources: they are waited for before the error goes up (and
+    the arena can be reused, the sources freed), in default and in overlap mode."""
+    result = run_with_fake_driver(fake_driver_dir, PARTIAL_FAILURE_SCENARIO, FAKE_CUDA_DEVICES="2")
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"partial-failure-ok" in result.stdout
 
 
 # --- GPU --------------------------------------------------------------------------------

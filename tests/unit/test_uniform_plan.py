@@ -15,8 +15,20 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from snapcore.errors import UnsupportedState
-from snapcore.planning.global_plan import LocalItem, describe_sharded, plan_save, shard_box
-from snapcore.planning.uniform import GlobalTensor, local_items, plan_uniform, shard_table
+from snapcore.planning.global_plan import (
+    LocalItem,
+    describe_sharded,
+    plan_copies,
+    plan_save,
+    shard_box,
+)
+from snapcore.planning.uniform import (
+    GlobalTensor,
+    local_items,
+    plan_uniform,
+    shard_table,
+    uniform_copies,
+)
 from snapcore.sharding import Box
 
 
@@ -75,14 +87,19 @@ def _derived(tensors: list[GlobalTensor], world: int) -> list[list[LocalItem]]:
     return per_rank
 
 
-def _assert_same_plan(tensors: list[GlobalTensor], world: int) -> None:
+def _assert_same_plan(tensors: list[GlobalTensor], world: int, node: int = 2) -> None:
     per_rank = _derived(tensors, world)
     old = plan_save(per_rank, world)
     new = plan_uniform(tensors, world, "digest")
     assert new.rank_bytes == old.rank_bytes
+    nodes = [r // node for r in range(world)]  # node-local homes of ``node`` ranks each
     for r in range(world):
         assert local_items(tensors, r) == per_rank[r], r
-        mine = plan_uniform(tensors, world, "digest", rank=r)
+        home = {q for q in range(world) if nodes[q] == nodes[r]}
+        copies = uniform_copies(tensors, plan_uniform(tensors, world, "d", ranks=home), home, r)
+        want = frozenset((w.path, w.box) for w in plan_copies(old, nodes, only=r)[r])
+        assert copies == want, (r, home)
+        mine = plan_uniform(tensors, world, "digest", ranks={r})
         for item in per_rank[r]:
             want = None if item.box.empty else old.writers[(item.path, item.box)]
             assert new.writer(item) == want, (r, item)
@@ -118,7 +135,7 @@ def test_the_uniform_plan_is_plan_save_on_random_meshes() -> None:
     for _ in range(150):
         world = rng.choice([1, 2, 3, 4, 6, 8])
         tensors = [_plannable(rng, t, world) for t in range(rng.randint(1, 8))]
-        _assert_same_plan(tensors, world)
+        _assert_same_plan(tensors, world, node=rng.choice([1, 2, 3, world]))
 
 
 def _layers(n: int, mesh: torch.Tensor, weight: list, bias: list) -> list[GlobalTensor]:
@@ -163,7 +180,7 @@ def test_equal_replicated_items_tie_on_the_key_and_the_lowest_rank() -> None:
 def test_the_fingerprint_is_the_digest_and_world_size() -> None:
     tensors = [GlobalTensor("s", "float32", ())]
     a = plan_uniform(tensors, 2, "abc")
-    assert a.fingerprint == plan_uniform(tensors, 2, "abc", rank=1).fingerprint
+    assert a.fingerprint == plan_uniform(tensors, 2, "abc", ranks={1}).fingerprint
     assert a.fingerprint != plan_uniform(tensors, 2, "abd").fingerprint
     assert a.fingerprint != plan_uniform(tensors, 3, "abc").fingerprint
     assert len(a.fingerprint) == 64

@@ -20,6 +20,7 @@ from snapcore.write.manifest_builder import (
     BlobRecord,
     ChunkRecord,
     build_manifest,
+    restrict,
     staged_manifest,
 )
 
@@ -117,6 +118,39 @@ def test_staged_manifest_takes_each_chunk_location_codec_and_stored_length():
     assert [c.raw_length for c in m.blobs[0].chunks] == [128, 128, 44]
     assert m.blobs[1].chunks[0].xxh3 == s.digests[3]
     assert m.tensors == layout.entries
+
+
+def test_a_tier_part_leaves_out_the_dropped_pieces_and_the_blobs_only_they_name():
+    """A rank's part without its node copies (object storage's): the dropped tensors keep
+    their entry with no piece, the blobs only they name go, the others are renumbered;
+    the part still parses, and naming its chunks needs no location for the dropped."""
+    big = torch.zeros(300, dtype=torch.uint8)
+    tensors = [torch.zeros(10, dtype=torch.uint8), big, big[:100], torch.ones(20)]
+    layout = plan(tensors)
+    assert len(layout.blobs) == 3  # big and its view share one
+    chunks = chunk_list(layout, 128)
+    info = mf.PartInfo(1, "a" * 64, "b" * 64, ("w", "x", "y", None), 2)
+    s = Staged(7, layout, {"tensor": 0}, arena=None, slot=0, chunks=chunks, part=info)  # type: ignore[arg-type]
+    s.digests = [f"{k:032x}" for k in range(len(chunks))]
+    locs = [Location("step-000000000007/d.bin", off, n, layout.total) for _, _, off, n in chunks]
+    stored = [n for *_, n in chunks]
+    full = staged_manifest(s, locs, ["none"] * len(chunks), stored)
+    assert restrict(full, set()) is full and restrict(full, {1}) is not full
+
+    gone = restrict(full, {0})  # the first blob only tensor 0 names
+    assert [b.nbytes for b in gone.blobs] == [b.nbytes for b in full.blobs[1:]]
+    assert gone.tensors[0].pieces == []
+    assert [p.blob for t in gone.tensors[1:] for p in t.pieces] == [0, 0, 1]
+    mf.parse_part(gone.dumps(), where="test")  # a valid part
+    shared = restrict(full, {1})  # big's blob stays: its view (tensor 2) names it
+    assert len(shared.blobs) == 3 and shared.tensors[1].pieces == []
+
+    blob0 = {k for k, c in enumerate(chunks) if c[0] == 0}
+    no_loc = [None if k in blob0 else loc for k, loc in enumerate(locs)]
+    direct = staged_manifest(s, no_loc, ["none"] * len(chunks), stored, {0})
+    assert (direct.files, direct.blobs, direct.tensors) == (gone.files, gone.blobs, gone.tensors)
+    with pytest.raises(AssertionError, match="no location"):
+        staged_manifest(s, no_loc, ["none"] * len(chunks), stored)
 
 
 def test_only_the_builder_makes_a_manifest():

@@ -24,6 +24,9 @@ struct ArenaOptions {
   // use it). The one the state lives on: a context of its own on another GPU costs memory
   // there, and fails where that GPU is in EXCLUSIVE_PROCESS mode.
   int device = 0;
+  // The NUMA node its pages should come from (the GPU's: see cuda_device_numa_node), made
+  // their preferred node before they are faulted; -1 = the kernel's default placement.
+  int numa_node = -1;
   bool prefault = true;    // touch every page now, in parallel
   std::size_t threads = 0;  // for prefaulting; 0 = hardware_threads()
 };
@@ -53,6 +56,12 @@ class Arena {
   [[nodiscard]] const std::optional<std::string>& pin_error() const noexcept {
     return pin_error_;
   }
+  // The NUMA node its pages were placed on (preferred), or -1; numa_error() says why a
+  // node asked for was not used.
+  [[nodiscard]] int numa_node() const noexcept { return numa_node_; }
+  [[nodiscard]] const std::optional<std::string>& numa_error() const noexcept {
+    return numa_error_;
+  }
   [[nodiscard]] bool closed() const noexcept { return base_ == nullptr; }
   [[nodiscard]] const std::optional<std::string>& shm_path() const noexcept {
     return shm_path_;
@@ -73,6 +82,8 @@ class Arena {
   bool dontfork_ = false;
   long owner_pid_ = 0;
   bool huge_pages_ = false;
+  int numa_node_ = -1;
+  std::optional<std::string> numa_error_;
   bool pinned_ = false;
   std::optional<std::string> pin_error_;
   std::unique_ptr<PrimaryContext> pin_ctx_;  // held while the registration lives

@@ -2,6 +2,8 @@
 // that makes it current on the calling thread.
 #pragma once
 
+#include <string>
+
 #include "snapcore/shim/cuda.hpp"
 
 namespace snapcore {
@@ -32,5 +34,10 @@ class ScopedContext {
   ScopedContext(const ScopedContext&) = delete;
   ScopedContext& operator=(const ScopedContext&) = delete;
 };
+
+// The NUMA node of CUDA device `device` (its PCI bus id from the driver, then sysfs's
+// numa_node under `sysfs_root`); -1 on a machine of one node. Throws CudaError.
+int cuda_device_numa_node(int device,
+                          const std::string& sysfs_root = "/sys/bus/pci/devices");
 
 }  // namespace snapcore

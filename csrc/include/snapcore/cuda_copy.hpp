@@ -44,6 +44,9 @@ class CudaCopier {
   // Copies (dst host, src device, nbytes) after the work already queued on `after_stream`
   // (0 = the legacy default stream); returns the event that completes with the copies.
   // Source and destination must stay alive, and the source unmodified, until then.
+  // Copies that continue one another (both ends adjacent) are merged into one, and the
+  // rest go to the driver in one cuMemcpyBatchAsync where the driver has it (CUDA 12.8+),
+  // one call per copy otherwise or if the driver refuses the batch.
   std::unique_ptr<CudaEvent> d2h(const std::vector<CopySpec>& copies,
                                  std::uintptr_t after_stream);
   // Copies (dst device, src host, nbytes); same ordering and lifetime rules.
@@ -61,9 +64,14 @@ class CudaCopier {
   std::unique_ptr<CudaEvent> copy(Direction dir, const std::vector<CopySpec>& copies,
                                   std::uintptr_t after_stream);
 
+  // Queues `runs` as one batch; false (nothing to undo: a retry rewrites the same bytes)
+  // when the driver has no batch call or refuses it.
+  bool copy_batch(const std::vector<CopySpec>& runs);
+
   int device_;
   std::shared_ptr<PrimaryContext> ctx_;
   cu::CUstream stream_ = nullptr;
+  bool batch_ok_ = true;  // false once the driver refused a batch (pageable memory, say)
 };
 
 }  // namespace snapcore

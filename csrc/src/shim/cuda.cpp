@@ -40,6 +40,13 @@ struct CudaDriverLoader {
     fn = reinterpret_cast<Fn>(sym);
   }
 
+  // A symbol that newer drivers have: null when this one lacks it.
+  template <typename Fn>
+  static void resolve_optional(void* lib, Fn& fn, const char* name) {
+    dlerror();
+    fn = reinterpret_cast<Fn>(dlsym(lib, name));
+  }
+
   void load() {
     // RTLD_NODELETE: the driver stays mapped even if this table is torn down at exit while
     // other threads (or torch) still use it.
@@ -52,6 +59,7 @@ struct CudaDriverLoader {
     resolve(lib, d.Init, "cuInit");
     resolve(lib, d.DeviceGet, "cuDeviceGet");
     resolve(lib, d.DeviceGetCount, "cuDeviceGetCount");
+    resolve(lib, d.DeviceGetPCIBusId, "cuDeviceGetPCIBusId");
     resolve(lib, d.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
     resolve(lib, d.DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
     resolve(lib, d.CtxPushCurrent, "cuCtxPushCurrent_v2");
@@ -67,6 +75,10 @@ struct CudaDriverLoader {
     resolve(lib, d.EventDestroy, "cuEventDestroy_v2");
     resolve(lib, d.MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
     resolve(lib, d.MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+    resolve_optional(lib, d.MemcpyBatchAsync, "cuMemcpyBatchAsync_v2");
+    if (d.MemcpyBatchAsync == nullptr) {
+      resolve_optional(lib, d.MemcpyBatchAsyncV1, "cuMemcpyBatchAsync");
+    }
     resolve(lib, d.MemHostRegister, "cuMemHostRegister_v2");
     resolve(lib, d.MemHostUnregister, "cuMemHostUnregister");
     resolve(lib, d.GetErrorName, "cuGetErrorName");

@@ -29,6 +29,19 @@ inline constexpr unsigned int CU_EVENT_DISABLE_TIMING = 0x2;
 inline constexpr unsigned int CU_EVENT_WAIT_DEFAULT = 0x0;
 inline constexpr unsigned int CU_MEMHOSTREGISTER_PORTABLE = 0x1;
 
+// cuMemcpyBatchAsync (CUDA 12.8+): a batch of pointer-to-pointer copies, one call.
+struct CUmemLocation {
+  int type;  // CUmemLocationType; 0 (invalid) = no hint
+  int id;
+};
+struct CUmemcpyAttributes {
+  int srcAccessOrder;  // CUmemcpySrcAccessOrder
+  CUmemLocation srcLocHint;
+  CUmemLocation dstLocHint;
+  unsigned int flags;
+};
+inline constexpr int CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1;
+
 }  // namespace snapcore::cu
 
 namespace snapcore::shim {
@@ -56,6 +69,7 @@ class CudaDriver {
   CUresult (*Init)(unsigned int flags) = nullptr;
   CUresult (*DeviceGet)(cu::CUdevice* device, int ordinal) = nullptr;
   CUresult (*DeviceGetCount)(int* count) = nullptr;
+  CUresult (*DeviceGetPCIBusId)(char* bus_id, int len, cu::CUdevice dev) = nullptr;
   CUresult (*DevicePrimaryCtxRetain)(cu::CUcontext* ctx, cu::CUdevice dev) = nullptr;
   CUresult (*DevicePrimaryCtxRelease)(cu::CUdevice dev) = nullptr;
   CUresult (*CtxPushCurrent)(cu::CUcontext ctx) = nullptr;
@@ -74,6 +88,15 @@ class CudaDriver {
                               cu::CUstream stream) = nullptr;
   CUresult (*MemcpyHtoDAsync)(cu::CUdeviceptr dst_device, const void* src_host, size_t nbytes,
                               cu::CUstream stream) = nullptr;
+  // Optional (null when the driver lacks them): cuMemcpyBatchAsync_v2 (CUDA 13 drivers,
+  // no failIdx) and cuMemcpyBatchAsync (CUDA 12.8-12.9, with failIdx).
+  CUresult (*MemcpyBatchAsync)(cu::CUdeviceptr* dsts, cu::CUdeviceptr* srcs, size_t* sizes,
+                               size_t count, cu::CUmemcpyAttributes* attrs, size_t* attrs_idxs,
+                               size_t num_attrs, cu::CUstream stream) = nullptr;
+  CUresult (*MemcpyBatchAsyncV1)(cu::CUdeviceptr* dsts, cu::CUdeviceptr* srcs, size_t* sizes,
+                                 size_t count, cu::CUmemcpyAttributes* attrs,
+                                 size_t* attrs_idxs, size_t num_attrs, size_t* fail_idx,
+                                 cu::CUstream stream) = nullptr;
   CUresult (*MemHostRegister)(void* ptr, size_t nbytes, unsigned int flags) = nullptr;
   CUresult (*MemHostUnregister)(void* ptr) = nullptr;
   CUresult (*GetErrorName)(CUresult error, const char** name) = nullptr;
