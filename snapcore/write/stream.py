@@ -66,11 +66,12 @@ class StreamWriter:
 
     ``add_tensor(dtype, shape)`` declares the next tensor (its index in the manifest);
     ``write(i, offset, data)`` gives bytes ``[offset, offset + data.nbytes)`` of tensor
-    ``i``'s C-order image, in order (each piece starts where the last ended); ``add(t)``
-    does both for a whole tensor. ``commit(tree)`` checks that every tensor is whole,
-    fsyncs the data and commits the manifest; ``abort()`` (or any failure of
-    ``commit``) leaves no committed step and removes this writer's files. Not
-    thread-safe: one caller at a time.
+    ``i``'s C-order image, in order (each piece starts where the last ended; the pieces
+    of different tensors may interleave); ``add(t)`` does both for a whole tensor. A
+    write that fails leaves the writer refusing every later write and the commit.
+    ``commit(tree)`` checks that every tensor is whole, fsyncs the data and commits the
+    manifest; ``abort()`` (or any failure of ``commit``) leaves no committed step and
+    removes this writer's files. Not thread-safe: one caller at a time.
     """
 
     def __init__(self, root: str | Path, step: int) -> None:
@@ -81,6 +82,7 @@ class StreamWriter:
         self._writer: Any = None
         self.pending: Pending | None = None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="snapcore-stream-hash")
+        self._failed: str | None = None  # why a write failed: the writer is then unusable
         try:
             self.directory.collect_leftovers()  # an interrupted writer's files, as a save does
             self.pending = self.directory.begin(step)
@@ -92,7 +94,7 @@ class StreamWriter:
             self.abort()
             raise
         self.chunk_bytes = settings.chunk_bytes()
-        self.end = 0  # the data file's size so far
+        self.end = 0  # the end of the last blob placed (its whole size reserved): the file size
         self.blobs: list[_Blob] = []
         self.entries: list[mf.TensorEntry] = []
         self.committed: mf.Manifest | None = None
@@ -126,6 +128,10 @@ class StreamWriter:
         b = self.blobs[i]
         view, address = _bytes_of(data)
         n = len(view)
+        if self._failed is not None:
+            raise RuntimeError(
+                f"step {self.step}: an earlier write failed ({self._failed}); abort this writer"
+            )
         if offset != b.written or offset + n > b.nbytes:
             raise ValueError(
                 f"tensor {i}: bytes [{offset}, {offset + n}) given after {b.written} of "
@@ -138,13 +144,21 @@ class StreamWriter:
             if pos % ALIGN:
                 pos = align_up(self.end, ALIGN)
             b.offset = pos
-        hashed: Future[None] = self._hasher.submit(self._hash, b, offset, view)
+            # the whole blob is reserved now: a tensor placed before this one's last piece
+            # comes after it, never inside it
+            self.end = b.offset + b.nbytes
         try:
-            self._writer.write_at(b.offset + offset, address, n)
-        finally:
-            hashed.result()
+            hashed: Future[None] = self._hasher.submit(self._hash, b, offset, view)
+            try:
+                self._writer.write_at(b.offset + offset, address, n)
+            finally:
+                hashed.result()
+        except BaseException as e:
+            # the piece may be hashed but not written, or the reverse: the blob's digests
+            # no longer match its bytes, so nothing more may be written or committed
+            self._failed = f"tensor {i}, bytes [{offset}, {offset + n}): {e}"
+            raise
         b.written += n
-        self.end = max(self.end, b.offset + b.written)
 
     def _hash(self, b: _Blob, offset: int, view: memoryview) -> None:
         """Hash bytes ``[offset, offset + len(view))`` of blob ``b`` into its chunks."""
@@ -170,6 +184,8 @@ class StreamWriter:
         tensors added); returns its manifest. Any failure aborts."""
         try:
             assert self.pending is not None
+            if self._failed is not None:
+                raise RuntimeError(f"step {self.step}: a write failed ({self._failed})")
             short = [i for i, b in enumerate(self.blobs) if b.written != b.nbytes]
             if short:
                 b = self.blobs[short[0]]
