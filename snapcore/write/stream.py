@@ -78,6 +78,7 @@ class StreamWriter:
         self.directory = LocalDirectory(root)
         self.directory.ensure()
         self.step = step
+        self._where = f"{self.directory.root}, step {step}"  # for messages
         self._lock: str | None = writer_lock.take(self.directory.root, str(self.directory.root))
         self._writer: Any = None
         self.pending: Pending | None = None
@@ -130,12 +131,12 @@ class StreamWriter:
         n = len(view)
         if self._failed is not None:
             raise RuntimeError(
-                f"step {self.step}: an earlier write failed ({self._failed}); abort this writer"
+                f"{self._where}: an earlier write failed ({self._failed}); abort this writer"
             )
         if offset != b.written or offset + n > b.nbytes:
             raise ValueError(
-                f"tensor {i}: bytes [{offset}, {offset + n}) given after {b.written} of "
-                f"{b.nbytes}: pieces must come in order and stay inside the tensor"
+                f"{self._where}: tensor {i}: bytes [{offset}, {offset + n}) given after "
+                f"{b.written} of {b.nbytes}: pieces must come in order and stay inside it"
             )
         if n == 0:
             return
@@ -185,12 +186,13 @@ class StreamWriter:
         try:
             assert self.pending is not None
             if self._failed is not None:
-                raise RuntimeError(f"step {self.step}: a write failed ({self._failed})")
+                raise RuntimeError(f"{self._where}: a write failed ({self._failed})")
             short = [i for i, b in enumerate(self.blobs) if b.written != b.nbytes]
             if short:
                 b = self.blobs[short[0]]
                 raise ValueError(
-                    f"tensor {short[0]} is not whole: {b.written} of {b.nbytes} bytes written"
+                    f"{self._where}: tensor {short[0]} is not whole: {b.written} of "
+                    f"{b.nbytes} bytes written"
                 )
             self._writer.sync()
             self._writer.close()
@@ -207,7 +209,7 @@ class StreamWriter:
                 (self.directory.root / self.name).unlink(missing_ok=True)
             m = build_manifest(step=self.step, blobs=blobs, tensors=self.entries, tree=tree)
             # what every reader checks, before the commit makes it visible
-            mf.parse(m.dumps(), where=f"step {self.step}'s manifest")
+            mf.parse(m.dumps(), where=f"{self._where}: the manifest")
             self.pending.commit(m)
         except BaseException:
             self.abort()
