@@ -129,9 +129,8 @@ class PersistJob:
             if w is None or isinstance(w, Aborted):
                 self._ended = True
             else:
-                settle_window(w)
-                w.keep.clear()
-                self.halves[w.half].set()
+                settle_window(w)  # (streaming: its halves stay taken, so the stager
+                w.keep.clear()  # finds the failure at its next window and stops)
 
     def _release_slot(self, upload: Future[None] | None) -> None:
         if upload is None:
