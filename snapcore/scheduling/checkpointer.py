@@ -31,8 +31,8 @@ from .. import api
 from ..distributed.job import current as current_job
 from ..errors import SnapcoreError, SnapshotFailed, SnapshotNotFound
 from ..staging.handle import SaveHandle, SaveStats
-from ..tiers import TIER_ORDER, HostTier, Store, as_store
-from .costs import DEFAULT_SLOWDOWN, CostMeter, Costs
+from ..tiers import HostTier, Store, as_store
+from .costs import DEFAULT_SLOWDOWN, CostMeter, Costs, restore_tier
 from .decisions import Decision, Decisions
 from .journal import (
     MIN_RUN_S,
@@ -45,7 +45,14 @@ from .journal import (
 )
 from .policy import RateInfo, Schedule, make_schedule, moved, plan_inputs, rate_info
 from .preemption import SigtermGuard
-from .rate import DEFAULT_QUANTILE, LLAMA3_RATE_PER_DEVICE_HOUR, MACHINE, PROCESS, RatePrior
+from .rate import (
+    CORRELATED,
+    DEFAULT_QUANTILE,
+    LLAMA3_RATE_PER_DEVICE_HOUR,
+    MACHINE,
+    PROCESS,
+    RatePrior,
+)
 
 log = logging.getLogger("snapcore.checkpointer")
 
@@ -177,9 +184,9 @@ class Checkpointer:
         self._next_alive = math.inf  # when the next "alive" event is due (journal time)
         self.run_id: str | None = None
         self._history: FailureHistory | None = None
-        self._past: dict[str, int] = {PROCESS: 0, MACHINE: 0, UNKNOWN: 0}
+        self._past: dict[str, int] = {PROCESS: 0, MACHINE: 0, CORRELATED: 0, UNKNOWN: 0}
         self._past_hours = 0.0
-        self._own: dict[str, int] = {PROCESS: 0, MACHINE: 0}
+        self._own: dict[str, int] = {PROCESS: 0, MACHINE: 0, CORRELATED: 0}
         if self._journal_path is not None:
             self._load_history(read_history(self.store))
         elif self._journal_on:
@@ -248,12 +255,11 @@ class Checkpointer:
             return 0
         now = self._clock()
         rollback = self._trained  # training had begun: this run rolls back
-        fastest = info.tier.split("+")[0]
-        self._meter.restored(fastest, info.seconds)
+        self._meter.restored(restore_tier(info.tier), info.seconds)
         self._restored = (info.step, info.tier)
         self._journal_event("restore", step=info.step, tier=info.tier, rollback=rollback)
         if rollback:
-            self._own[failure_class(info.tier)] += 1
+            self._own[failure_class(info.tier, self._tiers)] += 1
         elif self._journal is not None:
             # our restore tells the class of the failure that ended the previous run
             self._load_history(read_history(self.store, live_runs=[self._journal.run]))
@@ -524,7 +530,7 @@ class Checkpointer:
         slack = 0.5 * min(self._intervals.values())
         return tuple(
             t
-            for t in TIER_ORDER
+            for t in self._tiers  # the store's tiers, fastest first
             if t in self._intervals
             and t not in busy
             and now + slack >= self._last_begin[t] + self._intervals[t]
@@ -695,7 +701,7 @@ class Checkpointer:
         """Past runs' failures and exposure (this run's own are counted live)."""
         self._history = h
         mine = self._journal.run if self._journal is not None else None
-        past = {PROCESS: 0, MACHINE: 0, UNKNOWN: 0}
+        past = {PROCESS: 0, MACHINE: 0, CORRELATED: 0, UNKNOWN: 0}
         hours = 0.0
         for r in h.runs:
             if r.run == mine:

@@ -282,9 +282,19 @@ def test_a_dead_run_is_classed_by_this_runs_restore_and_a_rollback_counts(
     first._shutdown()  # dies without a clean exit (the journal's lock goes with it)
 
     second = snapcore.Checkpointer(store, clock=clock, handle_sigterm=False)
-    assert second.plan().rate.by_class == {"process": 0, "machine": 0, "unknown": 1}
+    assert second.plan().rate.by_class == {
+        "process": 0,
+        "machine": 0,
+        "correlated": 0,
+        "unknown": 1,
+    }
     assert second.restore(state) == 4  # from host memory: the process crashed, not the machine
-    assert second.plan().rate.by_class == {"process": 1, "machine": 0, "unknown": 0}
+    assert second.plan().rate.by_class == {
+        "process": 1,
+        "machine": 0,
+        "correlated": 0,
+        "unknown": 0,
+    }
     run_steps(second, clock, state, range(4, 10))
     # a rollback in the middle of the run, to the first step after the restore (which
     # was snapshotted)
