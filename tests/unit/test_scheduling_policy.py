@@ -377,3 +377,12 @@ def test_learned_correlated_failures_move_the_remote_interval():
     assert r.by_class[CORRELATED] == 30
     s = make_schedule(c, r, PEER_TIERS, target=0.02, max_interval_s=3600.0)
     assert s.intervals_s["remote"] < base.intervals_s["remote"]
+
+
+def test_a_peer_tier_left_out_is_written_with_the_slower_tiers():
+    c = CostMeter(PEER_TIERS, restart_s=180.0, slowdown=0.05).costs()
+    s = make_schedule(c, process_only(), PEER_TIERS, target=0.02, max_interval_s=3600.0)
+    assert set(s.planned_s) == {"host"}  # crashes only: host memory recovers them all
+    assert {"peer", "local", "remote"} <= set(s.forced)
+    assert s.intervals_s["peer"] == s.intervals_s["remote"]
+    assert list(s.intervals_s) == list(PEER_TIERS)
