@@ -13,7 +13,7 @@ runs snapcore's optimiser with the true rate; the last two on host+local+remote,
 again with a peer tier (host+peer+local+remote: each node's snapshot also in a partner
 node's memory), with partners placed in other racks and, in a second table, sharing one.
 
-    python benchmarks/simulate.py            # full run (about a minute on 2 cores)
+    python benchmarks/simulate.py            # full run (about 4 CPU-minutes)
     python benchmarks/simulate.py --quick    # a few seconds, for the test
     python benchmarks/simulate.py --smoke    # --quick on one worker (test_benchmarks.py)
     python benchmarks/simulate.py --write-docs   # also update docs/scheduler.md + PNG
@@ -437,8 +437,8 @@ def policies_for(devices: int) -> dict[str, tuple[Policy, str]]:
         plan = optimise(MODELS[tiers], true_classes(rate, tiers, placement), TARGET)
         return FixedPolicy(plan.intervals_s, tiers)
 
-    # snapcore's class prior is the library's default split (rate.LLAMA3_CLASS_COUNTS:
-    # switch failures taking the partner), whatever the placement: it learns the rest.
+    # snapcore's class prior is Llama 3's split for the placement, as the Checkpointer's
+    # partners_across_racks gives it; it learns the rest.
     return {
         "every 30 min": (FixedPolicy({"remote": 1800.0}), OTHER_RACK),
         "every 1000 steps": (FixedPolicy({"remote": 1000 * STEP_S}), OTHER_RACK),
@@ -452,9 +452,12 @@ def policies_for(devices: int) -> dict[str, tuple[Policy, str]]:
         ),
         "snapcore": (LearnedPolicy(prior), OTHER_RACK),
         "oracle": (oracle(BASE_TIERS, OTHER_RACK), OTHER_RACK),
-        "snapcore + peer": (LearnedPolicy(prior, TIERS), OTHER_RACK),
+        "snapcore + peer": (LearnedPolicy(prior, TIERS, class_counts(OTHER_RACK)), OTHER_RACK),
         "oracle + peer": (oracle(TIERS, OTHER_RACK), OTHER_RACK),
-        "snapcore + peer, same rack": (LearnedPolicy(prior, TIERS), SAME_RACK),
+        "snapcore + peer, same rack": (
+            LearnedPolicy(prior, TIERS, class_counts(SAME_RACK)),
+            SAME_RACK,
+        ),
         "oracle + peer, same rack": (oracle(TIERS, SAME_RACK), SAME_RACK),
     }
 
@@ -541,8 +544,9 @@ PEER_TARGET = 0.04  # issue 13: at 16,384 devices, with the peer tier
 ORACLE_GAP = 0.10  # snapcore within 10% of the oracle
 
 
-def checks(summaries: Sequence[Summary]) -> list[str]:
-    """The issues' targets, each stated with the figures behind it."""
+def checks(summaries: Sequence[Summary], judge_peer: bool = True) -> list[str]:
+    """The issues' targets, each stated with the figures behind it. ``judge_peer``: say
+    PASS or FAIL for issue 13's target (a 4% line, too close for a week's trace)."""
     lines = []
     for s in summaries:
         tag = f"{s.devices:>6} devices, {s.process}"
@@ -579,10 +583,11 @@ def checks(summaries: Sequence[Summary]) -> list[str]:
             peer, orc_p = s.waste["snapcore + peer"], s.waste["oracle + peer"]
             rel = peer / orc_p - 1
             ok = peer <= PEER_TARGET and rel <= ORACLE_GAP
+            verdict = ("PASS" if ok else "FAIL") if judge_peer else "not judged on a quick run"
             lines.append(
                 f"{tag}: with the peer tier (partners in other racks) snapcore {peer:.2%} "
                 f"(target {PEER_TARGET:.0%}; {snap:.2%} without), oracle {orc_p:.2%} "
-                f"({rel:+.1%}): {'PASS' if ok else 'FAIL'}"
+                f"({rel:+.1%}): {verdict}"
             )
             same = s.waste["snapcore + peer, same rack"]
             verdict = "within" if same <= PEER_TARGET else "NOT within"
@@ -768,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "",
             "Checks against the issue's targets:",
             "",
-            *[f"- {line}" for line in checks(summaries)],
+            *[f"- {line}" for line in checks(summaries, judge_peer=not args.quick)],
         ]
     )
     print(body)

@@ -52,6 +52,7 @@ from .rate import (
     MACHINE,
     PROCESS,
     RatePrior,
+    llama3_class_counts,
 )
 
 log = logging.getLogger("snapcore.checkpointer")
@@ -114,7 +115,9 @@ class Checkpointer:
     plans. ``max_interval_s``: a hard upper bound on every tier's interval, from the
     first step on (default 1 h). ``journal``: keep the run journal (default: yes, on
     rank 0 only under torch.distributed). ``clock``: seconds, monotonic (tests inject a
-    fake one).
+    fake one). ``partners_across_racks``: a store with a peer tier whose partners sit
+    behind other rack switches, so that switch and cable failures do not take a lost
+    machine's partner (the prior split of failure classes, docs/scheduler.md).
 
     Guarantees (docs/scheduler.md, "The Checkpointer"): the first ``step()`` of a run,
     and the first after a ``restore()``, snapshots to every tier of the store (which
@@ -149,6 +152,7 @@ class Checkpointer:
         journal: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
         lead_steps: int = 2,
+        partners_across_racks: bool = False,
     ) -> None:
         if remote is not None or host is not None:
             if isinstance(store, Store):
@@ -173,6 +177,8 @@ class Checkpointer:
             devices, rate_per_device_hour or LLAMA3_RATE_PER_DEVICE_HOUR
         )
         self._quantile = quantile
+        # how many lost machines take their partner's copy too (a store with a peer tier)
+        self._class_prior = llama3_class_counts(partners_across_racks=partners_across_racks)
 
         # measured costs (the defaults until measured)
         self._meter = CostMeter(self._tiers, restart_s=restart_s, slowdown=slowdown)
@@ -650,7 +656,13 @@ class Checkpointer:
     def _rate(self, now: float) -> RateInfo:
         own_hours = max(0.0, now - self._run_start) / 3600.0 if self._begun else 0.0
         return rate_info(
-            self._prior, self._quantile, self._past, self._past_hours, self._own, own_hours
+            self._prior,
+            self._quantile,
+            self._past,
+            self._past_hours,
+            self._own,
+            own_hours,
+            class_prior=self._class_prior,
         )
 
     def _replan(self, now: float, *, force: bool = False) -> None:

@@ -76,16 +76,18 @@ def rate_info(
     past_hours: float,
     own: Mapping[str, int],
     own_hours: float,
+    class_prior: Mapping[str, float] | None = None,
 ) -> RateInfo:
     """The failure rate from past runs' failures per class (``past``, which names every
     class counted, an unknown one too) over ``past_hours``, and this run's own
     (``own``) over ``own_hours``: the Gamma posterior's conservative read, split between
-    classes by Llama 3's shares as moved by the failures whose class is known."""
+    classes by Llama 3's shares (``class_prior``, default ``LLAMA3_CLASS_COUNTS``) as
+    moved by the failures whose class is known."""
     by_class = {k: past.get(k, 0) + own.get(k, 0) for k in {**past, **own}}
     failures = sum(by_class.values())
     hours = past_hours + own_hours
     est = estimate_from_history(failures, hours, prior, quantile=quantile)
-    learner = FailureRateLearner(prior, quantile=quantile)
+    learner = FailureRateLearner(prior, class_prior, quantile=quantile)
     for cls in (PROCESS, MACHINE, CORRELATED):
         learner.failures[cls] += by_class.get(cls, 0)
     shares = learner.shares()

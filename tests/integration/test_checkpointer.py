@@ -731,3 +731,17 @@ def test_sigkill_early_in_a_resumed_run_keeps_its_first_step(tmp_path):
     info = snapcore.restore(state, tmp_path)
     assert info.step == state["step"] == 5  # not 4: the resumed run's work is kept
     assert float(model.weight.detach().sum()) == float(seen[5])
+
+
+def test_partners_across_racks_sets_the_class_prior(tmp_path):
+    # The store's tiers decide whether the split matters (no peer tier here: lost
+    # machines and machines lost with their partner are one class); the rate it is made
+    # from carries the prior split either way.
+    def shares(**kw):
+        ckpt = snapcore.Checkpointer(tmp_path, devices=16384, handle_sigterm=False, **kw)
+        rates = ckpt.plan().rate.rates_per_s
+        ckpt.close()
+        return {c: r / sum(rates.values()) for c, r in rates.items()}
+
+    assert shares()["correlated"] == pytest.approx(38 / 419)
+    assert shares(partners_across_racks=True)["correlated"] == pytest.approx(3 / 419)

@@ -31,6 +31,7 @@ from snapcore.scheduling.rate import (
     PROCESS,
     RatePrior,
     estimate_from_history,
+    llama3_class_counts,
 )
 
 PRIOR = RatePrior.from_devices(16384, LLAMA3_RATE_PER_DEVICE_HOUR)
@@ -386,3 +387,25 @@ def test_a_peer_tier_left_out_is_written_with_the_slower_tiers():
     assert {"peer", "local", "remote"} <= set(s.forced)
     assert s.intervals_s["peer"] == s.intervals_s["remote"]
     assert list(s.intervals_s) == list(PEER_TIERS)
+
+
+def test_partners_across_racks_lower_the_correlated_share():
+    same = llama3_rate()
+    across = rate_info(
+        PRIOR,
+        DEFAULT_QUANTILE,
+        NO_PAST,
+        0.0,
+        NO_OWN,
+        0.0,
+        class_prior=llama3_class_counts(partners_across_racks=True),
+    )
+    for r, correlated in ((same, 38), (across, 3)):
+        total = sum(r.rates_per_s.values())
+        assert r.rates_per_s[CORRELATED] / total == pytest.approx(correlated / 419)
+        assert r.rates_per_s[PROCESS] / total == pytest.approx(63 / 419)
+    c = CostMeter(PEER_TIERS, restart_s=180.0, slowdown=0.05).costs()
+    s = make_schedule(c, same, PEER_TIERS, target=0.02, max_interval_s=86400.0)
+    a = make_schedule(c, across, PEER_TIERS, target=0.02, max_interval_s=86400.0)
+    assert a.intervals_s["remote"] > 2 * s.intervals_s["remote"]
+    assert a.predicted_waste < s.predicted_waste
