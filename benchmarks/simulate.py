@@ -24,6 +24,7 @@ Standard library only, plus matplotlib for the plot (imported only when plotting
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import random
 import sys
@@ -546,7 +547,8 @@ ORACLE_GAP = 0.10  # snapcore within 10% of the oracle
 
 def checks(summaries: Sequence[Summary], judge_peer: bool = True) -> list[str]:
     """The issues' targets, each stated with the figures behind it. ``judge_peer``: say
-    PASS or FAIL for issue 13's target (a 4% line, too close for a week's trace)."""
+    PASS or FAIL for issue 13's targets (a 4% line and 10% of the oracle, which a week's
+    trace is too short to judge: see below)."""
     lines = []
     for s in summaries:
         tag = f"{s.devices:>6} devices, {s.process}"
@@ -566,10 +568,14 @@ def checks(summaries: Sequence[Summary], judge_peer: bool = True) -> list[str]:
             oracle = who.replace("snapcore", "oracle")
             a_s, a_o = s.after[who], s.after[oracle]
             rel = a_s / a_o - 1 if a_o > 0 else math.nan
-            ok = rel <= ORACLE_GAP
+            verdict = "PASS" if rel <= ORACLE_GAP else "FAIL"
+            if who != "snapcore" and not judge_peer:
+                # one machine lost with its partner costs up to a remote interval (2 h
+                # here), which a week's trace has once or not at all
+                verdict = "not judged on a quick run"
             lines.append(
                 f"{tag}: after {WARMUP_FAILURES} failures {who} {a_s:.2%} vs {oracle} "
-                f"{a_o:.2%} ({rel:+.1%}): {'PASS' if ok else 'FAIL'}"
+                f"{a_o:.2%} ({rel:+.1%}): {verdict}"
             )
         if s.devices >= 16_000:
             others = {p: s.waste[p] for p in POLICIES if "snapcore" not in p and "oracle" not in p}
@@ -784,8 +790,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = "python benchmarks/simulate.py --write-docs" + (" --quick" if args.quick else "")
         write_docs(
             docs / "scheduler.md",
-            f"Produced by `{cmd}` in {elapsed:.0f} s on a 2-core x86-64 machine "
-            f"(Python {sys.version.split()[0]}).\n\n{body}\n\n"
+            f"Produced by `{cmd}` on {datetime.date.today().isoformat()} in {elapsed:.0f} s "
+            f"on a 2-core x86-64 machine (Python {sys.version.split()[0]}).\n\n{body}\n\n"
             "![waste fraction vs scale](scheduler_waste.png)",
         )
     return 0
