@@ -32,7 +32,7 @@ from .read import RestoreInfo
 from .rng import RNGState
 from .scheduling.checkpointer import Checkpointer
 from .staging.handle import SaveHandle, SaveStats
-from .tiers import Retention, Store
+from .tiers import PeerSpec, Retention, Store
 
 __version__ = "0.1.0"
 
@@ -43,6 +43,7 @@ __all__ = [
     "HostAreaInfo",
     "InvalidManifest",
     "NativeError",
+    "PeerSpec",
     "RNGState",
     "RestoreInfo",
     "Retention",

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 from .distributed.job import Job, all_gather_bytes
 from .distributed.job import current as current_job
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StateMismatch, StoreInUse
+from .peer import Fetched, peer_copies
+from .peer import prepare_restore as prepare_peer_restore
 from .read import Reader, RestoreInfo, exchange_plan
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
@@ -103,9 +105,26 @@ def _reader(engine: Engine, steps: dict[str, list[int]], step: int, verify: bool
     if not sources:
         assert first is not None
         raise first
+    sources = _with_peer_copies(engine, sources, step)
     reader = Reader(sources, verify=verify)
     reader.damaged.extend(damaged)
     return reader
+
+
+def _with_peer_copies(engine: Engine, sources: list[Any], step: int) -> list[Any]:
+    """The peer tier (snapcore/peer): the copies this node holds of other ranks' parts
+    serve, before object storage, the chunks its own tiers lack. Never a reason to take
+    a step (they are not listed in ``committed``): only a source of chunks."""
+    copies = peer_copies(engine.config)
+    if copies is None or step not in copies.committed_steps():
+        return sources
+    try:
+        m = copies.read_manifest(step)
+    except (OSError, SnapcoreError) as e:
+        log.warning("the peer copies of step %d cannot be read: %s", step, e)
+        return sources
+    at = next((i for i, (t, _) in enumerate(sources) if t.name == "remote"), len(sources))
+    return [*sources[:at], (copies, m), *sources[at:]]
 
 
 T = TypeVar("T")
@@ -187,6 +206,17 @@ def _read(
     engine = engine_for(store)
     steps = committed(store)
     job = current_job() if agree else None
+    if job is not None and engine.config.peer_spec is not None:
+        # The peer tier (snapcore/peer): a replaced node's parts come back from its
+        # partners' memory into its host area first; then the tiers are listed again.
+        try:
+            link = engine.peer_link(job)  # a collective at the first call
+        except ValueError as e:  # a job of one node: no partner to restore from
+            log.warning("restore: %s", e)
+        else:
+            fetched = prepare_peer_restore(engine.config, steps, job, step, link)
+            steps = committed(store)
+            use = _noting_peer(use, fetched)
     if job is not None and step is None:  # every rank takes the same step
         return _read_agreed(engine, steps, job, verify, use)
     every = sorted({s for ss in steps.values() for s in ss})
@@ -222,6 +252,15 @@ def _read(
     if len(skipped) > 1:
         newest.add_note("older steps are damaged too:\n" + "\n".join(skipped[1:]))
     raise newest
+
+
+def _noting_peer(use: Callable[[Reader], T], fetched: Fetched) -> Callable[[Reader], T]:
+    def noted(reader: Reader) -> T:
+        reader.peer_bytes, reader.peer_s = fetched.bytes, fetched.seconds
+        reader.damaged.extend(fetched.notes)
+        return use(reader)
+
+    return noted
 
 
 def restore(
@@ -286,6 +325,9 @@ def restore(
         missing=plan.missing,
         unexpected=plan.unexpected,
         skipped=skipped,
+        tier_bytes=dict(reader.tier_bytes),
+        peer_bytes=reader.peer_bytes,
+        peer_s=reader.peer_s,
     )
 
 

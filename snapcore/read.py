@@ -55,6 +55,9 @@ class RestoreInfo:
     missing: list[str] = field(default_factory=list)  # paths of the state left as they were
     unexpected: list[str] = field(default_factory=list)  # paths of the snapshot not read
     skipped: list[str] = field(default_factory=list)  # "step N: why", newer damaged steps
+    tier_bytes: dict[str, int] = field(default_factory=dict)  # bytes read, per tier
+    peer_bytes: int = 0  # bytes of this rank's part received from a partner's memory
+    peer_s: float = 0.0  # the time receiving them took (before the restore's reads)
 
 
 # Where a chunk is decoded to: an address, or a function that gives one for a number of
@@ -127,6 +130,9 @@ class Reader:
         self._partial: dict[int, tuple[torch.Tensor, set[int]]] = {}
         self.used: set[str] = set()
         self.bytes_read = 0  # from the tiers, as stored
+        self.tier_bytes: dict[str, int] = {}  # the same, per tier
+        self.peer_bytes = 0  # received from a partner before reading (snapcore/peer)
+        self.peer_s = 0.0
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._blobs: dict[int, torch.Tensor] = {}
@@ -214,6 +220,7 @@ class Reader:
         tier.read_into(name, offset, length, address)
         with self._lock:
             self.bytes_read += length
+            self.tier_bytes[tier.name] = self.tier_bytes.get(tier.name, 0) + length
 
     def _decode(
         self, tier: Tier, m: mf.Manifest, b_i: int, j: int, src: int, address: Address

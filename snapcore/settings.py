@@ -75,3 +75,21 @@ def request_timeout_s() -> float:
     if not value > 0:
         raise ValueError("SNAPCORE_REQUEST_TIMEOUT_S must be a positive number of seconds")
     return value
+
+
+def peer_timeout_s() -> float:
+    """SNAPCORE_PEER_TIMEOUT_S: how long a step of a peer-tier transfer (a send or receive
+    on snapcore's peer group) may wait for the partner before the transfer fails
+    (default: SNAPCORE_COMMIT_TIMEOUT_S)."""
+    raw = _get("SNAPCORE_PEER_TIMEOUT_S", "")
+    value = float(raw) if raw else commit_timeout_s()
+    if not value > 0:
+        raise ValueError("SNAPCORE_PEER_TIMEOUT_S must be a positive number of seconds")
+    return value
+
+
+def failure_domain() -> str | None:
+    """SNAPCORE_FAILURE_DOMAIN: this node's failure domain (a rack, a power feed): the
+    peer tier prefers partners in another one. Unset: unknown."""
+    value = _get("SNAPCORE_FAILURE_DOMAIN", "").strip()
+    return value or None

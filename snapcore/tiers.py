@@ -363,6 +363,47 @@ def _upload_alive(mark: bytes, grace_s: float) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class PeerSpec:
+    """The peer tier (docs/peer.md): after a node's host-memory snapshot commits, each
+    rank's part is copied into the host memory of ``k`` partner nodes (a ring over the
+    job's nodes, a partner in another failure domain first when ``SNAPCORE_FAILURE_DOMAIN``
+    names them), over a gloo group snapcore makes for it.
+
+    ``max_bytes``: the most host memory the copies one rank receives may take (its
+    partner copies, both files of each source rank); ``None``: only /dev/shm's free space
+    bounds them. ``max_bytes_per_s``: the sending rate of each rank (``None``: as fast
+    as the network goes); ``piece_bytes``: the size of each send (the unit of pacing)."""
+
+    k: int = 1
+    max_bytes: int | None = None
+    max_bytes_per_s: float | None = None
+    piece_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise ValueError(f"PeerSpec.k must be an int >= 1, not {self.k!r}")
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError("PeerSpec.max_bytes must be >= 0")
+        if self.max_bytes_per_s is not None and self.max_bytes_per_s <= 0:
+            raise ValueError("PeerSpec.max_bytes_per_s must be > 0")
+        if self.piece_bytes < 4096:
+            raise ValueError("PeerSpec.piece_bytes must be at least 4096")
+
+    @classmethod
+    def parse(cls, value: PeerSpec | bool | int | None) -> PeerSpec | None:
+        """``True``: one partner; an int: that many partners; ``None``/``False``: none."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, PeerSpec):
+            return value
+        if isinstance(value, int):
+            return cls(k=value)
+        raise ValueError(f"peer={value!r}: expected True, a number of partners or a PeerSpec")
+
+
 @dataclass
 class Store:
     """The tiers of one run. Any of them may be left out (``local`` alone is a path).
@@ -384,10 +425,16 @@ class Store:
     storage_options: Mapping[str, Any] | None = None
     codec: str | Mapping[str, str] = "none"
     retention: Mapping[str, Retention | int | str] = field(default_factory=dict)
+    # The peer tier (snapcore/peer/, docs/peer.md): copies of each node's host snapshot
+    # in partner nodes' host memory. Needs a host tier and a job of two nodes or more.
+    peer: PeerSpec | bool | int | None = None
 
     def __post_init__(self) -> None:
         if self.local is None and self.remote is None and self.host is None:
             raise ValueError("a Store needs at least one tier: local=, remote= or host=")
+        self.peer_spec = PeerSpec.parse(self.peer)
+        if self.peer_spec is not None and self.host is None:
+            raise ValueError("peer= needs a host tier (host=): the peer tier copies it")
         if self.local is not None:
             self.local = Path(self.local).absolute()
         for tier in self.retention:
@@ -438,6 +485,8 @@ class Store:
             for t, v in zip(TIER_ORDER, (self.host, self.local, self.remote), strict=True)
             if v
         ]
+        if self.peer_spec is not None:
+            parts.append(f"peer={self.peer_spec.k}")
         return "Store(" + ", ".join(parts) + ")"
 
 

@@ -61,8 +61,9 @@ class SaveHandle:
         return all(f.done() for f in self._select(tier).values())
 
     def wait(self, timeout: float | None = None, tier: str | None = None) -> SaveStats:
-        """Block until durable in ``tier`` (``"host"``, ``"local"``, ``"remote"``; default:
-        every tier this snapshot goes to). Raises ``SnapshotFailed`` if it failed there."""
+        """Block until durable in ``tier`` (``"host"``, ``"local"``, ``"remote"``,
+        ``"peer"``: committed in the partners' memory; default: every tier this snapshot
+        goes to). Raises ``SnapshotFailed`` if it failed there."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for name, fut in self._select(tier).items():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -29,7 +29,14 @@ from .sharded import PartSpec, Sharder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OutcomeUnknown", "ShardedSave", "announce_structure", "commit_part", "part_ref"]
+__all__ = [
+    "OutcomeUnknown",
+    "ShardedSave",
+    "announce_structure",
+    "commit_part",
+    "index_key",
+    "part_ref",
+]
 
 
 class OutcomeUnknown(SnapshotFailed):
@@ -93,6 +100,13 @@ def _no_index(index: mf.Index) -> None:
 
 def _key(job: Job, eid: int, seq: int, *rest: object) -> str:
     return job.key(eid, seq, *rest)
+
+
+def index_key(job: Job, eid: int, seq: int, tier: str) -> str:
+    """Where the coordinator publishes the index of a node-local tier once it has
+    committed it (the other nodes' leaders write it into their directories; the peer
+    tier sends it with each rank's part)."""
+    return _key(job, eid, seq, tier, "index")
 
 
 def announce_structure(
@@ -198,7 +212,7 @@ def commit_part(
             tier=tier,
         )
     if node_index:  # another node's directory: its leader commits it there too
-        data = kv_get(job, _key(job, eid, spec.seq, tier, "index"), job.timeout_s)
+        data = kv_get(job, index_key(job, eid, spec.seq, tier), job.timeout_s)
         if data is None:
             raise SnapshotFailed(
                 f"step {step}: the index of the {tier} tier did not arrive from rank 0",
@@ -255,8 +269,8 @@ def _coordinate(
     except Exception as e:
         return {"ok": False, "why": f"the coordinator could not write the index: {e}"}
     if tier != "remote":  # the leaders of the other nodes write it into their directories
-        job.kv.set(_key(job, eid, spec.seq, tier, "index"), index.dumps())
-        _forget(job, _key(job, eid, spec.seq - 8, tier, "index"))
+        job.kv.set(index_key(job, eid, spec.seq, tier), index.dumps())
+        _forget(job, index_key(job, eid, spec.seq - 8, tier))
     return {"ok": True}
 
 

@@ -30,6 +30,7 @@ from ..distributed.job import current as current_job
 from ..distributed.job import forget as forget_job
 from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, WindowItem
+from ..peer import PeerLink, open_link
 from ..planning.layout import Layout, align_up, plan
 from ..staging.arena import HostArena, pin_device
 from ..staging.copy import Stager, refuse_overlap_in_graph_capture
@@ -38,7 +39,7 @@ from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, Tier, as_store, on_s
 from ..tree import Flattened, flatten, is_dtensor
 from . import writer_lock
 from .chunks import ChunkIndex
-from .commit import ShardedSave
+from .commit import ShardedSave, index_key
 from .job import PersistJob
 from .local import PAGE
 from .sharded import Sharder
@@ -85,6 +86,7 @@ class Engine:
         self._writer_lock: str | None = None  # the lock file this engine holds (a share)
         self._sharder: Sharder | None = None  # the save plan, under torch.distributed
         self._eid = 0  # this engine's number in the job's key space (write/commit.py)
+        self.peer: PeerLink | None = None  # the peer tier (snapcore/peer), under a job
 
     @property
     def local_root(self) -> Path:
@@ -121,6 +123,11 @@ class Engine:
             refuse_overlap_in_graph_capture()
         want = self._wanted(tiers)
         djob = current_job()  # under torch.distributed: a sharded save (a collective, once)
+        if "peer" in want and djob is None:
+            raise ValueError(
+                f"{self.config.describe()}: the peer tier needs a torch.distributed job of two "
+                "nodes or more"
+            )
         # The ranks of a node share its directory and host-memory area: the node's first
         # process (LOCAL_RANK 0) holds the writer lock and claims the area for them.
         first = djob is None or _local_rank(djob) == 0
@@ -139,6 +146,8 @@ class Engine:
             flat = flatten(state)
             sharded = None
             if djob is not None:
+                if "peer" in want:  # the peer tier's group and ring: a collective, once
+                    self.peer_link(djob)
                 sharded = self._sharded(djob, flat)
                 layout = sharded.spec.layout
             else:
@@ -216,6 +225,20 @@ class Engine:
                 self.host.rank = djob.rank
         return ShardedSave(djob, self._sharder, self._eid, self._sharder.part(flat))
 
+    def peer_link(self, djob: Job) -> PeerLink:
+        """The peer tier's link (made at the first sharded save or restore: a collective
+        every rank makes)."""
+        if self.peer is None:
+            self.peer = open_link(djob, self.config)
+        return self.peer
+
+    def peer_submit(self, handle: SaveHandle, sharded: ShardedSave) -> Future[None]:
+        """The peer tier (snapcore/peer): send this rank's part of the step that has just
+        committed in host memory to its partners, receive its sources' parts."""
+        assert self.peer is not None
+        key = index_key(sharded.job, sharded.eid, sharded.spec.seq, "host")
+        return self.peer.submit(handle, handle.step, key)
+
     def wait(self) -> None:
         """Wait for every snapshot in flight and the housekeeping after it (retention,
         collection); raise the first failure nobody saw."""
@@ -224,6 +247,8 @@ class Engine:
         for pool in (self._persist, self.uploader):  # in order: what was queued is done
             with contextlib.suppress(RuntimeError):  # a closed engine has nothing queued
                 pool.submit(lambda: None).result()
+        if self.peer is not None:  # the peer tier's thread (a re-send after a restore)
+            self.peer.drain()
         self._raise_unreported()
 
     def prepare(self, state: object) -> Future[None]:
@@ -255,6 +280,8 @@ class Engine:
         for pool in (self._persist, self.hasher, self.uploader, self._encoder, self._preparer):
             if pool is not None:
                 pool.shutdown(wait=True)
+        if self.peer is not None:
+            self.peer.close()
         self.stager.close()
         for i, a in enumerate(self.arenas):
             if a is not None:
@@ -330,15 +357,20 @@ class Engine:
     # -- internals ------------------------------------------------------------------------
     def _wanted(self, tiers: Iterable[str] | None) -> tuple[str, ...]:
         have = self.config.tiers
+        peer = ("peer",) if self.config.peer_spec is not None else ()  # after host commits
         if tiers is None:
-            return have
+            return have + peer
         asked = set(tiers)
-        bad = asked - set(have)
+        bad = asked - set(have + peer)
         if bad:
-            raise ValueError(f"tiers {sorted(bad)} are not configured (this store has {have})")
+            raise ValueError(
+                f"tiers {sorted(bad)} are not configured (this store has {have + peer})"
+            )
         if "remote" in asked and "local" not in asked and self.local is not None:
             asked.add("local")  # uploads are read from the local copy
-        return tuple(t for t in TIER_ORDER if t in asked)
+        if "peer" in asked:
+            asked.add("host")  # the peer tier sends the host snapshot
+        return tuple(t for t in TIER_ORDER if t in asked) + (("peer",) if "peer" in asked else ())
 
     def _raise_unreported(self) -> None:
         for h in self._handles:

@@ -62,6 +62,7 @@ class PersistJob:
         self.slot_free = slot_free
         self.helpers: list[Future[Any]] = []  # hash and encode work that reads the arena
         self._ended = False  # staging's last item (None, or Aborted) was taken
+        self.peer: Future[None] | None = None  # the peer tier's transfer (snapcore/peer)
 
     def run(self) -> None:
         h = self.handle
@@ -100,7 +101,7 @@ class PersistJob:
             for half in self.halves:
                 half.set()
             if sh is not None:  # the coordinator must not wait for parts that will not come
-                sh.fail(h.tiers, h.step, e)
+                sh.fail(tuple(t for t in h.tiers if t != "peer"), h.step, e)
             if self.pending is not None and not self.pending.committed:
                 with contextlib.suppress(Exception):
                     self.pending.abort()
@@ -133,10 +134,23 @@ class PersistJob:
                 w.keep.clear()  # finds the failure at its next window and stops)
 
     def _release_slot(self, upload: Future[None] | None) -> None:
-        if upload is None:
+        # The uploader and the peer tier read the slot: it stays busy until they are done.
+        busy = [f for f in (upload, self.peer) if f is not None]
+        if not busy:
             self.slot_free.set_result(None)
-        else:  # the uploader reads the arena: the slot stays busy until it is done
-            upload.add_done_callback(lambda _: self.slot_free.set_result(None))
+            return
+        left = [len(busy)]
+        lock = threading.Lock()
+
+        def one_done(_: Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.slot_free.set_result(None)
+
+        for f in busy:
+            f.add_done_callback(one_done)
 
     def _take_window(self) -> Window | None:
         w = self.windows.get()
@@ -187,8 +201,18 @@ class PersistJob:
                     commit_host(engine.host, s, h, self.sharded)
                 except BaseException as e:
                     h.resolve("host", e)
+                    if "peer" in h.tiers:  # peer tier: nothing to send
+                        h.resolve("peer", SnapshotFailed(
+                            f"step {h.step}: not sent to the peer tier: the host tier failed "
+                            f"({e})", step=h.step, tier="peer"))  # fmt: skip
                 else:
                     h.resolve("host")
+                    if "peer" in h.tiers:  # peer tier: the parts go to the partners
+                        assert self.sharded is not None
+                        try:
+                            self.peer = engine.peer_submit(h, self.sharded)
+                        except BaseException as e:  # e.g. the engine is closing
+                            h.resolve("peer", e)
 
         hashing = engine.hasher.submit(hash_chunks, s, ready, after_hashing)
         self.helpers.append(hashing)

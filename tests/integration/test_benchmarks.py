@@ -240,3 +240,18 @@ def test_bench_training(tmp_path: Path) -> None:
     assert "| mode | tokens/s | x no snapshots |" in text and "| target | measured |" in text
     assert text in out
     assert not list(tmp_path.glob("snapcore-bench-train-*"))  # its work directory is removed
+
+
+def test_bench_peer(tmp_path: Path) -> None:
+    raw = tmp_path / "raw.json"
+    out = run("bench_peer.py", "--dir", tmp_path, "--json", raw, timeout=240)
+    report = json.loads(raw.read_text())
+    assert report["probe_bps"] > 0 and report["fetch_bps"] > 0 and report["restore_bps"] > 0
+    lost = report["restored"][1]  # the replaced node's rank got its part from its partner
+    assert lost["peer_bytes"] >= 8 << 20 and set(lost["tier_bytes"]) == {"host"}
+    assert [r["digest"] for r in report["restored"]] == [s["digest"] for s in report["saved"]]
+    assert [t["status"] in ("PASS", "FAIL") for t in report["targets"]] == [True]
+    assert report["step_s"]["host"] > 0 and report["step_s"]["host+peer"] > 0  # the slowdown
+    assert all(t["train_failures"] == [] for t in report["trained"])
+    assert "| target | measured |" in out
+    assert not list(tmp_path.glob("snapcore-bench-*"))

@@ -50,7 +50,7 @@ import snapcore
 from snapcore.distributed import AppState, RankLocal
 
 
-def state_of(kind: str, seed: int, step: int) -> tuple[dict[str, Any], Any, Any]:
+def state_of(kind: str, seed: int, step: int, pad_mb: float = 0) -> tuple[dict[str, Any], Any, Any]:
     model, optim = models.build(kind, steps=2, seed=seed)
     rank = dist.get_rank()
     state = {
@@ -59,6 +59,10 @@ def state_of(kind: str, seed: int, step: int) -> tuple[dict[str, Any], Any, Any]
         "rng": snapcore.RNGState(),
         "data": RankLocal({"pos": 100 * rank + step}),
     }
+    if pad_mb:  # a rank-local tensor of that many MiB, its values from seed, rank, step
+        gen = torch.Generator().manual_seed(1000 * seed + 10 * rank + max(step, 0))
+        pad = torch.rand(int(pad_mb * (1 << 18)), generator=gen)
+        state["pad"] = RankLocal(pad)
     return state, model, optim
 
 
@@ -68,7 +72,10 @@ def store_of(a: dict[str, Any]) -> Any:
     spec = a["store"]
     if not isinstance(spec, dict):
         return spec
-    return snapcore.Store(**{k: _env(v) for k, v in spec.items()})
+    kw = {k: _env(v) for k, v in spec.items()}
+    if isinstance(kw.get("peer"), dict):
+        kw["peer"] = snapcore.PeerSpec(**kw["peer"])
+    return snapcore.Store(**kw)
 
 
 def _env(v: Any) -> Any:
@@ -110,7 +117,7 @@ def load_alone(a: dict[str, Any]) -> dict[str, Any]:
 
 def restore(a: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(99)
-    state, model, optim = state_of(a["kind"], a.get("seed", 1), -1)
+    state, model, optim = state_of(a["kind"], a.get("seed", 1), -1, a.get("pad_mb", 0))
     try:
         info = snapcore.restore(state, store_of(a), rank_local=a.get("rank_local", "error"))
     except snapcore.SnapcoreError as e:
@@ -122,6 +129,10 @@ def restore(a: dict[str, Any]) -> dict[str, Any]:
         "bytes": info.bytes,
         "tier": info.tier,
         "skipped": info.skipped,
+        "tier_bytes": info.tier_bytes,
+        "peer_bytes": info.peer_bytes,
+        "damaged": info.damaged,
+        "pad": models.digest(state["pad"].value) if "pad" in state else None,
         "pos": state["data"].value["pos"],
         "saved_step": state["step"],
         "rng_next": torch.rand(1).item(),
@@ -327,7 +338,58 @@ def sigterm(a: dict[str, Any]) -> dict[str, Any]:
     return {"last_step": a["steps"] - 1, "survived": True}
 
 
+def peer_save(a: dict[str, Any]) -> dict[str, Any]:
+    """Save step N (with a rank-local pad of ``pad_mb`` MiB) and report each tier's
+    outcome, the handle's warnings and the digests. With ``die_when`` (a glob, "$NAME"
+    expanded) and this rank in ``die_ranks``: SIGKILL this process as soon as a file
+    matching it exists (the peer tier's receiving file of the step: mid-transfer)."""
+    step = a["step"]
+    state, model, optim = state_of(a["kind"], a.get("seed", 0), step, a.get("pad_mb", 0))
+    torch.manual_seed(1234 + dist.get_rank())
+    store = store_of(a)
+    saved = digests(model, optim)  # a collective: before any rank may die
+    if a.get("die_when") and dist.get_rank() in a.get("die_ranks", []):
+        pattern = os.path.expandvars(a["die_when"])
+
+        def watch() -> None:
+            while not glob.glob(pattern):
+                time.sleep(0.0005)
+            print(f"rank {dist.get_rank()}: SIGKILL mid-transfer ({pattern})", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, daemon=True).start()
+    try:
+        handle = snapcore.async_save(state, store, step=step)
+    except ValueError as e:  # a store this job cannot save to (a peer tier on one node)
+        return {"error": f"{type(e).__name__}: {e}"}
+    tiers: dict[str, str] = {}
+    for tier in handle.tiers:
+        try:
+            handle.wait(tier=tier)
+            tiers[tier] = "ok"
+        except snapcore.SnapcoreError as e:
+            tiers[tier] = f"{type(e).__name__}: {e}"
+    return {
+        "tiers": tiers,
+        "warnings": handle.stats.warnings,
+        "digests": saved,
+        "pad": models.digest(state["pad"].value) if "pad" in state else None,
+        "written": handle.stats.written,
+    }
+
+
+def die(a: dict[str, Any]) -> dict[str, Any]:
+    """The ranks ``a["ranks"]`` SIGKILL themselves (a lost machine); the others go on."""
+    snapcore.wait_all(store_of(a))
+    if dist.get_rank() in a["ranks"]:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"survived": True}
+
+
 OPS = {
+    "die": die,
+    "peer-save": peer_save,
     "load-alone": load_alone,
     "sigterm": sigterm,
     "save": save,
@@ -345,7 +407,7 @@ def main(actions: list[dict[str, Any]]) -> None:
         out.append(OPS[a["op"]](a))
         launch.report(out)
     snapcore.close()
-    if not any(a["op"] in ("kill-save", "sigterm") for a in actions):
+    if not any(a["op"] in ("kill-save", "sigterm") or a.get("no_barrier") for a in actions):
         models.shutdown()
     else:  # the dead rank cannot join a barrier: leave without one
         sys.stdout.flush()

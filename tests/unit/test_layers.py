@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "snapcore.tiers": 4,
     "snapcore.staging": 5,
     "snapcore.distributed": 5,  # the job: ranks, snapcore's gloo group and key-value store
+    "snapcore.peer": 6,  # the peer tier: copies in partner nodes' memory
     "snapcore.write": 6,
     "snapcore.read": 6,
     "snapcore.api": 7,

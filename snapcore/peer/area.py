@@ -1,0 +1,477 @@
+"""Where copies of a rank's part live on the node that receives them, and how a received
+copy is checked and committed.
+
+The peer namespace of a host-memory area is ``<area>/peer/r<R>/``, one store directory
+per source rank ``R`` (docs/format.md, "The peer namespace"): the step's index and rank
+``R``'s part, byte for byte as rank ``R``'s node committed them, and the data files the
+part names (its host slot files, ``slot-r<R>-<i>.bin``), with ``peer.json`` saying which
+store and job they belong to. A copy is committed when its index is there, written last,
+after the part and the data have been received whole and every chunk's XXH3-128 matched
+the part.
+
+The same ``Destination`` also writes a copy fetched back at restore into the replaced
+node's own host area (then the index is written once every rank of the node has its
+part: ``commit_index=False``, and ``write_index`` later).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from .. import _native
+from .. import manifest as mf
+from ..assemble import read_sharded
+from ..directory import MANIFEST, LocalDirectory, step_dir_name
+from ..durable import fsync_dir
+from ..errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound
+
+__all__ = ["Copy", "Destination", "PeerArea", "PeerCopies", "peer_root"]
+
+IDENTITY = "peer.json"
+
+
+def peer_root(area_root: Path, source: int) -> Path:
+    """The peer namespace of ``source``'s copies in a host area."""
+    return area_root / "peer" / f"r{source}"
+
+
+class Copy:
+    """What travels: a step's index, one rank's part, and the data files it names."""
+
+    def __init__(self, rank: int, index: bytes, part_name: str, part: bytes) -> None:
+        self.rank = rank
+        self.index_bytes = index
+        self.part_name = part_name
+        self.part_bytes = part
+        where = f"the copy of rank {rank}'s part"
+        doc = mf.parse_any(index, where=f"{where}: index")
+        if not isinstance(doc, mf.Index):
+            raise InvalidManifest(f"{where}: the index is not a sharded snapshot's index")
+        self.index = doc
+        if not 0 <= rank < len(doc.parts):
+            raise InvalidManifest(f"{where}: the index of step {doc.step} names no rank {rank}")
+        ref = doc.parts[rank]
+        if ref.name != part_name or ref.size != len(part):
+            raise InvalidManifest(f"{where}: the part is not the one the index names")
+        if xxhash.xxh3_128_hexdigest(part) != ref.xxh3:
+            raise InvalidManifest(f"{where}: the part's xxh3 does not match the index")
+        self.part = mf.parse_part(part, where=f"{where}: {part_name}")
+        if self.part.part is None or self.part.part.rank != rank or self.part.step != doc.step:
+            raise InvalidManifest(f"{where}: not rank {rank}'s part of step {doc.step}")
+        for f in self.part.files:
+            if "/" in f.name:
+                raise InvalidManifest(f"{where}: data file {f.name!r} is not a slot file")
+        for b in self.part.blobs:
+            for c in b.chunks:
+                if c.codec != "none":
+                    raise InvalidManifest(f"{where}: a compressed chunk in a host-tier part")
+
+    @staticmethod
+    def index_of(data: bytes) -> mf.Index:
+        """``data`` parsed as a sharded step's index."""
+        doc = mf.parse_any(data, where="the index of a peer copy")
+        if not isinstance(doc, mf.Index):
+            raise InvalidManifest("the index of a peer copy is not a sharded snapshot's index")
+        return doc
+
+    @property
+    def step(self) -> int:
+        return self.index.step
+
+    @property
+    def files(self) -> list[tuple[str, int]]:
+        return [(f.name, f.size) for f in self.part.files]
+
+    def meta(self) -> bytes:
+        return json.dumps(
+            {
+                "rank": self.rank,
+                "index": self.index_bytes.decode(),
+                "part_name": self.part_name,
+                "part": self.part_bytes.decode(),
+            }
+        ).encode()
+
+    @classmethod
+    def from_meta(cls, data: bytes) -> Copy:
+        try:
+            d = json.loads(data)
+            rank, index, name, part = d["rank"], d["index"], d["part_name"], d["part"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidManifest(f"a peer copy's description is malformed: {e}") from None
+        return cls(int(rank), index.encode(), str(name), part.encode())
+
+    @classmethod
+    def read(cls, root: Path, step: int, rank: int) -> Copy:
+        """Rank ``rank``'s part of ``step`` as the store directory ``root`` holds it
+        (its committed index, its part, checked)."""
+        d = LocalDirectory(root)
+        path = d.manifest_path(step)
+        try:
+            index = path.read_bytes()
+        except FileNotFoundError:
+            raise SnapshotNotFound(f"no committed step {step} in {root}") from None
+        doc = mf.parse_any(index, where=str(path))
+        if not isinstance(doc, mf.Index) or not 0 <= rank < len(doc.parts):
+            raise InvalidManifest(f"{path}: no part of rank {rank} in this index")
+        name = doc.parts[rank].name
+        part = (root / name).read_bytes()
+        return cls(rank, index, name, part)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def identity_of(root: Path) -> dict[str, Any] | None:
+    """What a peer namespace says it holds copies of (``peer.json``), or None."""
+    try:
+        return json.loads((root / IDENTITY).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+class PeerArea:
+    """One source rank's peer namespace in this node's host area."""
+
+    def __init__(self, area_root: Path, source: int) -> None:
+        self.root = peer_root(area_root, source)
+        self.source = source
+        self.dir = LocalDirectory(self.root)
+
+    def identity(self) -> dict[str, Any] | None:
+        return identity_of(self.root)
+
+    def committed_steps(self, identity: dict[str, Any]) -> list[int]:
+        """The steps of which this namespace holds a committed copy of this store's."""
+        if self.identity() != identity:
+            return []
+        return self.dir.committed_steps()
+
+    def nbytes(self) -> int:
+        total = 0
+        for dirpath, _, files in os.walk(self.root):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+        return total
+
+
+def step_names(d: LocalDirectory, step: int) -> set[str] | None:
+    """The data files a committed step of ``d`` names; None when unreadable."""
+    try:
+        return {f.name for f in d.read_manifest(step).files}
+    except (InvalidManifest, SnapshotNotFound, OSError, SnapcoreError):
+        return None
+
+
+class Destination:
+    """Receives one copy into a store directory ``root`` (a peer namespace, or a host
+    area at restore): ``prepare`` checks the copy and makes its files, the wire hands
+    each piece to ``write`` (written to the file, each chunk hashed as its bytes pass),
+    ``finish`` checks that every chunk arrived whole and intact, and commits."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        step: int | None,
+        rank: int,
+        identity: dict[str, Any] | None = None,
+        max_bytes: int | None = None,
+        commit_index: bool = True,
+    ) -> None:
+        self.root = root
+        self.step = step  # the step expected (None: any)
+        self.rank = rank  # whose part
+        self.identity = identity  # a peer namespace's: written as peer.json
+        self.max_bytes = max_bytes
+        self.commit_index = commit_index
+        self.copy: Copy | None = None
+        self.fds: list[int] = []
+        self.notes: list[str] = []  # what was dropped on the way (stale copies)
+        self.failed: BaseException | None = None  # the first failure while writing
+        # per file: its chunks (offset, length, xxh3, where), a streaming hash of each
+        self._chunks: list[list[tuple[int, int, str, str]]] = []
+        self._hashers: dict[tuple[int, int], Any] = {}
+        self._done: dict[tuple[int, int], int] = {}
+
+    def prepare(self, meta: bytes) -> None:
+        """Check the copy's description and make room for it; raises ``SnapcoreError``
+        (or ``OSError``: memory full) with the reason to refuse it."""
+        copy = Copy.from_meta(meta)
+        if copy.rank != self.rank:
+            raise InvalidManifest(f"expected rank {self.rank}'s part, got rank {copy.rank}'s")
+        if self.step is not None and copy.step != self.step:
+            raise InvalidManifest(f"expected step {self.step}, got step {copy.step}")
+        d = LocalDirectory(self.root)
+        if self.identity is not None:
+            current = identity_of(self.root)
+            if current is not None and current != self.identity:
+                shutil.rmtree(self.root, ignore_errors=True)  # another store's or job's
+                self.notes.append(f"dropped the stale copies in {self.root} ({current})")
+            else:
+                newer = [s for s in d.committed_steps() if s > copy.step]
+                for s in newer:  # a copy newer than this run's step: of an earlier run
+                    d.uncommit(s)
+                if newer:
+                    self.notes.append(f"dropped stale copies of steps {newer} in {self.root}")
+        names = {n for n, _ in copy.files}
+        committed = d.committed_steps()
+        replaced = [s for s in committed if s == copy.step or (step_names(d, s) or names) & names]
+        need = sum(n for _, n in copy.files)
+        if self.max_bytes is not None:
+            kept = _bytes_of(self.root, exclude=names)
+            if kept + need > self.max_bytes:
+                raise SnapcoreError(
+                    f"partner memory full: the copy of rank {copy.rank}'s step {copy.step} "
+                    f"needs {need} bytes, {kept} are held of the {self.max_bytes} allowed "
+                    f"(PeerSpec.max_bytes) in {self.root}"
+                )
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = _free_bytes(self.root) + _bytes_of(self.root, only=names)
+        if need > free:
+            raise SnapcoreError(
+                f"partner memory full: the copy of rank {copy.rank}'s step {copy.step} needs "
+                f"{need} bytes, {free} are free in {self.root}"
+            )
+        if self.identity is not None:
+            _write_atomic(self.root / IDENTITY, json.dumps(self.identity).encode())
+        # The files about to be overwritten: the copies naming them become invisible first
+        # (the sender alternates its two slots, so the newest copy is not among them).
+        for s in replaced:
+            d.uncommit(s)
+        try:
+            for name, size in copy.files:
+                # The file of the copy before last is reused (cut to size): its memory is
+                # taken already. Written with pwrite, never through a mapping: a full
+                # /dev/shm is then ENOSPC, not a SIGBUS.
+                fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o600)
+                self.fds.append(fd)
+                os.ftruncate(fd, size)
+        except BaseException:
+            self.abort()
+            raise
+        self._chunks = [[] for _ in copy.files]
+        for b_i, b in enumerate(copy.part.blobs):
+            for j, c in enumerate(b.chunks):
+                self._chunks[c.file].append((c.offset, c.length, c.xxh3, f"{b_i}/{j}"))
+        for chunks in self._chunks:
+            chunks.sort()
+        self.copy = copy
+
+    def write(self, file: int, offset: int, data: torch.Tensor) -> None:
+        """Piece ``data`` of file ``file`` at ``offset`` (pieces come in order): written,
+        and the chunks it holds hashed. A failure is kept for ``finish`` (the sender goes
+        on sending: the wire's stages stay in step)."""
+        if self.failed is not None:
+            return
+        assert self.copy is not None
+        try:
+            view = memoryview(data.numpy()).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self.fds[file], view[done:], offset + done)
+            end = offset + len(view)
+            for c_off, c_len, xxh3, where in self._chunks[file]:
+                lo, hi = max(c_off, offset), min(c_off + c_len, end)
+                if lo >= hi:
+                    continue
+                key = (file, c_off)
+                h = self._hashers.get(key)
+                if h is None:
+                    h = self._hashers[key] = xxhash.xxh3_128()
+                h.update(view[lo - offset : hi - offset])
+                got = self._done[key] = self._done.get(key, 0) + hi - lo
+                if got == c_len and h.hexdigest() != xxh3:
+                    name = self.copy.part.files[file].name
+                    raise InvalidManifest(
+                        f"the copy of rank {self.copy.rank}'s step {self.copy.step} arrived "
+                        f"damaged: chunk {where} at [{c_off}, +{c_len}) of {name} has xxh3 "
+                        f"{h.hexdigest()}, the part says {xxh3}"
+                    )
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                self.failed = SnapcoreError(
+                    f"partner memory full: writing the copy of rank {self.copy.rank}'s step "
+                    f"{self.copy.step} into {self.root}: {e.strerror}"
+                )
+            else:
+                self.failed = e
+        except BaseException as e:
+            self.failed = e
+
+    def finish(self) -> None:
+        """Check that every chunk arrived whole and intact, then commit: the part, then
+        (``commit_index``) the index, each written atomically."""
+        copy = self.copy
+        assert copy is not None
+        try:
+            if self.failed is not None:
+                raise self.failed
+            for file, chunks in enumerate(self._chunks):
+                for c_off, c_len, _, where in chunks:
+                    if c_len and self._done.get((file, c_off), 0) != c_len:
+                        raise InvalidManifest(
+                            f"the copy of rank {copy.rank}'s step {copy.step}: chunk {where} "
+                            "did not arrive whole"
+                        )
+        except BaseException:
+            self.abort()
+            raise
+        self._close()
+        step_dir = self.root / step_dir_name(copy.step)
+        _write_atomic(self.root / copy.part_name, copy.part_bytes)
+        if self.commit_index:
+            _write_atomic(step_dir / MANIFEST, copy.index_bytes)
+
+    def write_index(self) -> None:
+        assert self.copy is not None
+        path = self.root / step_dir_name(self.copy.step) / MANIFEST
+        if not path.exists():
+            _write_atomic(path, self.copy.index_bytes)
+
+    def abort(self) -> None:
+        """Nothing of this copy is committed; its files are left to be overwritten."""
+        self._close()
+
+    def _close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+
+
+def _bytes_of(root: Path, *, exclude: frozenset[str] | set[str] = frozenset(),
+              only: set[str] | None = None) -> int:  # fmt: skip
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), root)
+            if rel in exclude or (only is not None and rel not in only):
+                continue
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+    return total
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+_SOURCE_DIR = re.compile(r"^r(\d{1,7})$")
+
+
+class PeerCopies:
+    """The copies a node holds of other ranks' parts, read as one tier (``"peer"``),
+    together with the node's own parts in its host area: a restore reads from it the
+    chunks its node's own tiers lack or hold damaged before it would go to object
+    storage, and with every rank's part at
+    hand (a node's own and its copies, in a ring of two nodes) it is the complete view
+    the reader checks the other, partial, node-local tiers against. Read only."""
+
+    name = "peer"
+
+    def __init__(self, area_root: Path, identity: dict[str, Any]) -> None:
+        self.area_root = area_root
+        self.identity = identity
+        self._paths: dict[str, Path] = {}  # data file name -> where (set by read_manifest)
+
+    def describe(self) -> str:
+        return str(self.area_root / "peer")
+
+    def _areas(self) -> dict[int, PeerArea]:
+        try:
+            entries = os.listdir(self.area_root / "peer")
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        out = {}
+        for entry in entries:
+            m = _SOURCE_DIR.match(entry)
+            if m:
+                area = PeerArea(self.area_root, int(m.group(1)))
+                if area.identity() == self.identity:
+                    out[area.source] = area
+        return out
+
+    def committed_steps(self) -> list[int]:
+        return sorted({s for a in self._areas().values() for s in a.dir.committed_steps()})
+
+    def read_manifest(self, step: int) -> mf.Manifest:
+        holding = [a for a in self._areas().values() if step in a.dir.committed_steps()]
+        if not holding:
+            raise SnapshotNotFound(f"no copy of step {step} in {self.describe()}")
+        path = holding[0].dir.manifest_path(step)
+        index = Copy.index_of(path.read_bytes())
+        dirs = [self.area_root] + [a.root for a in holding]  # the node's own parts first
+        paths: dict[str, Path] = {}
+
+        def read_part(name: str, size: int) -> bytes | None:
+            for d in dirs:
+                p = d / name
+                if not p.is_file() or p.is_symlink():
+                    continue
+                with open(p, "rb") as f:
+                    data = f.read(size + 1)
+                with contextlib.suppress(SnapcoreError):  # read_sharded says what is wrong
+                    for fr in mf.parse_part(data, where=str(p)).files:
+                        paths[fr.name] = d / fr.name
+                return data
+            return None
+
+        m = read_sharded(index, read_part, where=str(path), partial=True)
+        self._paths = paths
+        return m
+
+    def _path(self, name: str) -> Path | None:
+        return self._paths.get(name)
+
+    def file_size(self, name: str) -> int | None:
+        path = self._path(name)
+        if path is None:
+            return None
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptSnapshot(f"peer copy {path} is not a regular file", file=str(path))
+        return st.st_size
+
+    def read_into(self, name: str, offset: int, length: int, address: int) -> None:
+        path = self._path(name)
+        if path is None:
+            raise CorruptSnapshot(f"no peer copy holds {name}", file=name)
+        if length:
+            _native.read_into(str(path), offset, length, address)
+
+    def uncommit(self, step: int) -> None:
+        raise NotImplementedError("the peer tier's copies are managed by their receivers")
+
+    def collect(self, *, dry_run: bool = False) -> list[str]:
+        return []

@@ -1,0 +1,254 @@
+"""The peer tier on the save path: after a step commits in host memory, each rank's part
+goes to its partners, on a thread of its own (``snapcore-peer``), over snapcore's peer
+group.
+
+The group and the ring are made once per job (``connect``): a collective on the
+training thread, at the first sharded save or restore of a store with a peer tier, which
+every rank makes (as snapcore's job itself is made). After that, nothing on the training
+thread is a collective: the transfers are point-to-point sends and receives between
+partners, on the peer thread, on a gloo group that neither the training nor snapcore's
+commit uses, in the order of the saves (every rank transfers the saves whose host commit
+succeeded, which every rank learns alike from the coordinator's verdict).
+
+One transfer at a time per rank; the slot it reads stays reserved until it is done, so
+a rank is never more than two snapshots behind (the next save after that waits for the
+slot, as it waits for a slow local disk). ``PeerSpec.max_bytes_per_s`` paces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .. import settings
+from ..distributed.job import Job, all_gather_bytes, kv_get
+from ..errors import SnapcoreError, SnapshotFailed
+from ..staging.handle import SaveHandle
+from ..tiers import HostTier, PeerSpec, Store
+from .area import Copy, Destination, PeerArea, PeerCopies, peer_root
+from .topology import Home, Topology
+from .wire import Incoming, Outgoing, PeerLinkError, exchange
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+__all__ = ["Connection", "PeerLink", "connect", "peer_copies", "peer_identity"]
+
+
+@dataclass
+class Connection:
+    """The peer group of a job and its ring."""
+
+    job: Job
+    group: Any
+    topology: Topology
+    timeout_s: float
+
+
+_connections: dict[tuple[int, str | None, int], Connection] = {}
+_lock = threading.Lock()
+
+
+def connect(job: Job, store: Store) -> Connection:
+    """The peer group and ring of ``job`` for ``store`` (made at the first call: a
+    collective every rank makes). Raises ``ValueError`` when the job has one node."""
+
+    spec = store.peer_spec
+    assert spec is not None
+    key = (id(job), store.host, spec.k)
+    with _lock:
+        conn = _connections.get(key)
+        if conn is None:
+            conn = _connections[key] = _make(job, store, spec)
+    topo = conn.topology
+    if len(topo.nodes) < 2:  # said at every call: no save may count a peer tier it lacks
+        raise ValueError(
+            f"{store.describe()}: the peer tier needs a job of two nodes or more (nodes are "
+            "told apart by host name and host-memory area); this job has one"
+        )
+    return conn
+
+
+def _make(job: Job, store: Store, spec: PeerSpec) -> Connection:
+    """Gather every rank's home, make the ring and the peer group (a collective)."""
+    import torch.distributed as dist
+
+    mine = Home(job.host, store.host, settings.failure_domain())
+    every = all_gather_bytes(job, json.dumps(mine.to_json()).encode())
+    homes = [Home.from_json(json.loads(b)) for b in every]
+    topo = Topology(homes, spec.k)
+    timeout = settings.peer_timeout_s()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    if spec.k > len(topo.nodes) - 1:
+        log.warning(
+            "PeerSpec(k=%d): only %d other node(s) in this job", spec.k, len(topo.nodes) - 1
+        )
+    return Connection(job, group, topo, timeout)
+
+
+def peer_identity(store: Store, world_size: int) -> dict[str, Any]:
+    """What a peer namespace records of whose copies it holds."""
+    return {"store": store.identity(), "world_size": world_size}
+
+
+class PeerLink:
+    """One engine's peer tier: its thread and what it needs to send and receive."""
+
+    def __init__(self, conn: Connection, store: Store) -> None:
+        assert store.host is not None and store.peer_spec is not None
+        self.conn = conn
+        self.store = store
+        self.spec: PeerSpec = store.peer_spec
+        self.area = HostTier(store.host).root
+        self.rank = conn.job.rank
+        self.identity = peer_identity(store, conn.job.world_size)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapcore-peer")
+        self._notes: list[str] = []  # failures of background rounds, for the next handle
+        self._notes_lock = threading.Lock()
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the peer thread (the one user of the peer group) and wait."""
+        return self.pool.submit(fn).result()
+
+    def background(self, fn: Callable[[], list[str]]) -> None:
+        """Queue ``fn`` on the peer thread; the failures it returns are logged and
+        warned on the next snapshot's handle."""
+
+        def call() -> None:
+            try:
+                notes = fn()
+            except Exception as e:
+                notes = [f"peer tier: {type(e).__name__}: {e}"]
+            for note in notes:
+                log.warning("%s", note)
+            with self._notes_lock:
+                self._notes.extend(notes)
+
+        self.pool.submit(call)
+
+    def drain(self) -> None:
+        """Wait for what is queued on the peer thread."""
+        with contextlib.suppress(RuntimeError):  # shut down: nothing is queued
+            self.pool.submit(lambda: None).result()
+
+    def submit(self, handle: SaveHandle, step: int, index_key: str) -> Future[None]:
+        """Send this rank's part of ``step`` (committed in host memory) to its partners
+        and receive its sources' parts; resolves ``handle``'s peer tier."""
+        return self.pool.submit(self._run, handle, step, index_key)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def _run(self, handle: SaveHandle, step: int, index_key: str) -> None:
+        with self._notes_lock:
+            earlier, self._notes = self._notes, []
+        for note in earlier:
+            handle.warn(note)
+        topo = self.conn.topology
+        partners, sources = topo.partners(self.rank), topo.sources(self.rank)
+        outgoing = [self._outgoing(p, step, index_key) for p in partners]
+        incoming = [
+            Incoming(
+                s,
+                Destination(
+                    peer_root(self.area, s),
+                    step=step,
+                    rank=s,
+                    identity=self.identity,
+                    max_bytes=self.spec.max_bytes,
+                ),
+            )
+            for s in sources
+        ]
+        try:
+            sent, got = exchange(
+                self.conn.group,
+                outgoing,
+                incoming,
+                piece_bytes=self.spec.piece_bytes,
+                rate=self.spec.max_bytes_per_s,
+            )
+        except PeerLinkError as e:
+            for s in sources:
+                handle.warn(self._kept(s, step, f"the copy of rank {s}'s part was lost: {e}"))
+            handle.resolve(
+                "peer",
+                SnapshotFailed(
+                    f"step {step}: the peer tier failed: {e}; the partners keep their "
+                    "previous copies, and the next snapshot sends again",
+                    step=step,
+                    tier="peer",
+                ),
+            )
+            return
+        for i in incoming:
+            for note in i.dest.notes:
+                handle.warn(f"peer tier: {note}")
+        for s, why in got.items():
+            if why is not None:
+                handle.warn(self._kept(s, step, f"rank {s}'s part was not received: {why}"))
+        failed = {d: why for d, why in sent.items() if why is not None}
+        if failed:
+            d, why = next(iter(failed.items()))
+            handle.resolve(
+                "peer",
+                SnapshotFailed(
+                    f"step {step}: the peer tier failed: partner rank {d} did not commit this "
+                    f"rank's part: {why}",
+                    step=step,
+                    tier="peer",
+                ),
+            )
+            return
+        copy = outgoing[0].copy if outgoing else None
+        handle.stats.written["peer"] = sum(n for _, n in copy.files) * len(sent) if copy else 0
+        handle.resolve("peer")
+
+    def _outgoing(self, dst: int, step: int, index_key: str) -> Outgoing:
+        try:
+            data = kv_get(self.conn.job, index_key, self.conn.timeout_s)
+            if data is None:
+                raise SnapcoreError(f"the index of step {step} did not arrive from rank 0")
+            index = Copy.index_of(data)
+            name = index.parts[self.rank].name
+            copy = Copy(self.rank, data, name, (self.area / name).read_bytes())
+        except (SnapcoreError, OSError, IndexError) as e:
+            return Outgoing(dst, None, [], f"{type(e).__name__}: {e}")
+        return Outgoing(dst, copy, [self.area / n for n, _ in copy.files])
+
+    def _kept(self, source: int, step: int, what: str) -> str:
+        held = PeerArea(self.area, source).committed_steps(self.identity)
+        kept = f"the copy of step {held[-1]} stays" if held else "no older copy is held"
+        return f"peer tier, step {step}: {what} ({kept})"
+
+
+def open_link(job: Job, store: Store) -> PeerLink:
+    """The peer tier of an engine: connects (a collective) and starts its thread."""
+    return PeerLink(connect(job, store), store)
+
+
+def peer_copies(store: Store) -> PeerCopies | None:
+    """The copies this node holds of other ranks' parts, as a read-only tier; None when
+    the store has no peer tier or no job runs."""
+    import torch.distributed as dist
+
+    from ..distributed.job import initialized
+
+    # not current(): its first call is a collective, and a load may run on one rank alone
+    if store.peer_spec is None or store.host is None or not initialized():
+        return None
+    return PeerCopies(area_root(store), peer_identity(store, dist.get_world_size()))
+
+
+def area_root(store: Store) -> Path:
+    assert store.host is not None
+    return HostTier(store.host).root

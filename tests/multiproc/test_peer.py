@@ -1,0 +1,281 @@
+"""The peer tier (issue 13): each rank's host snapshot is copied into a partner's memory
+on the other node, and a replaced node restores from it.
+
+Two "nodes" are two torchruns (--nnodes 2) on this machine, each with its own local
+directory and host-memory area; ranks 0, 1 are node 0 and ranks 2, 3 node 1, so rank r's
+partner is rank (r + 2) % 4. Every restored tensor is compared bit for bit (sha256) with
+the one saved, and the bytes each rank read are counted per tier (``RestoreInfo
+.tier_bytes``, and ``peer_bytes``: received from a partner's memory). Each run has a
+hard timeout: a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from launch import ENV_DIR, free_port, run_nodes, run_ranks
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "rank_snapcore.py"
+TIMEOUT = 150.0
+ENV = {"SNAPCORE_COMMIT_TIMEOUT_S": "60", "SNAPCORE_PEER_TIMEOUT_S": "30"}
+
+
+class Nodes:
+    """Two nodes' directories and host areas, and a launcher for both."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.dirs = [tmp_path / "node0", tmp_path / "node1"]
+        self.areas = [f"test-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
+        self.shm = [Path("/dev/shm") / f"snapcore-{a}" for a in self.areas]
+        self.envs = [
+            {"SNAPCORE_TEST_LOCAL": str(d), "SNAPCORE_TEST_HOST": a, "SNAPCORE_TEST_SHM": str(s)}
+            for d, a, s in zip(self.dirs, self.areas, self.shm, strict=True)
+        ]
+
+    def launch(self, actions: list[dict[str, Any]], **kw: Any) -> list[Any]:
+        results = run_nodes(
+            SCRIPT, 2, [json.dumps(actions)], timeout=TIMEOUT, node_envs=self.envs, env=ENV, **kw
+        )
+        return [r.result for r in results] if kw.get("check", True) else results
+
+    def spawn(self, actions: list[dict[str, Any]], workdir: Path) -> list[tuple[int, Any]]:
+        """The four ranks as plain processes (env:// rendezvous), each with its node's
+        environment: when a node's processes are SIGKILLed, no torchrun agent waits for
+        them (torchrun's exit barrier would hold the survivors' agent for 300 s)."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        procs = []
+        for rank in range(4):
+            env = {
+                **os.environ,
+                **ENV,
+                **self.envs[rank // 2],
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank % 2),
+                "WORLD_SIZE": "4",
+                "GLOO_SOCKET_IFNAME": "lo",
+                "OMP_NUM_THREADS": "1",
+                ENV_DIR: str(workdir),
+                "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+            }
+            with open(workdir / f"spawn{rank}.log", "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(SCRIPT), json.dumps(actions)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            why = f"the ranks did not finish in {TIMEOUT} s:\n{self.logs(workdir)}"
+            raise AssertionError(why) from None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        out = []
+        for rank, p in enumerate(procs):
+            path = workdir / f"rank{rank}.json"
+            out.append((p.returncode, json.loads(path.read_text()) if path.exists() else None))
+        return out
+
+    @staticmethod
+    def logs(workdir: Path) -> str:
+        return "\n".join(
+            f"--- rank {r}\n" + (workdir / f"spawn{r}.log").read_text()[-3000:] for r in range(4)
+        )
+
+    def replace(self, node: int) -> None:
+        """A new machine: its directory and host memory are gone."""
+        shutil.rmtree(self.dirs[node], ignore_errors=True)
+        shutil.rmtree(self.shm[node], ignore_errors=True)
+
+    def copies(self, node: int, source: int) -> list[int]:
+        """The committed copies of ``source``'s part that ``node`` holds."""
+        root = self.shm[node] / "peer" / f"r{source}"
+        return sorted(int(p.parent.name[5:]) for p in root.glob("step-*/manifest.json"))
+
+    def host_steps(self, node: int) -> list[int]:
+        return sorted(int(p.parent.name[5:]) for p in self.shm[node].glob("step-*/manifest.json"))
+
+    def cleanup(self) -> None:
+        for path in self.shm:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Any:
+    n = Nodes(tmp_path)
+    try:
+        yield n
+    finally:
+        n.cleanup()
+
+
+def test_a_replaced_node_restores_from_its_partners_memory(
+    nodes: Nodes, s3_bucket, tmp_path: Path
+) -> None:
+    """Save steps 6 and 7 to host, local disk, object storage and the peer tier; node 1
+    is replaced (SIGKILLed: its processes end with the run; its directory and memory are
+    deleted); the job restarts and restores step 7 bit-exact, node 1's ranks from node
+    0's memory over the network, reading nothing from local disk or object storage."""
+    spec = {
+        "local": "$SNAPCORE_TEST_LOCAL",
+        "host": "$SNAPCORE_TEST_HOST",
+        "remote": s3_bucket.url,
+        "storage_options": s3_bucket.storage_options,
+        "peer": True,
+    }
+    saves = [
+        {"op": "peer-save", "kind": "fsdp2", "store": spec, "step": s, "pad_mb": 1} for s in (6, 7)
+    ]
+    die = {"op": "die", "store": spec, "ranks": [2, 3], "no_barrier": True}
+    runs = nodes.spawn([*saves, die], tmp_path / "save")
+    assert [code for code, _ in runs] == [0, 0, -9, -9], nodes.logs(tmp_path / "save")
+    saved = [out for _, out in runs]
+    for first, second, *_ in saved:
+        assert first["tiers"] == second["tiers"] == {t: "ok" for t in first["tiers"]}
+        assert set(first["tiers"]) == {"host", "local", "remote", "peer"}
+        assert second["warnings"] == []
+    for node in range(2):
+        for source in (2 * (1 - node), 2 * (1 - node) + 1):  # the other node's ranks
+            assert nodes.copies(node, source) == [6, 7], (node, source)
+
+    nodes.replace(1)
+    res = nodes.launch([{"op": "restore", "kind": "fsdp2", "store": spec, "pad_mb": 1}])
+    for rank, (r,) in enumerate(res):
+        assert "error" not in r, r
+        assert r["step"] == 7 and r["digests"] == saved[rank][1]["digests"]
+        assert r["pad"] == saved[rank][1]["pad"] and r["pos"] == 100 * rank + 7
+        # Nothing from local disk or object storage: the node's own memory, and the copies
+        # it holds of the other node's parts (a tensor written once in the job, there).
+        assert set(r["tier_bytes"]) <= {"host", "peer"}, r["tier_bytes"]
+        assert r["tier_bytes"]["host"] > 1 << 20
+        if rank >= 2:
+            assert r["peer_bytes"] > 1 << 20, r  # its part came from its partner's memory
+        else:
+            assert r["peer_bytes"] == 0, r
+        assert r["damaged"] == [], r["damaged"]
+    # Node 1 holds its own copy again, and its partners' copies (the re-send).
+    assert nodes.host_steps(1) == [7]
+    assert nodes.copies(1, 0) == nodes.copies(1, 1) == [7]
+
+
+def test_a_partner_killed_mid_transfer_leaves_the_previous_copy_usable(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    """Step 6 reaches the partners; during step 7's transfer (paced to 4 MiB/s, so it
+    takes seconds) every process of node 1 is SIGKILLed once its receiving file exists.
+    Node 0's ranks are told (the peer tier of step 7 fails, naming the copy of step 6
+    that stays), their host tier holds step 7. Then node 0 is replaced: the job restores
+    step 6 from node 1's copies, and the next snapshot reaches the partners again."""
+    spec = {
+        "host": "$SNAPCORE_TEST_HOST",
+        "peer": {"max_bytes_per_s": 4 << 20, "piece_bytes": 1 << 20},
+    }
+    save = {"op": "peer-save", "kind": "fsdp2", "store": spec, "pad_mb": 8}
+    runs = nodes.spawn(
+        [
+            {**save, "step": 6},
+            {
+                **save,
+                "step": 7,
+                "die_when": "$SNAPCORE_TEST_SHM/peer/r*/slot-r*-1.bin",
+                "die_ranks": [2, 3],
+                "no_barrier": True,
+            },
+        ],
+        tmp_path / "save",
+    )
+    assert [code for code, _ in runs] == [0, 0, -9, -9], nodes.logs(tmp_path / "save")
+    for rank in (0, 1):
+        first, second = runs[rank][1]
+        assert set(first["tiers"].values()) == {"ok"}, first
+        assert second["tiers"]["host"] == "ok"
+        assert "peer tier failed" in second["tiers"]["peer"], second
+        assert any("the copy of step 6 stays" in w for w in second["warnings"]), second
+    assert nodes.copies(1, 0) == nodes.copies(1, 1) == [6]  # step 7 never committed there
+    assert nodes.host_steps(1) == [6, 7]
+    step6 = [runs[rank][1][0] for rank in range(2)]
+
+    nodes.replace(0)
+    res = nodes.launch(
+        [
+            {"op": "restore", "kind": "fsdp2", "store": spec, "pad_mb": 8},
+            {**save, "step": 8},
+        ]
+    )
+    for rank, (r, after) in enumerate(res):
+        assert r.get("step") == 6, r
+        assert set(r["tier_bytes"]) <= {"host", "peer"}, r
+        if rank < 2:
+            assert r["digests"] == step6[rank]["digests"] and r["pad"] == step6[rank]["pad"]
+            assert r["peer_bytes"] > 8 << 20
+        assert set(after["tiers"].values()) == {"ok"}, after  # the next snapshot repairs
+    assert nodes.copies(1, 0)[-1] == nodes.copies(0, 2)[-1] == 8
+
+
+def test_a_full_partner_memory_and_a_stale_partner_area_are_reported(nodes: Nodes) -> None:
+    """Partner copies are capped at 64 KiB (PeerSpec.max_bytes) and each rank's part
+    takes 1 MiB: every rank's peer tier fails with "partner memory full", each receiver
+    warns, and the host and local tiers are committed as ever. Node 1's area also holds a
+    copy of rank 0's part from another store (a stale area): it is dropped, and said."""
+    stale = nodes.shm[1] / "peer" / "r0"
+    (stale / "step-000000000099").mkdir(parents=True)
+    (stale / "step-000000000099" / "manifest.json").write_text("{}")
+    (stale / "peer.json").write_text(json.dumps({"store": {"local": "/gone"}, "world_size": 4}))
+    spec = {
+        "host": "$SNAPCORE_TEST_HOST",
+        "local": "$SNAPCORE_TEST_LOCAL",
+        "peer": {"max_bytes": 64 << 10},
+    }
+    res = nodes.launch(
+        [{"op": "peer-save", "kind": "fsdp2", "store": spec, "step": 3, "pad_mb": 1}]
+    )
+    for rank, (r,) in enumerate(res):
+        assert r["tiers"]["host"] == r["tiers"]["local"] == "ok", r
+        assert "partner memory full" in r["tiers"]["peer"], r
+        assert any("partner memory full" in w for w in r["warnings"]), r
+        if rank == 2:  # the receiver of rank 0's copies
+            assert any("dropped the stale copies" in w for w in r["warnings"]), r
+    assert not (stale / "step-000000000099").exists()
+    for node in range(2):
+        assert nodes.host_steps(node) == [3]
+        assert nodes.copies(node, 2 * (1 - node)) == []
+
+
+def test_a_job_of_one_node_cannot_save_to_a_peer_tier(tmp_path: Path) -> None:
+    """Two ranks sharing one host area are one node: no partner to send to. Every save
+    says so (a ValueError), rather than counting a peer tier it does not have."""
+    area = f"test-{uuid.uuid4().hex[:8]}-one"
+    spec = {"host": area, "peer": True}
+    save = {"op": "peer-save", "kind": "fsdp2", "store": spec}
+    try:
+        res = run_ranks(
+            SCRIPT, 2, [json.dumps([{**save, "step": 1}, {**save, "step": 2}])],
+            timeout=TIMEOUT, env=ENV,
+        )  # fmt: skip
+        for r in res:
+            for out in r.result:
+                assert "the peer tier needs a job of two nodes" in out["error"], out
+    finally:
+        shutil.rmtree(Path("/dev/shm") / f"snapcore-{area}", ignore_errors=True)

@@ -1,0 +1,218 @@
+"""The peer tier's pure parts: who partners whom (snapcore/peer/topology.py), and how a
+received copy is checked and committed (snapcore/peer/area.py). The transfers between
+processes are tested in tests/multiproc/test_peer.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+import snapcore
+from snapcore.errors import InvalidManifest, SnapcoreError
+from snapcore.peer.area import Copy, Destination, PeerArea, PeerCopies, peer_root
+from snapcore.peer.topology import Home, Topology
+
+PLAN = "ab" * 32
+IDENTITY = {"store": {"local": None, "remote": None}, "world_size": 2}
+
+
+def homes(nodes: int, per_node: int, domains: list[str] | None = None) -> list[Home]:
+    return [
+        Home("h", f"area{n}", domains[n] if domains else None)
+        for n in range(nodes)
+        for _ in range(per_node)
+    ]
+
+
+def test_a_ring_of_two_nodes_partners_each_rank_with_its_peer_on_the_other_node() -> None:
+    t = Topology(homes(2, 2))
+    assert [t.partners(r) for r in range(4)] == [[2], [3], [0], [1]]
+    assert [t.sources(r) for r in range(4)] == [[2], [3], [0], [1]]
+    assert not any(t.same_node(r, t.partners(r)[0]) for r in range(4))
+
+
+def test_k_partners_are_the_next_k_nodes_of_the_ring() -> None:
+    t = Topology(homes(3, 1), k=2)
+    assert [t.partners(r) for r in range(3)] == [[1, 2], [2, 0], [0, 1]]
+    capped = Topology(homes(2, 1), k=3)  # only one other node
+    assert capped.partners(0) == [1]
+
+
+def test_partners_are_in_another_failure_domain_when_the_domains_are_known() -> None:
+    # nodes 0, 1 in rack a, nodes 2, 3 in rack b: the ring interleaves them
+    t = Topology(homes(4, 1, ["a", "a", "b", "b"]))
+    for r in range(4):
+        (p,) = t.partners(r)
+        assert t.homes[p].domain != t.homes[r].domain, (r, p)
+
+
+def test_peer_spec_parses_true_a_number_or_a_spec() -> None:
+    assert snapcore.PeerSpec.parse(True) == snapcore.PeerSpec(k=1)
+    assert snapcore.PeerSpec.parse(2) == snapcore.PeerSpec(k=2)
+    assert snapcore.PeerSpec.parse(None) is None and snapcore.PeerSpec.parse(False) is None
+    with pytest.raises(ValueError, match="k must be"):
+        snapcore.PeerSpec(k=0)
+    with pytest.raises(ValueError, match="needs a host tier"):
+        snapcore.Store(local="/tmp/x", peer=True)
+
+
+# -- a copy: rank 1's part of a step, its slot file and the index --------------------------
+
+
+def make_copy(step: int, seed: int = 0) -> tuple[Copy, bytes]:
+    data = bytes((seed + i * 7) % 251 for i in range(128))
+    name = "slot-r1-0.bin" if step % 2 == 0 else "slot-r1-1.bin"
+    part = {
+        "format_version": 3,
+        "kind": "snapcore.part",
+        "rank": 1,
+        "plan": PLAN,
+        "structure": "cd" * 32,
+        "keys": ["w"],
+        "step": step,
+        "created_unix": 1700000000.0,
+        "writer": {},
+        "world_size": 2,
+        "rank_files": [[0]],
+        "files": [{"name": name, "size": 128}],
+        "blobs": [{"nbytes": 64, "element_size": 4, "chunks": [chunk(data, 0, 64)]}],
+        "tensors": [
+            {
+                "dtype": "float32",
+                "shape": [8, 4],
+                "pieces": [
+                    {
+                        "offsets": [4, 0],
+                        "shape": [4, 4],
+                        "blob": 0,
+                        "byte_offset": 0,
+                        "strides": [4, 1],
+                    }
+                ],
+            }
+        ],
+        "tree": {"dict": [["w", {"tensor": 0}]]},
+    }
+    part_bytes = json.dumps(part).encode()
+    part_name = f"step-{step:012d}/part-00001-0123456789ab.json"
+    refs = [
+        {"rank": 0, "name": f"step-{step:012d}/part-00000-0123456789ab.json", "size": 10,
+         "xxh3": "0" * 32},
+        {"rank": 1, "name": part_name, "size": len(part_bytes),
+         "xxh3": xxhash.xxh3_128_hexdigest(part_bytes)},
+    ]  # fmt: skip
+    index = {
+        "format_version": 3,
+        "kind": "snapcore.snapshot",
+        "step": step,
+        "created_unix": 1700000000.0,
+        "writer": {},
+        "world_size": 2,
+        "plan": PLAN,
+        "parts": refs,
+    }
+    return Copy(1, json.dumps(index).encode(), part_name, part_bytes), data
+
+
+def chunk(data: bytes, offset: int, n: int) -> dict[str, Any]:
+    return {
+        "file": 0,
+        "offset": offset,
+        "length": n,
+        "raw_length": n,
+        "codec": "none",
+        "xxh3": xxhash.xxh3_128_hexdigest(data[offset : offset + n]),
+    }
+
+
+def receive(root: Path, copy: Copy, data: bytes, **kw: Any) -> Destination:
+    dest = Destination(root, step=copy.step, rank=1, identity=IDENTITY, **kw)
+    dest.prepare(copy.meta())
+    whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dest.write(0, 0, whole[:50])  # in two pieces, as the wire hands them
+    dest.write(0, 50, whole[50:])
+    dest.finish()
+    return dest
+
+
+@pytest.fixture
+def area(tmp_path: Path) -> Path:
+    return tmp_path / "area"
+
+
+def test_a_received_copy_is_committed_and_reads_back(area: Path) -> None:
+    copy, data = make_copy(4)
+    receive(peer_root(area, 1), copy, data)
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
+    assert PeerArea(area, 1).committed_steps({"other": 1}) == []  # another store's: none
+    again = Copy.read(peer_root(area, 1), 4, 1)
+    assert again.part_bytes == copy.part_bytes and again.index_bytes == copy.index_bytes
+    assert (peer_root(area, 1) / "slot-r1-0.bin").read_bytes() == data
+    view = PeerCopies(area, IDENTITY)
+    m = view.read_manifest(4)
+    assert m.missing_ranks == [0] and view.file_size("slot-r1-0.bin") == 128
+
+
+def test_a_copy_damaged_on_the_way_is_not_committed_and_the_previous_one_stays(
+    area: Path,
+) -> None:
+    old, old_data = make_copy(4)
+    receive(peer_root(area, 1), old, old_data)
+    new, data = make_copy(5, seed=3)
+    bad = bytearray(data)
+    bad[10] ^= 0xFF
+    with pytest.raises(InvalidManifest, match="arrived damaged: chunk 0/0"):
+        receive(peer_root(area, 1), new, bytes(bad))
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
+    assert (peer_root(area, 1) / "slot-r1-0.bin").read_bytes() == old_data
+
+
+def test_a_copy_that_would_exceed_max_bytes_is_refused_before_anything_changes(
+    area: Path,
+) -> None:
+    old, old_data = make_copy(4)
+    receive(peer_root(area, 1), old, old_data)
+    new, _ = make_copy(5)
+    dest = Destination(peer_root(area, 1), step=5, rank=1, identity=IDENTITY, max_bytes=4096)
+    with pytest.raises(SnapcoreError, match="partner memory full"):
+        dest.prepare(new.meta())
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
+
+
+def test_a_stale_area_of_another_store_or_a_newer_step_is_dropped_and_said(area: Path) -> None:
+    root = peer_root(area, 1)
+    copy, data = make_copy(8)
+    receive(root, copy, data)
+    older, older_data = make_copy(6)  # a restarted run saves step 6 again: 8 is stale
+    dest = receive(root, older, older_data)
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [6]
+    assert any("stale copies of steps [8]" in n for n in dest.notes)
+    (root / "peer.json").write_text(json.dumps({"store": {"local": "/else"}}))
+    dest = receive(root, copy, data)
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [8]
+    assert any("dropped the stale copies" in n for n in dest.notes)
+
+
+def test_a_copy_of_another_step_or_rank_is_refused(area: Path) -> None:
+    copy, _ = make_copy(4)
+    with pytest.raises(InvalidManifest, match="expected step 5"):
+        Destination(peer_root(area, 1), step=5, rank=1).prepare(copy.meta())
+    with pytest.raises(InvalidManifest, match="expected rank 0's part"):
+        Destination(peer_root(area, 1), step=4, rank=0).prepare(copy.meta())
+    assert not os.path.exists(peer_root(area, 1) / "slot-r1-0.bin")
+
+
+def test_a_copy_cut_short_is_not_committed(area: Path) -> None:
+    copy, data = make_copy(4)
+    dest = Destination(peer_root(area, 1), step=4, rank=1, identity=IDENTITY)
+    dest.prepare(copy.meta())
+    dest.write(0, 0, torch.frombuffer(bytearray(data[:40]), dtype=torch.uint8))
+    with pytest.raises(InvalidManifest, match="did not arrive whole"):
+        dest.finish()
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == []
