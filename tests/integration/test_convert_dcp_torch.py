@@ -415,6 +415,24 @@ def test_dcp_sink_commit_before_every_tensor_fails(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_dcp_sink_refuses_a_tensor_outside_dcps_plan(tmp_path: Path) -> None:
+    """A tensor given that DCP never asks for would be missing from the checkpoint: the
+    commit fails naming it, and leaves no target."""
+    sink = FORMATS["dcp"].sink(tmp_path / "out", {})
+    infos = [TensorInfo("a", torch.float32, (3,))]
+    sink.write_values({})
+
+    def body() -> None:
+        sink.begin(infos, {}, {})
+        sink.write(TensorInfo("stray", torch.float32, (2,)), torch.ones(2))
+        sink.write(infos[0], torch.ones(3))
+        sink.commit({})
+
+    with pytest.raises(ValueError, match="stray given but not in DCP's plan"):
+        _within(120, body)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------
 # torch.save files
 # ---------------------------------------------------------------------------------------
