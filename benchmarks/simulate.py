@@ -9,9 +9,11 @@ one achieves, so the model's claims can be checked rather than trusted.
 Policies compared: fixed intervals (every 30 min, every 1000 steps), Young and Daly
 (single tier, remote, with the cost a user would plug in: the full time to durable),
 snapcore learning the rate online from a prior 10x too optimistic, and an oracle that
-runs snapcore's optimiser with the true rate.
+runs snapcore's optimiser with the true rate; the last two on host+local+remote, and
+again with a peer tier (host+peer+local+remote: each node's snapshot also in a partner
+node's memory), with partners placed in other racks and, in a second table, sharing one.
 
-    python benchmarks/simulate.py            # full run (about a minute on 2 cores)
+    python benchmarks/simulate.py            # full run (about 4 CPU-minutes)
     python benchmarks/simulate.py --quick    # a few seconds, for the test
     python benchmarks/simulate.py --smoke    # --quick on one worker (test_benchmarks.py)
     python benchmarks/simulate.py --write-docs   # also update docs/scheduler.md + PNG
@@ -22,6 +24,7 @@ Standard library only, plus matplotlib for the plot (imported only when plotting
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import random
 import sys
@@ -31,6 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from snapcore.scheduling.costs import PEER_TRANSFER_S
 from snapcore.scheduling.model import (
     CostModel,
     FailureClass,
@@ -40,50 +44,110 @@ from snapcore.scheduling.model import (
     young_interval,
 )
 from snapcore.scheduling.rate import (
+    CORRELATED,
+    CORRELATED_ALLOWANCE,
+    LLAMA3_CAUSES,
     LLAMA3_RATE_PER_DEVICE_HOUR,
     MACHINE,
     PROCESS,
     SURVIVES,
+    SWITCH,
     FailureRateLearner,
     RatePrior,
-    llama3_shares,
+    llama3_class_counts,
+    merge_classes,
 )
 
 HOUR = 3600.0
 DAY = 24 * HOUR
-TIERS = ("host", "local", "remote")
+TIERS = ("host", "peer", "local", "remote")  # every tier, fastest first
+BASE_TIERS = ("host", "local", "remote")  # the policies without a peer tier
 TIER_INDEX = {n: i for i, n in enumerate(TIERS)}
+DEVICES_PER_NODE = 8  # Llama 3's servers: eight GPUs each
 
 # Costs per tier (the assumptions are stated in docs/scheduler.md). Restore times
 # include the job restart (requeue, process-group init): 3 minutes.
 STEP_S = 5.0
 STALL_S = 1.0
 SLOWDOWN = 0.05
-PERSIST_S = {"host": 2.0, "local": 20.0, "remote": 300.0}
+# The peer tier: the host tier's cost plus the node's snapshot over the network, 40 GB at
+# 25 GB/s (snapcore/scheduling/costs.py says where the figures come from): 1.6 s.
+PERSIST_S = {"host": 2.0, "peer": 2.0 + PEER_TRANSFER_S, "local": 20.0, "remote": 300.0}
 RESTART_S = 180.0
-RESTORE_S = {"host": 10.0 + RESTART_S, "local": 30.0 + RESTART_S, "remote": 120.0 + RESTART_S}
+RESTORE_S = {
+    "host": 10.0 + RESTART_S,
+    "peer": 10.0 + PEER_TRANSFER_S + RESTART_S,
+    "local": 30.0 + RESTART_S,
+    "remote": 120.0 + RESTART_S,
+}
 TARGET = 0.02
 WEIBULL_SHAPE = 0.7
 PRIOR_FACTOR = 0.1  # snapcore's prior rate is 10x too optimistic
 WARMUP_FAILURES = 5  # "after the first few failures"
 REPLAN_S = HOUR
 
-MODEL = CostModel(
-    tiers=tuple(TierCost(n, PERSIST_S[n], RESTORE_S[n]) for n in TIERS),
-    stall_s=STALL_S,
-    slowdown=SLOWDOWN,
-    step_s=STEP_S,
+
+def cost_model(tiers: Sequence[str]) -> CostModel:
+    return CostModel(
+        tiers=tuple(TierCost(n, PERSIST_S[n], RESTORE_S[n]) for n in tiers),
+        stall_s=STALL_S,
+        slowdown=SLOWDOWN,
+        step_s=STEP_S,
+    )
+
+
+MODELS = {BASE_TIERS: cost_model(BASE_TIERS), TIERS: cost_model(TIERS)}
+MODEL = MODELS[BASE_TIERS]
+
+# Failures are drawn by cause class: Llama 3's 419 (rate.LLAMA3_CAUSES) with switch and
+# cable failures kept apart, and CORRELATED_ALLOWANCE of the lost machines taking their
+# partner too (none was seen; the plan allows for them, and so does this world).
+CAUSE_COUNTS: dict[str, int] = {PROCESS: 0, MACHINE: -CORRELATED_ALLOWANCE, SWITCH: 0}
+for _cause, _n, _cls in LLAMA3_CAUSES:
+    CAUSE_COUNTS[_cls] += _n
+CAUSE_COUNTS[CORRELATED] = CORRELATED_ALLOWANCE
+CAUSE_SHARES = {k: v / sum(CAUSE_COUNTS.values()) for k, v in CAUSE_COUNTS.items()}
+
+# Where partners sit: in other racks, a switch or cable failure (at most one rack) is a
+# lost machine whose partner is up; in the same rack, it takes the partner too.
+OTHER_RACK = "other rack"
+SAME_RACK = "same rack"
+SWITCH_IS = {OTHER_RACK: MACHINE, SAME_RACK: CORRELATED}
+
+POLICIES = (
+    "every 30 min",
+    "every 1000 steps",
+    "Young",
+    "Daly",
+    "snapcore",
+    "oracle",
+    "snapcore + peer",
+    "oracle + peer",
 )
-SHARES = llama3_shares()
+SAME_RACK_POLICIES = ("snapcore + peer, same rack", "oracle + peer, same rack")
+ALL_POLICIES = POLICIES + SAME_RACK_POLICIES
 
-POLICIES = ("every 30 min", "every 1000 steps", "Young", "Daly", "snapcore", "oracle")
+
+def class_counts(placement: str) -> dict[str, int]:
+    return llama3_class_counts(partners_across_racks=placement == OTHER_RACK)
 
 
-def true_classes(rate_per_s: float) -> list[FailureClass]:
-    return [
-        FailureClass(PROCESS, rate_per_s * SHARES[PROCESS], SURVIVES[PROCESS]),
-        FailureClass(MACHINE, rate_per_s * SHARES[MACHINE], SURVIVES[MACHINE]),
-    ]
+def true_classes(
+    rate_per_s: float, tiers: Sequence[str] = BASE_TIERS, placement: str = OTHER_RACK
+) -> list[FailureClass]:
+    counts = class_counts(placement)
+    total = sum(counts.values())
+    rates = merge_classes({c: rate_per_s * n / total for c, n in counts.items()}, tiers)
+    return [FailureClass(c, r, SURVIVES[c] & set(tiers)) for c, r in rates.items()]
+
+
+def partner_loss_probability(devices: int) -> float:
+    """The chance that a machine lost while the peer tier is still repairing the last one
+    (before the replaced node's partner copies are rewritten) is one of the two machines
+    that matter: the one holding the replaced node's copy, or the one whose copy the
+    replaced node held. Partners: one each, in a ring."""
+    nodes = max(2, devices // DEVICES_PER_NODE)
+    return min(1.0, 2.0 / (nodes - 1))
 
 
 # --- failure traces ------------------------------------------------------------------
@@ -91,33 +155,38 @@ def true_classes(rate_per_s: float) -> list[FailureClass]:
 
 def failure_trace(
     rng: random.Random, mtbf_s: float, shape: float | None, horizon_s: float
-) -> list[tuple[float, str]]:
-    """Failure times of the whole job (a renewal process) and their classes.
+) -> list[tuple[float, str, float]]:
+    """Failure times of the whole job (a renewal process), their cause classes (process,
+    machine, switch, correlated) and a uniform number (whether a lost machine is the
+    partner of one lost before, see ``run``).
 
     ``shape`` None gives exponential gaps; otherwise Weibull gaps with that shape, scaled
     so the mean gap is ``mtbf_s`` (shape < 1: failures cluster, many short gaps).
     """
     scale = mtbf_s if shape is None else mtbf_s / math.gamma(1.0 + 1.0 / shape)
-    out: list[tuple[float, str]] = []
+    causes = list(CAUSE_SHARES)
+    weights = [CAUSE_SHARES[c] for c in causes]
+    out: list[tuple[float, str, float]] = []
     t = 0.0
     while True:
         gap = rng.expovariate(1.0 / mtbf_s) if shape is None else rng.weibullvariate(scale, shape)
         t += gap
         if t >= horizon_s:
             return out
-        out.append((t, PROCESS if rng.random() < SHARES[PROCESS] else MACHINE))
+        out.append((t, rng.choices(causes, weights)[0], rng.random()))
 
 
 # --- policies --------------------------------------------------------------------------
 
 
 class FixedPolicy:
-    """Intervals that never change."""
+    """Intervals that never change, for a store of ``tiers``."""
 
     replan_s = math.inf
 
-    def __init__(self, intervals: dict[str, float]) -> None:
+    def __init__(self, intervals: dict[str, float], tiers: tuple[str, ...] = BASE_TIERS) -> None:
         self.intervals = intervals
+        self.tiers = tiers
 
     def on_failure(self, t: float, cls: str) -> None:
         pass
@@ -126,22 +195,30 @@ class FixedPolicy:
         pass
 
 
-_PLAN_CACHE: dict[tuple[int, int], dict[str, float]] = {}
+_PLAN_CACHE: dict[tuple[tuple[str, ...], int, int, int], dict[str, float]] = {}
 
 
-def _cached_plan(rate_per_s: float, crash_share: float) -> dict[str, float]:
-    # Rates are bucketed (5% in rate, 1 point in share; waste is flat near the optimum)
-    # so that a long run re-plans from a cache instead of re-optimising at every failure.
-    key = (round(math.log(rate_per_s) * 20), round(crash_share * 100))
+def _cached_plan(
+    tiers: tuple[str, ...], rate_per_s: float, shares: dict[str, float]
+) -> dict[str, float]:
+    # Rates are bucketed (5% in rate, 1 point in the crash share, 10% in the correlated
+    # share; waste is flat near the optimum) so that a long run re-plans from a cache
+    # instead of re-optimising at every failure.
+    key = (
+        tiers,
+        round(math.log(rate_per_s) * 20),
+        round(shares.get(PROCESS, 0.0) * 100),
+        round(math.log(max(shares.get(CORRELATED, 0.0), 1e-4)) * 10),
+    )
     plan = _PLAN_CACHE.get(key)
     if plan is None:
-        lam = math.exp(key[0] / 20)
-        share = key[1] / 100
-        classes = [
-            FailureClass(PROCESS, lam * share, SURVIVES[PROCESS]),
-            FailureClass(MACHINE, lam * (1 - share), SURVIVES[MACHINE]),
-        ]
-        plan = optimise(MODEL, classes, TARGET).intervals_s
+        lam = math.exp(key[1] / 20)
+        crash = key[2] / 100
+        corr = min(1.0 - crash, math.exp(key[3] / 10))
+        rates = {PROCESS: lam * crash, MACHINE: lam * (1 - crash - corr), CORRELATED: lam * corr}
+        rates = merge_classes(rates, tiers)
+        classes = [FailureClass(c, r, SURVIVES[c] & set(tiers)) for c, r in rates.items()]
+        plan = optimise(MODELS[tiers], classes, TARGET).intervals_s
         _PLAN_CACHE[key] = plan
     return plan
 
@@ -151,15 +228,21 @@ class LearnedPolicy:
 
     replan_s = REPLAN_S
 
-    def __init__(self, prior: RatePrior) -> None:
-        self.learner = FailureRateLearner(prior)
+    def __init__(
+        self,
+        prior: RatePrior,
+        tiers: tuple[str, ...] = BASE_TIERS,
+        class_prior: dict[str, int] | None = None,
+    ) -> None:
+        self.tiers = tiers
+        self.learner = FailureRateLearner(prior, class_prior)
         self.t = 0.0
         self.intervals = self._replan()
 
     def _replan(self) -> dict[str, float]:
         rates = self.learner.rates_per_s()
         total = sum(rates.values())
-        return _cached_plan(total, rates[PROCESS] / total)
+        return _cached_plan(self.tiers, total, {c: r / total for c, r in rates.items()})
 
     def _advance(self, t: float) -> None:
         self.learner.add_exposure(max(0.0, t - self.t) / HOUR)
@@ -180,23 +263,42 @@ Policy = FixedPolicy | LearnedPolicy
 
 # --- the run ---------------------------------------------------------------------------
 
+# The copies each class of failure destroys (besides those not yet durable).
+LOSES = {PROCESS: (), MACHINE: ("host", "local"), CORRELATED: ("host", "peer", "local")}
+
 
 @dataclass
 class RunResult:
     waste: float
     waste_after_warmup: float
     failures: int
+    from_tier: dict[str, int] = field(default_factory=dict)  # restores per source tier
 
 
-def run(trace: Sequence[tuple[float, str]], policy: Policy, horizon_s: float) -> RunResult:
+def run(
+    trace: Sequence[tuple[float, str] | tuple[float, str, float]],
+    policy: Policy,
+    horizon_s: float,
+    *,
+    switch_is: str = CORRELATED,
+    partner_loss: float = 0.0,
+) -> RunResult:
     """Play one failure trace against one policy; return the waste it achieved.
 
     Progress is training work in seconds. A snapshot blocks training for the stall plus
-    the interference of its deepest tier's persist (slowdown x persist time), captures
+    the interference of its slowest tier's persist (slowdown x persist time), captures
     the progress at its start, and becomes durable in each tier once that tier's writer
     (one snapshot at a time) has persisted it. A failure loses every copy not yet
-    durable; a lost machine also loses host memory and local disk. The run restores from
-    the newest surviving copy; a failure during a restart starts the restart over.
+    durable; a lost machine also loses host memory and local disk (its partner's copy of
+    its snapshot, the peer tier, survives); a correlated failure (the machine and its
+    partner, ``switch_is`` for a switch or cable failure) loses the peer copy too. So does
+    a lost machine that strikes while the peer tier is repairing the last one (from that
+    failure until the first peer snapshot after its restore is durable) with probability
+    ``partner_loss``: it is the partner, or the node whose copy the replaced one held.
+    The run restores from the newest surviving copy; a failure during a restart starts
+    the restart over. After the restart, tiers slower than the one restored from get a
+    snapshot at once, as the Checkpointer's first step after a restore takes one to
+    every tier.
     """
     t = 0.0
     prog = 0.0
@@ -207,6 +309,11 @@ def run(trace: Sequence[tuple[float, str]], policy: Policy, horizon_s: float) ->
     fi, nf, failures = 0, len(trace), 0
     next_tick = policy.replan_s
     warm: tuple[float, float] | None = None
+    repairing = False  # a machine was lost and the peer tier has not rewritten its copies
+    repaired_at = math.inf  # when the first peer snapshot since then is durable
+    from_tier: dict[str, int] = {}
+    have = set(policy.tiers)  # the store's tiers: a restore reads one of them
+    peer = "peer" in have
 
     while True:
         intervals = policy.intervals
@@ -229,7 +336,7 @@ def run(trace: Sequence[tuple[float, str]], policy: Policy, horizon_s: float) ->
             t = t_snap
             slack = 0.25 * min(intervals.values())  # coalesce tiers due at about now
             due = [n for n in TIERS if n in intervals and prog + slack >= base[n] + intervals[n]]
-            block = STALL_S + SLOWDOWN * PERSIST_S[due[-1]]
+            block = STALL_S + SLOWDOWN * max(PERSIST_S[n] for n in due)
             if not (f_t < t + block):
                 if inflight:
                     keep = []
@@ -244,6 +351,8 @@ def run(trace: Sequence[tuple[float, str]], policy: Policy, horizon_s: float) ->
                     free[n] = d_at
                     inflight.append((d_at, n, prog))
                     base[n] = prog
+                    if n == "peer" and repairing:
+                        repaired_at = min(repaired_at, d_at)
                 t += block
                 continue
             t = f_t  # the failure strikes during the stall: no snapshot, no progress
@@ -254,22 +363,34 @@ def run(trace: Sequence[tuple[float, str]], policy: Policy, horizon_s: float) ->
                 durable[n] = max(durable[n], cap)
         inflight = []
         while True:
-            cls = trace[fi][1]
+            _, cls, *rest = trace[fi]
             fi += 1
             failures += 1
-            if cls == MACHINE:
-                durable["host"] = durable["local"] = -math.inf
+            if cls == SWITCH:
+                cls = switch_is
+            if repairing and t >= repaired_at:
+                repairing, repaired_at = False, math.inf
+            if cls == MACHINE and repairing and rest and rest[0] < partner_loss and peer:
+                cls = CORRELATED  # the machine that held the copy (or needed it) is gone
+            if cls != PROCESS:
+                repairing, repaired_at = True, math.inf
+            for n in LOSES[cls]:
+                durable[n] = -math.inf
             policy.on_failure(t, cls)
-            src = max(SURVIVES[cls] & set(TIERS), key=lambda n: (durable[n], -TIER_INDEX[n]))
+            src = max(SURVIVES[cls] & have, key=lambda n: (durable[n], -TIER_INDEX[n]))
             nxt = trace[fi][0] if fi < nf else math.inf
             if nxt < t + RESTORE_S[src] and nxt < horizon_s:
                 t = nxt
                 continue
             break
+        from_tier[src] = from_tier.get(src, 0) + 1
         prog = durable[src]
         t = min(t + RESTORE_S[src], horizon_s)
         for n in TIERS:
-            base[n] = prog if TIER_INDEX[n] <= TIER_INDEX[src] else durable[n]
+            # The Checkpointer's first step after a restore snapshots every tier: those
+            # up to the one restored from hold the restart point already, the slower
+            # ones are due at once (and durable once written, not before).
+            base[n] = prog if TIER_INDEX[n] <= TIER_INDEX[src] else -math.inf
             free[n] = t
         if warm is None and failures >= WARMUP_FAILURES:
             warm = (t, prog)
@@ -279,7 +400,12 @@ def run(trace: Sequence[tuple[float, str]], policy: Policy, horizon_s: float) ->
     after = math.nan
     if warm is not None and horizon_s - warm[0] > 0:
         after = 1.0 - (prog - warm[1]) / (horizon_s - warm[0])
-    return RunResult(waste=1.0 - prog / horizon_s, waste_after_warmup=after, failures=failures)
+    return RunResult(
+        waste=1.0 - prog / horizon_s,
+        waste_after_warmup=after,
+        failures=failures,
+        from_tier=from_tier,
+    )
 
 
 # --- experiments -----------------------------------------------------------------------
@@ -299,30 +425,58 @@ class CaseResult:
     results: dict[str, RunResult] = field(default_factory=dict)
 
 
-def policies_for(devices: int) -> dict[str, Policy]:
+def policies_for(devices: int) -> dict[str, tuple[Policy, str]]:
+    """Each policy, and where its store's partners sit (which decides whether a switch or
+    cable failure takes the partner's copy; no matter without a peer tier)."""
     rate = LLAMA3_RATE_PER_DEVICE_HOUR * devices / HOUR
     mtbf = 1.0 / rate
     durable_cost = STALL_S + PERSIST_S["remote"]  # what a user would plug into Young/Daly
     floor = PERSIST_S["remote"]  # the remote tier cannot take snapshots faster
     prior = RatePrior(rate * HOUR * PRIOR_FACTOR)
+
+    def oracle(tiers: tuple[str, ...], placement: str) -> FixedPolicy:
+        plan = optimise(MODELS[tiers], true_classes(rate, tiers, placement), TARGET)
+        return FixedPolicy(plan.intervals_s, tiers)
+
+    # snapcore's class prior is Llama 3's split for the placement, as the Checkpointer's
+    # partners_across_racks gives it; it learns the rest.
     return {
-        "every 30 min": FixedPolicy({"remote": 1800.0}),
-        "every 1000 steps": FixedPolicy({"remote": 1000 * STEP_S}),
-        "Young": FixedPolicy({"remote": max(floor, young_interval(durable_cost, mtbf))}),
-        "Daly": FixedPolicy({"remote": max(floor, daly_interval(durable_cost, mtbf))}),
-        "snapcore": LearnedPolicy(prior),
-        "oracle": FixedPolicy(optimise(MODEL, true_classes(rate), TARGET).intervals_s),
+        "every 30 min": (FixedPolicy({"remote": 1800.0}), OTHER_RACK),
+        "every 1000 steps": (FixedPolicy({"remote": 1000 * STEP_S}), OTHER_RACK),
+        "Young": (
+            FixedPolicy({"remote": max(floor, young_interval(durable_cost, mtbf))}),
+            OTHER_RACK,
+        ),
+        "Daly": (
+            FixedPolicy({"remote": max(floor, daly_interval(durable_cost, mtbf))}),
+            OTHER_RACK,
+        ),
+        "snapcore": (LearnedPolicy(prior), OTHER_RACK),
+        "oracle": (oracle(BASE_TIERS, OTHER_RACK), OTHER_RACK),
+        "snapcore + peer": (LearnedPolicy(prior, TIERS, class_counts(OTHER_RACK)), OTHER_RACK),
+        "oracle + peer": (oracle(TIERS, OTHER_RACK), OTHER_RACK),
+        "snapcore + peer, same rack": (
+            LearnedPolicy(prior, TIERS, class_counts(SAME_RACK)),
+            SAME_RACK,
+        ),
+        "oracle + peer, same rack": (oracle(TIERS, SAME_RACK), SAME_RACK),
     }
 
 
-def run_case(case: Case) -> CaseResult:
+def run_case(case: Case, only: Sequence[str] | None = None) -> CaseResult:
+    """Every policy (or those named in ``only``) on the case's failure trace."""
     rate = LLAMA3_RATE_PER_DEVICE_HOUR * case.devices / HOUR
     shape = None if case.process == "exponential" else WEIBULL_SHAPE
     rng = random.Random(f"{case.devices}-{case.process}-{case.seed}")
     trace = failure_trace(rng, 1.0 / rate, shape, case.horizon_s)
+    loss = partner_loss_probability(case.devices)
     out = CaseResult(case)
-    for name, policy in policies_for(case.devices).items():
-        out.results[name] = run(trace, policy, case.horizon_s)
+    for name, (policy, placement) in policies_for(case.devices).items():
+        if only is not None and name not in only:
+            continue
+        out.results[name] = run(
+            trace, policy, case.horizon_s, switch_is=SWITCH_IS[placement], partner_loss=loss
+        )
     return out
 
 
@@ -334,9 +488,12 @@ class Summary:
     failures: float
     waste: dict[str, float]
     after: dict[str, float]
-    predicted: float
+    predicted: float  # the model's waste for the oracle's plan, host+local+remote
     predicted_met: bool
     oracle_intervals: dict[str, float]
+    predicted_peer: dict[str, float]  # the same with the peer tier, per placement
+    peer_intervals: dict[str, dict[str, float]]
+    from_tier: dict[str, dict[str, int]]  # restores per source tier, per policy
 
 
 def summarise(results: Sequence[CaseResult]) -> list[Summary]:
@@ -347,29 +504,51 @@ def summarise(results: Sequence[CaseResult]) -> list[Summary]:
     for (devices, process), rs in sorted(groups.items()):
         rate = LLAMA3_RATE_PER_DEVICE_HOUR * devices / HOUR
         plan = optimise(MODEL, true_classes(rate), TARGET)
+        peer_plans = {
+            pl: optimise(MODELS[TIERS], true_classes(rate, TIERS, pl), TARGET)
+            for pl in (OTHER_RACK, SAME_RACK)
+        }
 
         def mean(xs: list[float]) -> float:
             xs = [x for x in xs if not math.isnan(x)]
             return sum(xs) / len(xs) if xs else math.nan
 
+        from_tier: dict[str, dict[str, int]] = {}
+        for p in ALL_POLICIES:
+            counts: dict[str, int] = {}
+            for r in rs:
+                for tier, n in r.results[p].from_tier.items():
+                    counts[tier] = counts.get(tier, 0) + n
+            from_tier[p] = counts
         out.append(
             Summary(
                 devices=devices,
                 process=process,
                 runs=len(rs),
                 failures=mean([r.results["oracle"].failures for r in rs]),
-                waste={p: mean([r.results[p].waste for r in rs]) for p in POLICIES},
-                after={p: mean([r.results[p].waste_after_warmup for r in rs]) for p in POLICIES},
+                waste={p: mean([r.results[p].waste for r in rs]) for p in ALL_POLICIES},
+                after={
+                    p: mean([r.results[p].waste_after_warmup for r in rs]) for p in ALL_POLICIES
+                },
                 predicted=plan.predicted_waste,
                 predicted_met=plan.target_met,
                 oracle_intervals=plan.intervals_s,
+                predicted_peer={pl: p.predicted_waste for pl, p in peer_plans.items()},
+                peer_intervals={pl: p.intervals_s for pl, p in peer_plans.items()},
+                from_tier=from_tier,
             )
         )
     return out
 
 
-def checks(summaries: Sequence[Summary]) -> list[str]:
-    """The issue's targets, each stated with the figures behind it."""
+PEER_TARGET = 0.04  # issue 13: at 16,384 devices, with the peer tier
+ORACLE_GAP = 0.10  # snapcore within 10% of the oracle
+
+
+def checks(summaries: Sequence[Summary], judge_peer: bool = True) -> list[str]:
+    """The issues' targets, each stated with the figures behind it. ``judge_peer``: say
+    PASS or FAIL for issue 13's targets (a 4% line and 10% of the oracle, which a week's
+    trace is too short to judge: see below)."""
     lines = []
     for s in summaries:
         tag = f"{s.devices:>6} devices, {s.process}"
@@ -385,47 +564,120 @@ def checks(summaries: Sequence[Summary]) -> list[str]:
                 f"{tag}: model says target {TARGET:.0%} out of reach (best {s.predicted:.2%}); "
                 f"snapcore achieved {snap:.2%}, oracle {orc:.2%}"
             )
-        a_s, a_o = s.after["snapcore"], s.after["oracle"]
-        rel = a_s / a_o - 1 if a_o > 0 else math.nan
-        ok = rel <= 0.10
-        lines.append(
-            f"{tag}: after {WARMUP_FAILURES} failures snapcore {a_s:.2%} vs oracle {a_o:.2%} "
-            f"({rel:+.1%}): {'PASS' if ok else 'FAIL'}"
-        )
+        for who in ("snapcore", "snapcore + peer"):
+            oracle = who.replace("snapcore", "oracle")
+            a_s, a_o = s.after[who], s.after[oracle]
+            rel = a_s / a_o - 1 if a_o > 0 else math.nan
+            verdict = "PASS" if rel <= ORACLE_GAP else "FAIL"
+            if who != "snapcore" and not judge_peer:
+                # one machine lost with its partner costs up to a remote interval (2 h
+                # here), which a week's trace has once or not at all
+                verdict = "not judged on a quick run"
+            lines.append(
+                f"{tag}: after {WARMUP_FAILURES} failures {who} {a_s:.2%} vs {oracle} "
+                f"{a_o:.2%} ({rel:+.1%}): {verdict}"
+            )
         if s.devices >= 16_000:
-            others = {p: s.waste[p] for p in POLICIES if p not in ("snapcore", "oracle")}
+            others = {p: s.waste[p] for p in POLICIES if "snapcore" not in p and "oracle" not in p}
             worst = min(others, key=lambda p: others[p])
             ok = snap < others[worst]
             lines.append(
                 f"{tag}: snapcore {snap:.2%} vs best baseline {worst} {others[worst]:.2%}: "
                 f"{'PASS' if ok else 'FAIL'}"
             )
+        if s.devices == 16_384:
+            peer, orc_p = s.waste["snapcore + peer"], s.waste["oracle + peer"]
+            rel = peer / orc_p - 1
+            ok = peer <= PEER_TARGET and rel <= ORACLE_GAP
+            verdict = ("PASS" if ok else "FAIL") if judge_peer else "not judged on a quick run"
+            lines.append(
+                f"{tag}: with the peer tier (partners in other racks) snapcore {peer:.2%} "
+                f"(target {PEER_TARGET:.0%}; {snap:.2%} without), oracle {orc_p:.2%} "
+                f"({rel:+.1%}): {verdict}"
+            )
+            same = s.waste["snapcore + peer, same rack"]
+            verdict = "within" if same <= PEER_TARGET else "NOT within"
+            lines.append(
+                f"{tag}: partners sharing a rack (switch failures take them too): snapcore "
+                f"{same:.2%}, {verdict} the {PEER_TARGET:.0%} target"
+            )
     return lines
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
 def table(summaries: Sequence[Summary]) -> str:
-    cols = ["devices", "failures per run", "process", *POLICIES, "model (oracle plan)"]
+    cols = [
+        "devices",
+        "failures per run",
+        "process",
+        *POLICIES,
+        "model (oracle plan)",
+        "model (oracle + peer plan)",
+    ]
     head = "| " + " | ".join(cols) + " |"
-    sep = "|" + "---|" * (len(POLICIES) + 4)
+    sep = "|" + "---|" * len(cols)
     rows = [head, sep]
     for s in summaries:
-        cells = " | ".join(f"{100 * s.waste[p]:.2f}%" for p in POLICIES)
-        model = f"{100 * s.predicted:.2f}%"
+        cells = " | ".join(_pct(s.waste[p]) for p in POLICIES)
+        model = f"{_pct(s.predicted)} | {_pct(s.predicted_peer[OTHER_RACK])}"
         rows.append(f"| {s.devices:,} | {s.failures:.0f} | {s.process} | {cells} | {model} |")
+    return "\n".join(rows)
+
+
+def same_rack_table(summaries: Sequence[Summary]) -> str:
+    rows = [
+        "| devices | process | snapcore + peer | oracle + peer | model (oracle + peer plan) "
+        "| restores from host / peer / remote (snapcore + peer) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        p = "snapcore + peer, same rack"
+        n = s.from_tier[p]
+        rows.append(
+            f"| {s.devices:,} | {s.process} | {_pct(s.waste[p])} "
+            f"| {_pct(s.waste['oracle + peer, same rack'])} "
+            f"| {_pct(s.predicted_peer[SAME_RACK])} "
+            f"| {n.get('host', 0)} / {n.get('peer', 0)} / {n.get('remote', 0)} |"
+        )
+    return "\n".join(rows)
+
+
+def intervals_table(summaries: Sequence[Summary]) -> str:
+    def fmt(iv: dict[str, float]) -> str:
+        return ", ".join(f"{t} {v:.0f} s" for t, v in iv.items())
+
+    rows = [
+        "| devices | oracle | oracle + peer (other racks) | oracle + peer (same rack) "
+        "| restores from host / peer / remote (snapcore + peer, other racks) |",
+        "|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        if s.process != "exponential":
+            continue
+        n = s.from_tier["snapcore + peer"]
+        rows.append(
+            f"| {s.devices:,} | {fmt(s.oracle_intervals)} | {fmt(s.peer_intervals[OTHER_RACK])} "
+            f"| {fmt(s.peer_intervals[SAME_RACK])} "
+            f"| {n.get('host', 0)} / {n.get('peer', 0)} / {n.get('remote', 0)} |"
+        )
     return "\n".join(rows)
 
 
 def after_table(summaries: Sequence[Summary]) -> str:
     rows = [
-        f"| devices | process | snapcore after {WARMUP_FAILURES} failures | oracle | difference |",
-        "|---|---|---|---|---|",
+        f"| devices | process | snapcore after {WARMUP_FAILURES} failures | oracle | difference "
+        "| snapcore + peer | oracle + peer | difference |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
-        a_s, a_o = s.after["snapcore"], s.after["oracle"]
-        rows.append(
-            f"| {s.devices:,} | {s.process} | {100 * a_s:.2f}% | {100 * a_o:.2f}% "
-            f"| {100 * (a_s / a_o - 1):+.1f}% |"
-        )
+        cells = []
+        for who in ("snapcore", "snapcore + peer"):
+            a_s, a_o = s.after[who], s.after[who.replace("snapcore", "oracle")]
+            cells.append(f"{_pct(a_s)} | {_pct(a_o)} | {100 * (a_s / a_o - 1):+.1f}%")
+        rows.append(f"| {s.devices:,} | {s.process} | {' | '.join(cells)} |")
     return "\n".join(rows)
 
 
@@ -442,7 +694,12 @@ def plot(summaries: Sequence[Summary], path: Path) -> None:
         ss = [s for s in summaries if s.process == proc]
         xs = [s.devices for s in ss]
         for p in POLICIES:
-            style = {"snapcore": "-o", "oracle": "k:x"}.get(p, "--.")
+            style = {
+                "snapcore": "-o",
+                "oracle": "k:x",
+                "snapcore + peer": "-s",
+                "oracle + peer": "k-.+",
+            }.get(p, "--.")
             ax.plot(xs, [100 * s.waste[p] for s in ss], style, label=p)
         ax.axhline(100 * TARGET, color="grey", lw=0.8, ls=":", label=f"target {TARGET:.0%}")
         ax.set_xscale("log")
@@ -508,23 +765,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         [
             table(summaries),
             "",
+            "Intervals of the oracle's plans (exponential failures), and where snapcore + peer "
+            "restored from (all seeds):",
+            "",
+            intervals_table(summaries),
+            "",
+            "With the peer tier, partners sharing a rack (a switch or cable failure takes a "
+            "machine and its partner):",
+            "",
+            same_rack_table(summaries),
+            "",
             after_table(summaries),
             "",
             "Checks against the issue's targets:",
             "",
-            *[f"- {line}" for line in checks(summaries)],
+            *[f"- {line}" for line in checks(summaries, judge_peer=not args.quick)],
         ]
     )
     print(body)
-    print(f"\n{len(todo)} traces x {len(POLICIES)} policies in {elapsed:.1f} s")
+    print(f"\n{len(todo)} traces x {len(ALL_POLICIES)} policies in {elapsed:.1f} s")
     if args.write_docs:
         docs = Path(args.docs)
         plot(summaries, docs / "scheduler_waste.png")
         cmd = "python benchmarks/simulate.py --write-docs" + (" --quick" if args.quick else "")
         write_docs(
             docs / "scheduler.md",
-            f"Produced by `{cmd}` in {elapsed:.0f} s on a 2-core x86-64 machine "
-            f"(Python {sys.version.split()[0]}).\n\n{body}\n\n"
+            f"Produced by `{cmd}` on {datetime.date.today().isoformat()} in {elapsed:.0f} s "
+            f"on a 2-core x86-64 machine (Python {sys.version.split()[0]}).\n\n{body}\n\n"
             "![waste fraction vs scale](scheduler_waste.png)",
         )
     return 0

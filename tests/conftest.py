@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import os
 import socket
 import uuid
 from collections.abc import Iterator
@@ -238,7 +239,7 @@ def host_name() -> Iterator[str]:
     from snapcore.tiers import HostTier
     from snapcore.write.engine import close_all
 
-    name = f"test-{uuid.uuid4().hex[:10]}"
+    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
     yield name
     close_all()
     HostTier(name).release()
@@ -248,13 +249,16 @@ def host_name() -> Iterator[str]:
 @pytest.fixture(scope="session", autouse=True)
 def _no_host_area_leaks() -> Iterator[None]:
     """Host-memory areas are process-outliving by design: a test that makes one must
-    release it. Checked once, at the end of the session."""
+    release it. Checked once, at the end of the session. The tests name their areas
+    ``test-<pid of pytest>-...``, so that a test session running beside this one on the
+    same machine (another clone's CI) is not counted."""
     import glob
 
-    before = set(glob.glob("/dev/shm/snapcore-test-*"))
+    mine = f"/dev/shm/snapcore-test-{os.getpid()}-*"
+    before = set(glob.glob(mine))
     yield
     from snapcore.write.engine import close_all
 
     close_all()
-    leaked = set(glob.glob("/dev/shm/snapcore-test-*")) - before
+    leaked = set(glob.glob(mine)) - before
     assert not leaked, f"tests left host-memory areas behind: {sorted(leaked)}"

@@ -479,6 +479,7 @@ class _Handoff:
         self._stopped: str | None = None  # why DCP must stop (the conversion failed)
         self.done = False  # DCP's thread has ended
         self.failure: BaseException | None = None
+        self.unused: list[str] = []  # given, never asked for by DCP (when it ended)
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         with self._cond:
@@ -516,6 +517,7 @@ class _Handoff:
     def finished(self) -> None:
         with self._cond:
             self.done = True
+            self.unused = sorted(self._ready)
             self._ready.clear()
             self._cond.notify_all()
 
@@ -654,6 +656,11 @@ class DcpSink:
                 self._handoff.close()
                 self._thread.join()
                 self._raise()
+                if self._handoff.unused:  # DCP wrote without them: not the checkpoint given
+                    raise ValueError(
+                        f"DCP target {self.path}: {', '.join(self._handoff.unused[:8])} "
+                        "given but not in DCP's plan"
+                    )
             fsync_dir(self._tmp)
             _nested.commit_rename(self._tmp, self.path)
         except BaseException:

@@ -552,34 +552,25 @@ class SafetensorsSink:
         self._values = dict(values)
 
     def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
-        if not self._began:
-            raise RuntimeError("safetensors sink: begin() was not called")
-        k = self._shard_of.get(info.name)
-        if k is None:
-            raise ValueError(f"{info.name}: not a tensor given to begin()")
-        planned = self._planned[info.name]
-        if (
-            planned != info
-            or tensor.dtype != info.dtype
-            or tuple(tensor.shape) != info.shape
-            or tensor.device.type != "cpu"
-            or not tensor.is_contiguous()
-        ):
-            raise ValueError(
-                f"{info.name}: given {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}, "
-                f"planned {planned.dtype} {planned.shape} (CPU, contiguous)"
-            )
-        f = self._file(k)
-        if info.name not in f.missing or info.name in f.progress:
+        whole = tuple(tensor.shape) == info.shape
+        f = self._file_for(info, tensor, whole, "")
+        if info.name in f.progress:
             raise ValueError(f"{info.name}: written twice")
         f.write(info, tensor)
-        if not f.missing and k < len(self._shards) - 1:
-            f.finish()  # the last file is finished by commit
+        self._finish_full(f)
 
     def write_range(self, info: TensorInfo, start: int, piece: torch.Tensor) -> None:
         """Elements ``[start, start + piece.numel())`` of ``info`` (1-D, CPU,
         contiguous), written at their place in the file: a tensor larger than the
         converter's window is never whole in memory."""
+        f = self._file_for(info, piece, piece.dim() == 1, "a range ")
+        f.write_range(info, start, piece)
+        self._finish_full(f)
+
+    def _file_for(self, info: TensorInfo, t: torch.Tensor, shaped: bool, what: str) -> _File:
+        """The file ``info`` was planned in, once ``t`` (the tensor, or ``what``: a range
+        of it) is checked against the plan: its dtype, CPU, contiguous, and ``shaped``
+        (the tensor's shape, or 1-D for a range); not yet written."""
         if not self._began:
             raise RuntimeError("safetensors sink: begin() was not called")
         k = self._shard_of.get(info.name)
@@ -588,20 +579,24 @@ class SafetensorsSink:
         planned = self._planned[info.name]
         if (
             planned != info
-            or piece.dtype != info.dtype
-            or piece.dim() != 1
-            or piece.device.type != "cpu"
-            or not piece.is_contiguous()
+            or t.dtype != info.dtype
+            or not shaped
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
         ):
+            shape = "1-D, " if what else ""
             raise ValueError(
-                f"{info.name}: given a range {piece.dtype} {tuple(piece.shape)} on "
-                f"{piece.device}, planned {planned.dtype} {planned.shape} (1-D, CPU, contiguous)"
+                f"{info.name}: given {what}{t.dtype} {tuple(t.shape)} on {t.device}, "
+                f"planned {planned.dtype} {planned.shape} ({shape}CPU, contiguous)"
             )
         f = self._file(k)
         if info.name not in f.missing:
             raise ValueError(f"{info.name}: written twice")
-        f.write_range(info, start, piece)
-        if not f.missing and k < len(self._shards) - 1:
+        return f
+
+    def _finish_full(self, f: _File) -> None:
+        """Finish ``f`` once its last tensor is in (the last file is finished by commit)."""
+        if not f.missing and f is not self._files.get(len(self._shards) - 1):
             f.finish()
 
     def commit(self, metadata: dict[str, str]) -> None:

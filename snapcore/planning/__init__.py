@@ -2,4 +2,5 @@
 testable with no process group and no I/O.
 
 ``layout``: where each tensor's bytes go in a data file. ``global_plan``: the global save
-plan and resharding read plan of issue 10 (a seam, not used by save/restore yet)."""
+plan, the node copies and the resharding read plan of issue 10, which sharded saves
+(``write/sharded.py``) and restores (``read.py``) use."""

@@ -31,8 +31,8 @@ from .. import api
 from ..distributed.job import current as current_job
 from ..errors import SnapcoreError, SnapshotFailed, SnapshotNotFound
 from ..staging.handle import SaveHandle, SaveStats
-from ..tiers import TIER_ORDER, HostTier, Store, as_store
-from .costs import DEFAULT_SLOWDOWN, CostMeter, Costs
+from ..tiers import HostTier, Store, as_store
+from .costs import DEFAULT_SLOWDOWN, CostMeter, Costs, restore_tier
 from .decisions import Decision, Decisions
 from .journal import (
     MIN_RUN_S,
@@ -45,7 +45,15 @@ from .journal import (
 )
 from .policy import RateInfo, Schedule, make_schedule, moved, plan_inputs, rate_info
 from .preemption import SigtermGuard
-from .rate import DEFAULT_QUANTILE, LLAMA3_RATE_PER_DEVICE_HOUR, MACHINE, PROCESS, RatePrior
+from .rate import (
+    CORRELATED,
+    DEFAULT_QUANTILE,
+    LLAMA3_RATE_PER_DEVICE_HOUR,
+    MACHINE,
+    PROCESS,
+    RatePrior,
+    llama3_class_counts,
+)
 
 log = logging.getLogger("snapcore.checkpointer")
 
@@ -107,7 +115,9 @@ class Checkpointer:
     plans. ``max_interval_s``: a hard upper bound on every tier's interval, from the
     first step on (default 1 h). ``journal``: keep the run journal (default: yes, on
     rank 0 only under torch.distributed). ``clock``: seconds, monotonic (tests inject a
-    fake one).
+    fake one). ``partners_across_racks``: a store with a peer tier whose partners sit
+    behind other rack switches, so that switch and cable failures do not take a lost
+    machine's partner (the prior split of failure classes, docs/scheduler.md).
 
     Guarantees (docs/scheduler.md, "The Checkpointer"): the first ``step()`` of a run,
     and the first after a ``restore()``, snapshots to every tier of the store (which
@@ -142,6 +152,7 @@ class Checkpointer:
         journal: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
         lead_steps: int = 2,
+        partners_across_racks: bool = False,
     ) -> None:
         if remote is not None or host is not None:
             if isinstance(store, Store):
@@ -166,6 +177,8 @@ class Checkpointer:
             devices, rate_per_device_hour or LLAMA3_RATE_PER_DEVICE_HOUR
         )
         self._quantile = quantile
+        # how many lost machines take their partner's copy too (a store with a peer tier)
+        self._class_prior = llama3_class_counts(partners_across_racks=partners_across_racks)
 
         # measured costs (the defaults until measured)
         self._meter = CostMeter(self._tiers, restart_s=restart_s, slowdown=slowdown)
@@ -177,9 +190,9 @@ class Checkpointer:
         self._next_alive = math.inf  # when the next "alive" event is due (journal time)
         self.run_id: str | None = None
         self._history: FailureHistory | None = None
-        self._past: dict[str, int] = {PROCESS: 0, MACHINE: 0, UNKNOWN: 0}
+        self._past: dict[str, int] = {PROCESS: 0, MACHINE: 0, CORRELATED: 0, UNKNOWN: 0}
         self._past_hours = 0.0
-        self._own: dict[str, int] = {PROCESS: 0, MACHINE: 0}
+        self._own: dict[str, int] = {PROCESS: 0, MACHINE: 0, CORRELATED: 0}
         if self._journal_path is not None:
             self._load_history(read_history(self.store))
         elif self._journal_on:
@@ -248,12 +261,11 @@ class Checkpointer:
             return 0
         now = self._clock()
         rollback = self._trained  # training had begun: this run rolls back
-        fastest = info.tier.split("+")[0]
-        self._meter.restored(fastest, info.seconds)
+        self._meter.restored(restore_tier(info.tier), info.seconds)
         self._restored = (info.step, info.tier)
         self._journal_event("restore", step=info.step, tier=info.tier, rollback=rollback)
         if rollback:
-            self._own[failure_class(info.tier)] += 1
+            self._own[failure_class(info.tier, self._tiers)] += 1
         elif self._journal is not None:
             # our restore tells the class of the failure that ended the previous run
             self._load_history(read_history(self.store, live_runs=[self._journal.run]))
@@ -524,7 +536,7 @@ class Checkpointer:
         slack = 0.5 * min(self._intervals.values())
         return tuple(
             t
-            for t in TIER_ORDER
+            for t in self._tiers  # the store's tiers, fastest first
             if t in self._intervals
             and t not in busy
             and now + slack >= self._last_begin[t] + self._intervals[t]
@@ -644,7 +656,13 @@ class Checkpointer:
     def _rate(self, now: float) -> RateInfo:
         own_hours = max(0.0, now - self._run_start) / 3600.0 if self._begun else 0.0
         return rate_info(
-            self._prior, self._quantile, self._past, self._past_hours, self._own, own_hours
+            self._prior,
+            self._quantile,
+            self._past,
+            self._past_hours,
+            self._own,
+            own_hours,
+            class_prior=self._class_prior,
         )
 
     def _replan(self, now: float, *, force: bool = False) -> None:
@@ -695,7 +713,7 @@ class Checkpointer:
         """Past runs' failures and exposure (this run's own are counted live)."""
         self._history = h
         mine = self._journal.run if self._journal is not None else None
-        past = {PROCESS: 0, MACHINE: 0, UNKNOWN: 0}
+        past = {PROCESS: 0, MACHINE: 0, CORRELATED: 0, UNKNOWN: 0}
         hours = 0.0
         for r in h.runs:
             if r.run == mine:

@@ -12,15 +12,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# The peer tier sends a node's host snapshot to a partner node over the job's network
+# once it is committed in host memory, and a replaced node reads it back the same way,
+# so both cost what the host tier costs plus the node's snapshot over the network. Until
+# measured: 40 GB per node (what local disk's 20 s below writes at 2 GB/s, one NVMe
+# drive) over 25 GB/s (half the line rate of one 400 Gb/s NIC, the endpoint speed of
+# Meta's Llama 3 clusters, of the eight a node has; the rest is left to training).
+DEFAULT_NODE_SNAPSHOT_BYTES = 40e9
+DEFAULT_NETWORK_BYTES_PER_S = 25e9
+PEER_TRANSFER_S = DEFAULT_NODE_SNAPSHOT_BYTES / DEFAULT_NETWORK_BYTES_PER_S  # 1.6 s
+
 # Costs assumed until measured (the same as `snapcore plan`'s defaults and the
-# simulator's): a 1 s stall, persist 2 s / 20 s / 5 min, restore 10 s / 30 s / 2 min.
-# Read when costs() is called, so that a test may set them.
+# simulator's): a 1 s stall, persist 2 s / 3.6 s / 20 s / 5 min, restore 10 s / 11.6 s /
+# 30 s / 2 min (host, peer, local, remote). Read when costs() is called, so that a test
+# may set them.
 DEFAULT_STALL_S = 1.0
-DEFAULT_PERSIST_S = {"host": 2.0, "local": 20.0, "remote": 300.0}
-DEFAULT_RESTORE_S = {"host": 10.0, "local": 30.0, "remote": 120.0}
+DEFAULT_PERSIST_S = {"host": 2.0, "peer": 2.0 + PEER_TRANSFER_S, "local": 20.0, "remote": 300.0}
+DEFAULT_RESTORE_S = {"host": 10.0, "peer": 10.0 + PEER_TRANSFER_S, "local": 30.0, "remote": 120.0}
 DEFAULT_SLOWDOWN = 0.05
 
 EWMA_WEIGHT = 0.3  # weight of a new measurement: a few snapshots to follow a change
+
+
+def restore_tier(tier: str) -> str:
+    """The tier a restore's time is charged to, from ``RestoreInfo.tier`` (``"host"``,
+    ``"local+remote"``, ...): the fastest it read, except that a restore which read a
+    partner's copy (``peer``) is charged to the peer tier, whose transfer it waited for."""
+    read = tier.split("+")
+    return "peer" if "peer" in read else read[0]
 
 
 def ewma(old: float | None, new: float, weight: float = EWMA_WEIGHT) -> float:
@@ -117,12 +136,16 @@ class CostMeter:
 
 
 __all__ = [
+    "DEFAULT_NETWORK_BYTES_PER_S",
+    "DEFAULT_NODE_SNAPSHOT_BYTES",
     "DEFAULT_PERSIST_S",
     "DEFAULT_RESTORE_S",
     "DEFAULT_SLOWDOWN",
     "DEFAULT_STALL_S",
     "EWMA_WEIGHT",
+    "PEER_TRANSFER_S",
     "CostMeter",
     "Costs",
     "ewma",
+    "restore_tier",
 ]

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..durable import fsync_dir
-from .rate import MACHINE, PROCESS, RateEstimate, RatePrior, estimate_from_history
+from .rate import CORRELATED, MACHINE, PROCESS, RateEstimate, RatePrior, estimate_from_history
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 JOURNAL_NAME = "journal.jsonl"
 FORMAT_VERSION = 1
 KINDS = ("start", "restore", "snapshot", "alive", "exit")
-TIER_ORDER = ("host", "local", "remote")  # as snapcore.tiers has it (no torch import here)
+TIER_ORDER = ("host", "peer", "local", "remote")  # fastest first (no torch import here)
 UNKNOWN = "unknown"  # the class of a failure whose next run restored nothing (or not yet)
 MAX_LINE_BYTES = 16 << 10  # an event is ~150 bytes; a longer line is not ours
 MAX_READ_BYTES = 64 << 20  # a reader looks at most at the newest 64 MiB (~400k events)
@@ -387,7 +387,7 @@ class RunRecord:
         end, none when the run is short."""
         if self.short and not self.live:
             return []
-        out = [failure_class(tier) for _, tier, rollback in self.restores if rollback]
+        out = [failure_class(tier, self.tiers) for _, tier, rollback in self.restores if rollback]
         if self.failure is not None:
             out.append(self.failure)
         return out
@@ -399,7 +399,7 @@ class FailureHistory:
 
     runs: list[RunRecord]
     failures: int  # unclean ends, plus rollbacks (restores in the middle of a run)
-    by_class: dict[str, int]  # process, machine, unknown
+    by_class: dict[str, int]  # process, machine, correlated, unknown
     exposure_hours: float
     contents: JournalContents
 
@@ -408,14 +408,22 @@ class FailureHistory:
         return estimate_from_history(self.failures, self.exposure_hours, prior, quantile=quantile)
 
 
-def failure_class(tier: str) -> str:
+def failure_class(tier: str, store_tiers: Iterable[str] | None = None) -> str:
     """The class of a failure, from the tier the run after it restored from.
 
-    Host memory is lost with the machine, so a restore that read from it proves the
-    machine survived: the process crashed. ``tier`` is ``RestoreInfo.tier``, e.g.
-    ``"host"`` or ``"local+remote"``.
+    A restore that read a partner's copy (``peer``) proves a machine was lost, and only
+    one: its partner was up. Host memory is lost with the machine, so a restore that read
+    from it (and from no partner) proves the machines survived: the process crashed.
+    Anything else is a lost machine, or, when the store has a peer tier (``store_tiers``,
+    as its run journaled them), a machine lost with its partner: the partner's copy would
+    have been newer. ``tier`` is ``RestoreInfo.tier``, e.g. ``"host"`` or ``"local+remote"``.
     """
-    return PROCESS if "host" in tier.split("+") else MACHINE
+    read = tier.split("+")
+    if "peer" in read:
+        return MACHINE
+    if "host" in read:
+        return PROCESS
+    return CORRELATED if store_tiers is not None and "peer" in store_tiers else MACHINE
 
 
 def analyse(contents: JournalContents, *, live_runs: Iterable[str] = ()) -> FailureHistory:
@@ -463,7 +471,7 @@ def analyse(contents: JournalContents, *, live_runs: Iterable[str] = ()) -> Fail
     if contents.live and order and order[-1].exit is None:
         order[-1].live = True
 
-    by_class = {PROCESS: 0, MACHINE: 0, UNKNOWN: 0}
+    by_class = {PROCESS: 0, MACHINE: 0, CORRELATED: 0, UNKNOWN: 0}
     for i, r in enumerate(order):
         if not (r.clean or (r.live and r.exit is None)):
             if r.exit == "unclean" and r.reason in USER_EXITS:
@@ -476,7 +484,9 @@ def analyse(contents: JournalContents, *, live_runs: Iterable[str] = ()) -> Fail
             else:
                 nxt = order[i + 1] if i + 1 < len(order) else None
                 first = next((t for _, t, rb in nxt.restores if not rb), None) if nxt else None
-                r.failure = failure_class(first) if first is not None else UNKNOWN
+                r.failure = (
+                    UNKNOWN if nxt is None or first is None else failure_class(first, nxt.tiers)
+                )
         elif r.short and not r.live and any(rb for *_, rb in r.restores):
             r.not_counted = f"ran {r.exposure_s:.3g} s: its rollbacks do not count"
         for cls in r.counted_failures():
@@ -616,6 +626,7 @@ def history_text(h: FailureHistory, estimate: RateEstimate | None) -> list[str]:
     lines.append(
         f"{len(h.runs)} run(s), {live} live; {h.failures} failure(s): "
         f"{h.by_class[PROCESS]} process crash(es), {h.by_class[MACHINE]} lost machine(s), "
+        f"{h.by_class[CORRELATED]} lost with its partner, "
         f"{h.by_class[UNKNOWN]} of unknown class; exposure {h.exposure_hours:.3g} h"
     )
     for r in h.runs:

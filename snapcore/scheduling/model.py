@@ -70,7 +70,8 @@ class CostModel:
 
     ``stall_s`` blocks training once per snapshot, whatever its tiers; ``slowdown`` is the
     fraction by which training slows while a snapshot persists (PCIe, CPU and network
-    contention), charged for the persist time of the deepest tier the snapshot goes to.
+    contention), charged for the longest persist time of the tiers the snapshot goes to
+    (that of the deepest one, unless a faster tier is slower to write).
     """
 
     tiers: tuple[TierCost, ...]
@@ -223,13 +224,17 @@ def expected_waste(
         if not intervals_s[name] > 0:
             raise ValueError(f"interval of tier {name!r} must be > 0")
 
-    # Overhead: a stall per snapshot (the fastest tier's clock), plus interference for
-    # the persist time of each snapshot's deepest tier.
+    # Overhead: a stall per snapshot (the fastest tier's clock), plus interference while
+    # the snapshot persists: a snapshot whose deepest tier is k persists to tiers up to k
+    # at once, for the longest of their persist times (that of k itself unless a faster
+    # tier is slower to write, as a partner's memory over a slow network can be).
     ts = [intervals_s[n] for n in used]
     overhead = model.stall_s / min(ts)
+    longest = 0.0
     for i, name in enumerate(used):
+        longest = max(longest, model.tier(name).persist_s)
         nxt = 1.0 / ts[i + 1] if i + 1 < len(ts) else 0.0
-        overhead += model.slowdown * model.tier(name).persist_s * max(0.0, 1.0 / ts[i] - nxt)
+        overhead += model.slowdown * longest * max(0.0, 1.0 / ts[i] - nxt)
     if overhead >= 1.0:
         # Snapshots alone take all the time; returned as is (>= 1) so that a search
         # over intervals still sees which way is better.

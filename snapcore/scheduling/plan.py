@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from snapcore.scheduling.costs import DEFAULT_PERSIST_S, DEFAULT_RESTORE_S, PEER_TRANSFER_S
 from snapcore.scheduling.model import (
     CostModel,
     FailureClass,
@@ -28,6 +29,7 @@ from snapcore.scheduling.model import (
     young_interval,
 )
 from snapcore.scheduling.rate import (
+    CORRELATED,
     LLAMA3_CLASS_COUNTS,
     LLAMA3_RATE_PER_DEVICE_HOUR,
     MACHINE,
@@ -35,13 +37,29 @@ from snapcore.scheduling.rate import (
     SURVIVES,
     RatePrior,
     estimate_from_history,
+    llama3_class_counts,
+    merge_classes,
 )
 
-TIER_ORDER = ("host", "local", "remote")
-DEFAULT_PERSIST = {"host": 2.0, "local": 20.0, "remote": 300.0}
+TIER_ORDER = ("host", "peer", "local", "remote")
+DEFAULT_PERSIST = dict(DEFAULT_PERSIST_S)  # host 2 s, peer 3.6 s, local 20 s, remote 5 min
 DEFAULT_PERSIST_ARG = "local=20s,remote=5m"
-DEFAULT_RESTART = {"host": 190.0, "local": 210.0, "remote": 300.0}
+DEFAULT_RESTART_S = 180.0
+DEFAULT_RESTART = {t: DEFAULT_RESTART_S + v for t, v in DEFAULT_RESTORE_S.items()}
 LLAMA3_CRASH_FRACTION = LLAMA3_CLASS_COUNTS[PROCESS] / sum(LLAMA3_CLASS_COUNTS.values())
+
+
+def llama3_correlated_fraction(partners_across_racks: bool) -> float:
+    """Share of Llama 3's interruptions that take a machine and its partner."""
+    counts = llama3_class_counts(partners_across_racks=partners_across_racks)
+    return counts[CORRELATED] / sum(counts.values())
+
+
+CLASS_WORDS = {
+    PROCESS: "process crashes",
+    MACHINE: "lost machines",
+    CORRELATED: "machines lost with their partner",
+}
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 _PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smh])")
@@ -133,6 +151,21 @@ def _parser() -> argparse.ArgumentParser:
         help="share of failures that leave the machines up, so host memory survives "
         f"(default: Llama 3's {LLAMA3_CRASH_FRACTION:.3f})",
     )
+    rate.add_argument(
+        "--correlated-fraction",
+        type=float,
+        default=None,
+        help="share of failures that take a machine and its partner node, so the peer "
+        "tier's copy is lost too (default: Llama 3's, "
+        f"{llama3_correlated_fraction(False):.3f}: switch and cable failures count, or "
+        f"{llama3_correlated_fraction(True):.3f} with --partners-across-racks)",
+    )
+    rate.add_argument(
+        "--partners-across-racks",
+        action="store_true",
+        help="the peer tier's partners sit behind other rack switches: a switch or cable "
+        "failure then takes no machine's partner",
+    )
     cost = p.add_argument_group("costs")
     cost.add_argument("--cost", default="1s", help="blocking cost (stall) of one snapshot")
     cost.add_argument("--step-time", help="time of one training step (intervals in steps)")
@@ -140,11 +173,19 @@ def _parser() -> argparse.ArgumentParser:
         "--persist",
         default=None,
         help=f"time to durable per tier after the stall (default {DEFAULT_PERSIST_ARG}; host "
-        "is always used, 2s unless given; with --journal, the store's tiers only)",
+        "is always used, 2s unless given; peer=... adds the peer tier; with --journal, the "
+        "store's tiers only)",
+    )
+    cost.add_argument(
+        "--peer",
+        action="store_true",
+        help="add the peer tier (each node's snapshot also in a partner node's memory) at "
+        f"{DEFAULT_PERSIST['peer']:g}s to persist (host's 2s + {PEER_TRANSFER_S:g}s: 40 GB "
+        "over 25 GB/s) unless --persist gives it",
     )
     cost.add_argument(
         "--restart",
-        default="host=190s,local=210s,remote=5m",
+        default="host=190s,peer=191.6s,local=210s,remote=5m",
         help="restore + restart time: one duration, or per tier",
     )
     cost.add_argument(
@@ -224,6 +265,13 @@ def _build(args: argparse.Namespace) -> _Setup:
         mtbf = _mtbf_from_journal(args.journal, prior)
     if not 0 <= args.crash_fraction <= 1:
         raise _UsageError("--crash-fraction must be between 0 and 1")
+    if args.correlated_fraction is not None and not (
+        0 <= args.correlated_fraction <= 1 - args.crash_fraction
+    ):
+        raise _UsageError(
+            "--correlated-fraction must be between 0 and 1 - --crash-fraction "
+            f"({1 - args.crash_fraction:.3g})"
+        )
     if not 0 < args.target < 1:
         raise _UsageError("--target must be a fraction between 0 and 1, e.g. 0.02")
     if not 0 <= args.slowdown < 1:
@@ -231,6 +279,8 @@ def _build(args: argparse.Namespace) -> _Setup:
 
     given = _tier_list(args.persist or DEFAULT_PERSIST_ARG, "--persist")
     persist = {"host": DEFAULT_PERSIST["host"], **given}
+    if args.peer:
+        persist.setdefault("peer", DEFAULT_PERSIST["peer"])
     if store_tiers is not None:
         bad = sorted(set(given) - set(store_tiers)) if args.persist else []
         if bad:
@@ -249,22 +299,41 @@ def _build(args: argparse.Namespace) -> _Setup:
     stall = parse_duration(args.cost)
     model = CostModel(tiers, stall_s=stall, slowdown=args.slowdown, step_s=step)
     lam = 1.0 / mtbf
-    shares = {PROCESS: args.crash_fraction, MACHINE: 1 - args.crash_fraction}
+    crash = args.crash_fraction
+    corr = args.correlated_fraction
+    if corr is None:  # Llama 3's lost machines, split as the partners' placement gives
+        corr = (
+            (1 - crash)
+            * llama3_correlated_fraction(args.partners_across_racks)
+            / (1 - LLAMA3_CRASH_FRACTION)
+        )
+    shares = {PROCESS: crash, MACHINE: max(0.0, 1 - crash - corr), CORRELATED: corr}
+    names = [t.name for t in tiers]
     uncovered: list[str] = []
     classes = []
-    for cls, share in shares.items():
-        survives = SURVIVES[cls]
-        if store_tiers is not None and not survives & set(store_tiers):
+    # without a peer tier, a machine lost with its partner is a lost machine like any other
+    for cls, share in merge_classes(shares, names).items():
+        survives = SURVIVES[cls] & set(names)
+        if not survives and share > 0:
+            if store_tiers is None:
+                raise _UsageError(_uncovered_message(cls))
             # as the Checkpointer does: charged to the store's most durable tier
             uncovered.append(cls)
             survives = frozenset({tiers[-1].name})
         classes.append(FailureClass(cls, lam * share, survives))
-    if store_tiers is None and "remote" not in persist and args.crash_fraction < 1:
-        raise _UsageError(
-            "a lost machine takes host memory and local disk with it: add a remote tier "
-            "to --persist (e.g. remote=5m), or --crash-fraction 1"
-        )
     return _Setup(model, classes, mtbf, stall, store_tiers, tuple(uncovered))
+
+
+def _uncovered_message(cls: str) -> str:
+    if cls == MACHINE:
+        return (
+            "a lost machine takes host memory and local disk with it: add a remote tier "
+            "to --persist (e.g. remote=5m) or the peer tier (--peer), or --crash-fraction 1"
+        )
+    return (
+        "a machine lost with its partner takes the peer tier's copy too: add a remote tier "
+        "to --persist (e.g. remote=5m), or --correlated-fraction 0"
+    )
 
 
 def plan_main(argv: Sequence[str]) -> int:
@@ -311,7 +380,7 @@ def plan_main(argv: Sequence[str]) -> int:
 def _store_lines(store: str, setup: _Setup) -> str:
     lines = [f"store {store}: tiers {', '.join(setup.store_tiers or ())}"]
     for cls in setup.uncovered:
-        what = "process crashes" if cls == PROCESS else "lost machines"
+        what = CLASS_WORDS.get(cls, cls)
         lines.append(
             f"  no tier of it survives {what}: planned as if {setup.model.tiers[-1].name} "
             "did (the best copy there is)"
@@ -366,18 +435,17 @@ def _as_text(
 ) -> str:
     rates = plan.rates_per_s
     lam = sum(rates.values())
-    crash = rates.get(PROCESS, 0.0) / lam if lam > 0 else 0.0
+    shares = ", ".join(
+        f"{100 * r / lam:.0f}% {CLASS_WORDS.get(c, c)}" for c, r in rates.items() if lam > 0
+    )
     lines = [
-        f"failure rate: MTBF {format_duration(mtbf)} "
-        f"({100 * crash:.0f}% process crashes, {100 * (1 - crash):.0f}% lost machines)",
+        f"failure rate: MTBF {format_duration(mtbf)} ({shares})",
         "",
         f"  {'tier':<8}{'every':>10}{'steps':>9}   restores after",
     ]
     by_tier: dict[str, list[str]] = {}
     for cls, tier in plan.recovers_from.items():
-        by_tier.setdefault(tier, []).append(
-            "process crashes" if cls == PROCESS else "lost machines" if cls == MACHINE else cls
-        )
+        by_tier.setdefault(tier, []).append(CLASS_WORDS.get(cls, cls))
     for tier in model.tiers:
         name = tier.name
         if name not in plan.intervals_s:

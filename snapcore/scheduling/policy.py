@@ -13,7 +13,16 @@ from dataclasses import dataclass
 
 from .costs import Costs
 from .model import CostModel, FailureClass, TierCost, Waste, optimise
-from .rate import MACHINE, PROCESS, SURVIVES, FailureRateLearner, RatePrior, estimate_from_history
+from .rate import (
+    CORRELATED,
+    MACHINE,
+    PROCESS,
+    SURVIVES,
+    FailureRateLearner,
+    RatePrior,
+    estimate_from_history,
+    merge_classes,
+)
 
 MATERIAL_CHANGE = 0.2  # relative change of an input that is worth a new plan
 
@@ -67,18 +76,20 @@ def rate_info(
     past_hours: float,
     own: Mapping[str, int],
     own_hours: float,
+    class_prior: Mapping[str, float] | None = None,
 ) -> RateInfo:
     """The failure rate from past runs' failures per class (``past``, which names every
     class counted, an unknown one too) over ``past_hours``, and this run's own
     (``own``) over ``own_hours``: the Gamma posterior's conservative read, split between
-    classes by Llama 3's shares as moved by the failures whose class is known."""
-    by_class = {k: past.get(k, 0) + own.get(k, 0) for k in past}
+    classes by Llama 3's shares (``class_prior``, default ``LLAMA3_CLASS_COUNTS``) as
+    moved by the failures whose class is known."""
+    by_class = {k: past.get(k, 0) + own.get(k, 0) for k in {**past, **own}}
     failures = sum(by_class.values())
     hours = past_hours + own_hours
     est = estimate_from_history(failures, hours, prior, quantile=quantile)
-    learner = FailureRateLearner(prior, quantile=quantile)
-    for cls in (PROCESS, MACHINE):
-        learner.failures[cls] += by_class[cls]
+    learner = FailureRateLearner(prior, class_prior, quantile=quantile)
+    for cls in (PROCESS, MACHINE, CORRELATED):
+        learner.failures[cls] += by_class.get(cls, 0)
     shares = learner.shares()
     per_s = est.conservative_per_hour / 3600.0
     return RateInfo(
@@ -140,16 +151,17 @@ def make_schedule(
     )
     classes = []
     uncovered = []
-    for cls, survives in SURVIVES.items():
-        mine = survives & have
+    # without a peer tier, a machine lost with its partner is a lost machine like any other
+    for cls, rate_per_s in merge_classes(rate.rates_per_s, tiers).items():
+        mine = SURVIVES[cls] & have
         if not mine:  # e.g. a lost machine with no remote tier: the best there is
             uncovered.append(cls)
             mine = frozenset({deepest})
-        classes.append(FailureClass(cls, rate.rates_per_s.get(cls, 0.0), mine))
+        classes.append(FailureClass(cls, rate_per_s, mine))
     plan = optimise(model, classes, target=target)
     intervals = dict(plan.intervals_s)
     forced: dict[str, str] = {}
-    persistent = [t for t in tiers if t != "host"]
+    persistent = [t for t in tiers if t not in ("host", "peer")]
     if persistent and not any(t in intervals for t in persistent):
         # Host memory does not outlive the machine or a reboot: a store that has a
         # disk or a bucket always gets copies there, at the slowest planned interval.
@@ -158,6 +170,12 @@ def make_schedule(
     if "remote" in intervals and "local" in have and "local" not in intervals:
         intervals["local"] = intervals["remote"]
         forced["local"] = "uploads to remote are read from the local copy"
+    if "peer" in have and "peer" not in intervals:
+        # Asked for, so used: with every snapshot that goes to a slower tier (the
+        # optimiser leaves it out only when no failure it would cover is expected).
+        slower = [intervals[t] for t in tiers[tiers.index("peer") + 1 :] if t in intervals]
+        intervals["peer"] = min(slower) if slower else max(intervals.values())
+        forced["peer"] = "asked for: every snapshot to a slower tier also goes to the partner"
     if "host" in have and "host" not in intervals:
         # Asked for, so used: a host copy of a snapshot that is staged anyway costs no
         # stall of its own (the arena is the host tier's memory).

@@ -90,7 +90,7 @@ class Stager:
             # Overlap mode: copies queued on other devices (or running on the overlap
             # thread) still write into the arena and read their sources. They finish
             # before the error goes up: the arena is reused and the sources freed after.
-            _settle(w)
+            settle_window(w)
             raise
         windows.put(w)
 
@@ -243,7 +243,7 @@ class Stager:
         return events
 
 
-def _settle(w: Window) -> None:
+def settle_window(w: Window) -> None:
     """Wait, raising nothing, for every copy of ``w`` already queued or running."""
     for fut in w.pending:
         with contextlib.suppress(BaseException):

@@ -19,6 +19,7 @@ from ..directory import Pending
 from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, Location, StagingAborted, Window, WindowItem
 from ..planning.layout import Layout
+from ..staging.copy import settle_window
 from ..staging.handle import SaveHandle
 from .chunks import Staged, chunk_list, hash_chunks, hash_window
 from .commit import OutcomeUnknown, ShardedSave, part_ref
@@ -60,6 +61,7 @@ class PersistJob:
         self.slot = slot
         self.slot_free = slot_free
         self.helpers: list[Future[Any]] = []  # hash and encode work that reads the arena
+        self._ended = False  # staging's last item (None, or Aborted) was taken
         self.peer: Future[None] | None = None  # the peer tier's transfer (snapcore/peer)
 
     def run(self) -> None:
@@ -108,6 +110,7 @@ class PersistJob:
                 h.resolve(tier, e)
         finally:
             self._settle()
+            self._drain()
             self._release_slot(upload)
 
     def _settle(self) -> None:
@@ -115,6 +118,20 @@ class PersistJob:
         for fut in self.helpers:
             with contextlib.suppress(BaseException):
                 fut.result()
+
+    def _drain(self) -> None:
+        """After a failure that came before staging's last window was taken (the store
+        could not be opened, the plan changed...): take the windows staging still gives,
+        up to its end, and wait for their copies. Overlap mode's run on after
+        ``async_save`` returned (the overlap thread, the side streams): the slot is freed,
+        and the arena reused, only once none of them writes into it or reads a source."""
+        while not self._ended:
+            w = self.windows.get()
+            if w is None or isinstance(w, Aborted):
+                self._ended = True
+            else:
+                settle_window(w)  # (streaming: its halves stay taken, so the stager
+                w.keep.clear()  # finds the failure at its next window and stops)
 
     def _release_slot(self, upload: Future[None] | None) -> None:
         # The uploader and the peer tier read the slot: it stays busy until they are done.
@@ -137,6 +154,7 @@ class PersistJob:
 
     def _take_window(self) -> Window | None:
         w = self.windows.get()
+        self._ended = w is None or isinstance(w, Aborted)
         if isinstance(w, Aborted):
             raise StagingAborted(f"staging of step {self.handle.step} was interrupted") from w.error
         if w is None:

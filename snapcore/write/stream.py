@@ -66,21 +66,24 @@ class StreamWriter:
 
     ``add_tensor(dtype, shape)`` declares the next tensor (its index in the manifest);
     ``write(i, offset, data)`` gives bytes ``[offset, offset + data.nbytes)`` of tensor
-    ``i``'s C-order image, in order (each piece starts where the last ended); ``add(t)``
-    does both for a whole tensor. ``commit(tree)`` checks that every tensor is whole,
-    fsyncs the data and commits the manifest; ``abort()`` (or any failure of
-    ``commit``) leaves no committed step and removes this writer's files. Not
-    thread-safe: one caller at a time.
+    ``i``'s C-order image, in order (each piece starts where the last ended; the pieces
+    of different tensors may interleave); ``add(t)`` does both for a whole tensor. A
+    write that fails leaves the writer refusing every later write and the commit.
+    ``commit(tree)`` checks that every tensor is whole, fsyncs the data and commits the
+    manifest; ``abort()`` (or any failure of ``commit``) leaves no committed step and
+    removes this writer's files. Not thread-safe: one caller at a time.
     """
 
     def __init__(self, root: str | Path, step: int) -> None:
         self.directory = LocalDirectory(root)
         self.directory.ensure()
         self.step = step
+        self._where = f"{self.directory.root}, step {step}"  # for messages
         self._lock: str | None = writer_lock.take(self.directory.root, str(self.directory.root))
         self._writer: Any = None
         self.pending: Pending | None = None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="snapcore-stream-hash")
+        self._failed: str | None = None  # why a write failed: the writer is then unusable
         try:
             self.directory.collect_leftovers()  # an interrupted writer's files, as a save does
             self.pending = self.directory.begin(step)
@@ -92,7 +95,7 @@ class StreamWriter:
             self.abort()
             raise
         self.chunk_bytes = settings.chunk_bytes()
-        self.end = 0  # the data file's size so far
+        self.end = 0  # the end of the last blob placed (its whole size reserved): the file size
         self.blobs: list[_Blob] = []
         self.entries: list[mf.TensorEntry] = []
         self.committed: mf.Manifest | None = None
@@ -126,10 +129,14 @@ class StreamWriter:
         b = self.blobs[i]
         view, address = _bytes_of(data)
         n = len(view)
+        if self._failed is not None:
+            raise RuntimeError(
+                f"{self._where}: an earlier write failed ({self._failed}); abort this writer"
+            )
         if offset != b.written or offset + n > b.nbytes:
             raise ValueError(
-                f"tensor {i}: bytes [{offset}, {offset + n}) given after {b.written} of "
-                f"{b.nbytes}: pieces must come in order and stay inside the tensor"
+                f"{self._where}: tensor {i}: bytes [{offset}, {offset + n}) given after "
+                f"{b.written} of {b.nbytes}: pieces must come in order and stay inside it"
             )
         if n == 0:
             return
@@ -138,13 +145,21 @@ class StreamWriter:
             if pos % ALIGN:
                 pos = align_up(self.end, ALIGN)
             b.offset = pos
-        hashed: Future[None] = self._hasher.submit(self._hash, b, offset, view)
+            # the whole blob is reserved now: a tensor placed before this one's last piece
+            # comes after it, never inside it
+            self.end = b.offset + b.nbytes
         try:
-            self._writer.write_at(b.offset + offset, address, n)
-        finally:
-            hashed.result()
+            hashed: Future[None] = self._hasher.submit(self._hash, b, offset, view)
+            try:
+                self._writer.write_at(b.offset + offset, address, n)
+            finally:
+                hashed.result()
+        except BaseException as e:
+            # the piece may be hashed but not written, or the reverse: the blob's digests
+            # no longer match its bytes, so nothing more may be written or committed
+            self._failed = f"tensor {i}, bytes [{offset}, {offset + n}): {e}"
+            raise
         b.written += n
-        self.end = max(self.end, b.offset + b.written)
 
     def _hash(self, b: _Blob, offset: int, view: memoryview) -> None:
         """Hash bytes ``[offset, offset + len(view))`` of blob ``b`` into its chunks."""
@@ -170,11 +185,14 @@ class StreamWriter:
         tensors added); returns its manifest. Any failure aborts."""
         try:
             assert self.pending is not None
+            if self._failed is not None:
+                raise RuntimeError(f"{self._where}: a write failed ({self._failed})")
             short = [i for i, b in enumerate(self.blobs) if b.written != b.nbytes]
             if short:
                 b = self.blobs[short[0]]
                 raise ValueError(
-                    f"tensor {short[0]} is not whole: {b.written} of {b.nbytes} bytes written"
+                    f"{self._where}: tensor {short[0]} is not whole: {b.written} of "
+                    f"{b.nbytes} bytes written"
                 )
             self._writer.sync()
             self._writer.close()
@@ -191,7 +209,7 @@ class StreamWriter:
                 (self.directory.root / self.name).unlink(missing_ok=True)
             m = build_manifest(step=self.step, blobs=blobs, tensors=self.entries, tree=tree)
             # what every reader checks, before the commit makes it visible
-            mf.parse(m.dumps(), where=f"step {self.step}'s manifest")
+            mf.parse(m.dumps(), where=f"{self._where}: the manifest")
             self.pending.commit(m)
         except BaseException:
             self.abort()

@@ -319,6 +319,52 @@ def test_overlap_mode_step_waits_for_the_cpu_copies_not_for_the_previous_persist
     assert not torch.equal(model.weight, before["weight"])
 
 
+def test_overlap_mode_failed_persist_frees_the_arena_only_after_the_copies(tmp_path, monkeypatch):
+    """The persist thread fails before it takes the window (here: the store cannot be
+    opened) while overlap mode's CPU copies still write into the arena: the arena's slot
+    is freed, for the next save to stage into, only once those copies have finished."""
+    from concurrent.futures import wait
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(8, 64)).sum().backward()
+    order: list[str] = []
+    gate = threading.Event()
+    real_copy, real_begin = _native.copy_host, LocalDirectory.begin
+
+    def held_copy(copies, threads=0, **kw):  # overlap mode's CPU copies wait for the gate
+        if threading.current_thread().name.startswith("snapcore-overlap"):
+            gate.wait(60)
+            real_copy(copies, threads, **kw)
+            order.append("copied")
+        else:
+            real_copy(copies, threads, **kw)
+
+    def failing_begin(self, step):
+        if step == 1:
+            raise OSError(5, "the store cannot be opened")
+        return real_begin(self, step)
+
+    monkeypatch.setattr(_native, "copy_host", held_copy)
+    monkeypatch.setattr(LocalDirectory, "begin", failing_begin)
+    h = snapcore.async_save({"model": model, "optim": opt}, tmp_path, step=1, overlap=True)
+    h.settle()  # failed: the persist thread is past its failure
+    slot_free = engine_mod.engine_for(tmp_path)._slot_free[0]
+    assert slot_free is not None
+    slot_free.add_done_callback(lambda _: order.append("slot freed"))
+    # the copies are held: the slot must not be freed meanwhile (it is never, whatever the
+    # machine's speed, while the gate is closed; a wrong order would show here)
+    assert not wait([slot_free], timeout=1.0).done, order
+    gate.set()
+    slot_free.result(timeout=60)
+    assert order == ["copied", "slot freed"], order
+    with pytest.raises(snapcore.SnapshotFailed, match="cannot be opened"):
+        h.wait()
+    opt.step()  # the hook does not hang on the failed snapshot
+    snapcore.async_save({"model": model, "optim": opt}, tmp_path, step=2).wait()
+    assert snapcore.committed(tmp_path)["local"] == [2]
+
+
 def test_overlap_mode_is_refused_while_a_cuda_graph_is_captured(tmp_path, monkeypatch):
     """The copies' ordering and the hook's stream wait would be captured, not run."""
     model = torch.nn.Linear(4, 4)

@@ -282,9 +282,19 @@ def test_a_dead_run_is_classed_by_this_runs_restore_and_a_rollback_counts(
     first._shutdown()  # dies without a clean exit (the journal's lock goes with it)
 
     second = snapcore.Checkpointer(store, clock=clock, handle_sigterm=False)
-    assert second.plan().rate.by_class == {"process": 0, "machine": 0, "unknown": 1}
+    assert second.plan().rate.by_class == {
+        "process": 0,
+        "machine": 0,
+        "correlated": 0,
+        "unknown": 1,
+    }
     assert second.restore(state) == 4  # from host memory: the process crashed, not the machine
-    assert second.plan().rate.by_class == {"process": 1, "machine": 0, "unknown": 0}
+    assert second.plan().rate.by_class == {
+        "process": 1,
+        "machine": 0,
+        "correlated": 0,
+        "unknown": 0,
+    }
     run_steps(second, clock, state, range(4, 10))
     # a rollback in the middle of the run, to the first step after the restore (which
     # was snapshotted)
@@ -721,3 +731,17 @@ def test_sigkill_early_in_a_resumed_run_keeps_its_first_step(tmp_path):
     info = snapcore.restore(state, tmp_path)
     assert info.step == state["step"] == 5  # not 4: the resumed run's work is kept
     assert float(model.weight.detach().sum()) == float(seen[5])
+
+
+def test_partners_across_racks_sets_the_class_prior(tmp_path):
+    # The store's tiers decide whether the split matters (no peer tier here: lost
+    # machines and machines lost with their partner are one class); the rate it is made
+    # from carries the prior split either way.
+    def shares(**kw):
+        ckpt = snapcore.Checkpointer(tmp_path, devices=16384, handle_sigterm=False, **kw)
+        rates = ckpt.plan().rate.rates_per_s
+        ckpt.close()
+        return {c: r / sum(rates.values()) for c, r in rates.items()}
+
+    assert shares()["correlated"] == pytest.approx(38 / 419)
+    assert shares(partners_across_racks=True)["correlated"] == pytest.approx(3 / 419)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def test_ls_shows_tiers_and_gc_applies_retention(tmp_path, capsys):
     from snapcore.tiers import HostTier
     from snapcore.write.engine import close_all
 
-    host = f"test-{uuid.uuid4().hex[:8]}"
+    host = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         store = snapcore.Store(host=host, local=tmp_path)
         for step in (1, 2, 3):

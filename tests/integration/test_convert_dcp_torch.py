@@ -363,14 +363,39 @@ def test_dcp_sink_order_is_dcps_plan_order(tmp_path: Path) -> None:
     sink.abort()
 
 
+def _within(seconds: float, body: Any) -> None:
+    """Run ``body`` on a thread: a hang in the sink's hand-off with DCP's thread fails the
+    test after ``seconds`` instead of hanging the run; ``body``'s error is raised here."""
+    import threading
+
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            body()
+        except BaseException as e:
+            error.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"the DCP sink hung for {seconds} s"
+    if error:
+        raise error[0]
+
+
 def test_dcp_sink_abort_mid_stream_stops_dcp_and_leaves_nothing(tmp_path: Path) -> None:
     target = tmp_path / "out"
     sink = FORMATS["dcp"].sink(target, {})
     infos = [TensorInfo(n, torch.float32, (3,)) for n in ["a", "b", "c"]]
     sink.write_values({"v": 1})
-    sink.begin(infos, {}, {})
-    sink.write(infos[0], torch.ones(3))
-    sink.abort()  # DCP waits for "b": it must give up, and the temporary must go
+
+    def body() -> None:
+        sink.begin(infos, {}, {})
+        sink.write(infos[0], torch.ones(3))
+        sink.abort()  # DCP waits for "b": it must give up, and the temporary must go
+
+    _within(120, body)
     assert sink._thread is not None and not sink._thread.is_alive()
     assert list(tmp_path.iterdir()) == []
 
@@ -379,10 +404,32 @@ def test_dcp_sink_commit_before_every_tensor_fails(tmp_path: Path) -> None:
     sink = FORMATS["dcp"].sink(tmp_path / "out", {})
     infos = [TensorInfo(n, torch.float32, (3,)) for n in ["a", "b"]]
     sink.write_values({})
-    sink.begin(infos, {}, {})
-    sink.write(infos[0], torch.ones(3))
-    with pytest.raises(ValueError, match="b was planned but never given"):
+
+    def body() -> None:
+        sink.begin(infos, {}, {})
+        sink.write(infos[0], torch.ones(3))
         sink.commit({})
+
+    with pytest.raises(ValueError, match="b was planned but never given"):
+        _within(120, body)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dcp_sink_refuses_a_tensor_outside_dcps_plan(tmp_path: Path) -> None:
+    """A tensor given that DCP never asks for would be missing from the checkpoint: the
+    commit fails naming it, and leaves no target."""
+    sink = FORMATS["dcp"].sink(tmp_path / "out", {})
+    infos = [TensorInfo("a", torch.float32, (3,))]
+    sink.write_values({})
+
+    def body() -> None:
+        sink.begin(infos, {}, {})
+        sink.write(TensorInfo("stray", torch.float32, (2,)), torch.ones(2))
+        sink.write(infos[0], torch.ones(3))
+        sink.commit({})
+
+    with pytest.raises(ValueError, match="stray given but not in DCP's plan"):
+        _within(120, body)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -90,11 +90,40 @@ def test_unclean_ends_are_classed_by_the_next_restore(tmp_path):
     )  # fmt: skip
     h = jn.read_history(tmp_path)
     assert [r.failure for r in h.runs] == [jn.PROCESS, jn.MACHINE, jn.UNKNOWN, None]
-    assert h.by_class == {jn.PROCESS: 1, jn.MACHINE: 1, jn.UNKNOWN: 1}
+    assert h.by_class == {jn.PROCESS: 1, jn.MACHINE: 1, jn.CORRELATED: 0, jn.UNKNOWN: 1}
     assert h.failures == 3
     assert h.exposure_hours == pytest.approx(1 + 1 + 1 + 0.5)
     assert jn.failure_class("host+local") == jn.PROCESS
     assert jn.failure_class("remote") == jn.MACHINE
+
+
+def test_failures_of_a_store_with_a_peer_tier_are_classed_by_the_partner_copy(tmp_path):
+    # A restore that read a partner's memory: one machine lost (its partner was up), even
+    # when the other nodes read their own host memory. One that read neither host nor
+    # peer in a store that has a peer tier: the machine went with its partner.
+    assert jn.failure_class("peer") == jn.MACHINE
+    assert jn.failure_class("host+peer") == jn.MACHINE
+    assert jn.failure_class("host", ("host", "peer", "remote")) == jn.PROCESS
+    assert jn.failure_class("remote", ("host", "peer", "remote")) == jn.CORRELATED
+    assert jn.failure_class("local+remote", ("host", "local", "remote")) == jn.MACHINE
+    tiers = ["host", "peer", "remote"]
+
+    def start_peer(at: float) -> tuple[str, dict[str, object]]:
+        return "start", {"at": at, "pid": 1, "host": "h", "devices": 8, "tiers": tiers}
+
+    write_runs(
+        tmp_path / "journal.jsonl",
+        [
+            [start_peer(0), ("snapshot", {"at": 0.5 * HOUR, "step": 1, "tiers": tiers})],
+            [start_peer(HOUR), ("restore", {"at": HOUR, "step": 1, "tier": "host+peer"}),
+             ("snapshot", {"at": 1.5 * HOUR, "step": 2, "tiers": tiers})],
+            [start_peer(2 * HOUR), ("restore", {"at": 2 * HOUR, "step": 1, "tier": "remote"}),
+             ("exit", {"at": 3 * HOUR, "clean": True})],
+        ],
+    )  # fmt: skip
+    h = jn.read_history(tmp_path)
+    assert [r.failure for r in h.runs] == [jn.MACHINE, jn.CORRELATED, None]
+    assert h.by_class == {jn.PROCESS: 0, jn.MACHINE: 1, jn.CORRELATED: 1, jn.UNKNOWN: 0}
 
 
 def test_the_last_run_is_a_failure_unless_live(tmp_path):
@@ -149,7 +178,12 @@ def test_short_runs_and_user_interrupts_are_not_failures(tmp_path):
         ],
     )  # fmt: skip
     h = jn.read_history(tmp_path)
-    assert h.failures == 1 and h.by_class == {jn.PROCESS: 0, jn.MACHINE: 0, jn.UNKNOWN: 1}
+    assert h.failures == 1 and h.by_class == {
+        jn.PROCESS: 0,
+        jn.MACHINE: 0,
+        jn.CORRELATED: 0,
+        jn.UNKNOWN: 1,
+    }
     assert [r.failure for r in h.runs] == [None, None, None, None, jn.UNKNOWN]
     why = [r.not_counted or "" for r in h.runs]
     assert all("under the 60 s" in w for w in why[:2]) and "rollbacks" in why[2]

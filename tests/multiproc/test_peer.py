@@ -36,7 +36,7 @@ class Nodes:
 
     def __init__(self, tmp_path: Path) -> None:
         self.dirs = [tmp_path / "node0", tmp_path / "node1"]
-        self.areas = [f"test-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
+        self.areas = [f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
         self.shm = [Path("/dev/shm") / f"snapcore-{a}" for a in self.areas]
         self.envs = [
             {"SNAPCORE_TEST_LOCAL": str(d), "SNAPCORE_TEST_HOST": a, "SNAPCORE_TEST_SHM": str(s)}
@@ -266,7 +266,7 @@ def test_a_full_partner_memory_and_a_stale_partner_area_are_reported(nodes: Node
 def test_a_job_of_one_node_cannot_save_to_a_peer_tier(tmp_path: Path) -> None:
     """Two ranks sharing one host area are one node: no partner to send to. Every save
     says so (a ValueError), rather than counting a peer tier it does not have."""
-    area = f"test-{uuid.uuid4().hex[:8]}-one"
+    area = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}-one"
     spec = {"host": area, "peer": True}
     save = {"op": "peer-save", "kind": "fsdp2", "store": spec}
     try:

@@ -376,7 +376,7 @@ def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote
     import uuid
 
     dirs = [tmp_path / "node0", tmp_path / "node1"]
-    areas = [f"test-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
+    areas = [f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
     shm = [Path("/dev/shm") / f"snapcore-{a}" for a in areas]
     spec = {
         "local": "$SNAPCORE_TEST_LOCAL",
@@ -548,7 +548,7 @@ def _two_nodes(tmp_path: Path, **tiers: Any) -> tuple[list[Path], list[str], Any
     import uuid
 
     dirs = [tmp_path / "node0", tmp_path / "node1"]
-    areas = [f"test-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
+    areas = [f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
     spec = {"local": "$SNAPCORE_TEST_LOCAL", "host": "$SNAPCORE_TEST_HOST", **tiers}
     nodes = [
         {"SNAPCORE_TEST_LOCAL": str(d), "SNAPCORE_TEST_HOST": a}

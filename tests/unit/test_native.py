@@ -48,7 +48,7 @@ def shm_path():
     """A unique path under /dev/shm, removed afterwards."""
     if not Path("/dev/shm").is_dir():
         pytest.skip("no /dev/shm on this machine")
-    path = Path("/dev/shm") / f"snapcore-test-{uuid.uuid4().hex}"
+    path = Path("/dev/shm") / f"snapcore-test-{os.getpid()}-{uuid.uuid4().hex}"
     yield str(path)
     path.unlink(missing_ok=True)
 

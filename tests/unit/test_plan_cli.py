@@ -99,6 +99,9 @@ def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
         (["--mtbf", "3h", "--restart", "soon"], "bad duration"),
         (["--mtbf", "3h", "--crash-fraction", "1.5"], "--crash-fraction"),
         (["--devices", "many"], "invalid int value"),
+        (["--mtbf", "3h", "--correlated-fraction", "0.9"], "--correlated-fraction"),
+        (["--mtbf", "3h", "--persist", "peer=4s"], "add a remote tier"),  # a pair is lost
+        (["--mtbf", "3h", "--persist", "local=20s", "--peer"], "add a remote tier"),
     ],
 )
 def test_bad_input_exit_2(
@@ -137,3 +140,67 @@ def test_journal_hook_uses_history(
     assert set(out["intervals_s"]) == {"local"}
     # the conservative (90%) rate is above the mean of 0.995 per hour
     assert 3600 / out["mtbf_s"] == pytest.approx(1.125, abs=0.02)
+
+
+def test_peer_tier_on_request(capsys: pytest.CaptureFixture[str]) -> None:
+    base = run_json(capsys, "--devices", "16384", "--step-time", "5s")
+    peer = run_json(capsys, "--devices", "16384", "--step-time", "5s", "--peer")
+    assert "peer" not in base["intervals_s"] and "correlated" not in base["recovers_from"]
+    assert peer["recovers_from"] == {
+        "process": "host",
+        "machine": "peer",
+        "correlated": "remote",
+    }
+    assert peer["intervals_s"]["peer"] < peer["intervals_s"]["remote"]
+    # lost machines restore from a partner's memory: about half the waste at this scale
+    assert peer["predicted_waste"] < 0.6 * base["predicted_waste"]
+    across = run_json(
+        capsys, "--devices", "16384", "--step-time", "5s", "--peer", "--partners-across-racks"
+    )
+    # switch failures no longer take the partner: object storage is needed less often
+    assert across["intervals_s"]["remote"] > 2 * peer["intervals_s"]["remote"]
+    assert across["predicted_waste"] < 0.04 < peer["predicted_waste"]
+
+
+def test_peer_costs_and_fractions_from_options(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--mtbf", "3h", "--persist", "peer=4s,remote=5m"]
+    fast = run_json(capsys, *argv)
+    slow = run_json(capsys, "--mtbf", "3h", "--persist", "peer=40s,remote=5m")
+    assert slow["intervals_s"]["peer"] > fast["intervals_s"]["peer"]
+    assert slow["predicted_waste"] > fast["predicted_waste"]
+    slow_restore = run_json(capsys, *argv, "--restart", "peer=10m")
+    assert slow_restore["waste_parts"]["restart"] > fast["waste_parts"]["restart"]
+    # no correlated failures: host and peer suffice, object storage is not needed
+    none = run_json(capsys, "--mtbf", "3h", "--persist", "peer=4s", "--correlated-fraction", "0")
+    assert set(none["intervals_s"]) <= {"host", "peer"} and "peer" in none["intervals_s"]
+
+
+def test_peer_text_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["--devices", "16384", "--peer"]) == 0
+    text = capsys.readouterr().out
+    assert "9% machines lost with their partner" in text
+    assert [ln.split()[0] for ln in text.splitlines() if ln.startswith("  ")][:5] == [
+        "tier",
+        "host",
+        "peer",
+        "local",
+        "remote",
+    ]
+    peer_line = next(ln for ln in text.splitlines() if ln.startswith("  peer"))
+    assert peer_line.endswith("lost machines")
+
+
+def test_journal_store_with_a_peer_tier_is_planned_with_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = types.ModuleType("snapcore.scheduling.journal")
+    fake.failure_history = lambda store: (0, 0.0)  # type: ignore[attr-defined]
+    fake.run_facts = lambda store: (16384, ("host", "peer", "remote"))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "snapcore.scheduling.journal", fake)
+    out = run_json(capsys, "--journal", "/tmp/store")
+    assert out["store_tiers"] == ["host", "peer", "remote"] and out["uncovered"] == []
+    assert out["recovers_from"]["machine"] == "peer"
+    # a store with partners but no object storage: a pair lost is charged to the partner
+    fake.run_facts = lambda store: (16384, ("host", "peer"))  # type: ignore[attr-defined]
+    out = run_json(capsys, "--journal", "/tmp/store")
+    assert out["uncovered"] == ["correlated"] and out["recovers_from"]["correlated"] == "peer"

@@ -199,3 +199,48 @@ def test_max_interval_is_a_hard_bound(step_s: float, tmax: float) -> None:
         plan = optimise(model, classes(mtbf))
         assert plan.intervals_s
         assert all(iv <= tmax * (1 + 1e-9) for iv in plan.intervals_s.values()), plan
+
+
+# -- the peer tier ---------------------------------------------------------------------------
+def peer_model(persist: float = 3.6, restore: float = 191.6) -> CostModel:
+    t = tiers()
+    return CostModel(
+        (t[0], TierCost("peer", persist, restore), *t[1:]), stall_s=1.0, slowdown=0.05, step_s=5.0
+    )
+
+
+def peer_classes(mtbf_s: float, correlated: float = 38 / 419) -> list[FailureClass]:
+    lam = 1.0 / mtbf_s
+    crash = 63 / 419
+    return [
+        FailureClass("process", lam * crash, frozenset({"host", "peer", "local", "remote"})),
+        FailureClass("machine", lam * (1 - crash - correlated), frozenset({"peer", "remote"})),
+        FailureClass("correlated", lam * correlated, REMOTE),
+    ]
+
+
+def test_peer_tier_recovers_single_machine_losses_only():
+    plan = optimise(peer_model(), peer_classes(1296 / 419 * HOUR))
+    assert plan.recovers_from == {"process": "host", "machine": "peer", "correlated": "remote"}
+    without = optimise(CostModel(tiers(), 1.0, 0.05, 5.0), classes(1296 / 419 * HOUR))
+    assert plan.predicted_waste < 0.6 * without.predicted_waste
+
+
+def test_peer_intervals_respond_to_peer_costs():
+    mtbf = 1296 / 419 * HOUR
+    base = optimise(peer_model(), peer_classes(mtbf))
+    slow_network = optimise(peer_model(persist=120.0), peer_classes(mtbf))
+    assert slow_network.intervals_s["peer"] > 1.5 * base.intervals_s["peer"]
+    assert slow_network.predicted_waste > base.predicted_waste
+    # a peer restore as slow as object storage's: still used (its copy is newer), at a cost
+    slow_restore = optimise(peer_model(restore=300.0), peer_classes(mtbf))
+    assert slow_restore.recovers_from["machine"] == "peer"
+    assert slow_restore.waste.restart > base.waste.restart
+
+
+def test_more_correlated_failures_make_remote_more_frequent():
+    mtbf = 1296 / 419 * HOUR
+    rare = optimise(peer_model(), peer_classes(mtbf, correlated=3 / 419))
+    often = optimise(peer_model(), peer_classes(mtbf, correlated=38 / 419))
+    assert often.intervals_s["remote"] < 0.5 * rare.intervals_s["remote"]
+    assert rare.predicted_waste < 0.04 < often.predicted_waste

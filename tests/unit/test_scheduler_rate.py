@@ -7,13 +7,20 @@ import math
 import pytest
 
 from snapcore.scheduling.rate import (
+    CORRELATED,
+    LLAMA3_CAUSES,
     LLAMA3_CLASS_COUNTS,
     LLAMA3_RATE_PER_DEVICE_HOUR,
+    MACHINE,
+    PROCESS,
+    SURVIVES,
     FailureRateLearner,
     RatePrior,
     estimate_from_history,
     gamma_cdf,
     gamma_quantile,
+    llama3_class_counts,
+    merge_classes,
 )
 
 
@@ -105,3 +112,20 @@ def test_learner_rejects_unknown_class() -> None:
         learner.observe_failure("meteor")
     with pytest.raises(ValueError):
         learner.add_exposure(-1.0)
+
+
+def test_llama3_causes_map_to_three_classes() -> None:
+    assert sum(n for _, n, _ in LLAMA3_CAUSES) == 419
+    same = llama3_class_counts()
+    across = llama3_class_counts(partners_across_racks=True)
+    assert same == LLAMA3_CLASS_COUNTS == {PROCESS: 63, MACHINE: 318, CORRELATED: 38}
+    assert across == {PROCESS: 63, MACHINE: 353, CORRELATED: 3}
+    # the split of crashes against lost machines is the one the data gives, either way
+    assert same[MACHINE] + same[CORRELATED] == across[MACHINE] + across[CORRELATED] == 356
+    assert SURVIVES[MACHINE] == {"peer", "remote"} and SURVIVES[CORRELATED] == {"remote"}
+
+
+def test_without_a_peer_tier_correlated_failures_are_lost_machines() -> None:
+    rates = {PROCESS: 1.0, MACHINE: 5.0, CORRELATED: 0.5}
+    assert merge_classes(rates, ("host", "local", "remote")) == {PROCESS: 1.0, MACHINE: 5.5}
+    assert merge_classes(rates, ("host", "peer", "remote")) == rates

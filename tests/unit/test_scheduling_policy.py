@@ -24,12 +24,14 @@ from snapcore.scheduling.policy import (
 )
 from snapcore.scheduling.preemption import SigtermGuard
 from snapcore.scheduling.rate import (
+    CORRELATED,
     DEFAULT_QUANTILE,
     LLAMA3_RATE_PER_DEVICE_HOUR,
     MACHINE,
     PROCESS,
     RatePrior,
     estimate_from_history,
+    llama3_class_counts,
 )
 
 PRIOR = RatePrior.from_devices(16384, LLAMA3_RATE_PER_DEVICE_HOUR)
@@ -300,3 +302,110 @@ def test_the_torch_block_of_that_test_bites():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert out.returncode != 0 and "torch" in out.stderr
+
+
+# -- the peer tier ---------------------------------------------------------------------------
+PEER_TIERS = ("host", "peer", "local", "remote")
+
+
+def llama3_rate() -> RateInfo:
+    return rate_info(PRIOR, DEFAULT_QUANTILE, NO_PAST, 0.0, NO_OWN, 0.0)
+
+
+def test_the_peer_tier_restores_lost_machines_and_remote_correlated_ones():
+    c = CostMeter(PEER_TIERS, restart_s=180.0, slowdown=0.05).costs()
+    s = make_schedule(c, llama3_rate(), PEER_TIERS, target=0.02, max_interval_s=3600.0)
+    assert s.recovers_from == {PROCESS: "host", MACHINE: "peer", CORRELATED: "remote"}
+    assert s.intervals_s["host"] <= s.intervals_s["peer"] < s.intervals_s["remote"]
+    assert not s.uncovered
+    # the same store without a partner: lost machines, with or without it, go to remote
+    base = tuple(t for t in PEER_TIERS if t != "peer")
+    b = make_schedule(c, llama3_rate(), base, target=0.02, max_interval_s=3600.0)
+    assert b.recovers_from == {PROCESS: "host", MACHINE: "remote"}
+    assert s.predicted_waste < 0.6 * b.predicted_waste
+
+
+def test_a_correlated_failure_with_no_remote_tier_is_charged_to_the_partner_copy():
+    c = CostMeter(("host", "peer"), restart_s=180.0, slowdown=0.05).costs()
+    s = make_schedule(c, llama3_rate(), ("host", "peer"), target=0.02, max_interval_s=3600.0)
+    assert s.uncovered == (CORRELATED,)  # nothing outlives a machine and its partner
+    assert s.recovers_from[MACHINE] == s.recovers_from[CORRELATED] == "peer"
+
+
+def test_measured_peer_costs_are_used_and_move_its_interval():
+    meter = CostMeter(PEER_TIERS, restart_s=180.0, slowdown=0.05)
+    before = meter.costs()
+    assert before.persist_s["peer"] == cm.DEFAULT_PERSIST_S["peer"]
+    assert before.restore_s["peer"] == cm.DEFAULT_RESTORE_S["peer"]
+    assert "persist_s:peer" not in before.measured
+    fast = make_schedule(before, llama3_rate(), PEER_TIERS, target=0.02, max_interval_s=3600.0)
+    for _ in range(20):  # a slow network: 60 s to the partner, 90 s to read it back
+        meter.persisted("peer", 60.0)
+        meter.restored("peer", 90.0)
+    after = meter.costs()
+    assert {"persist_s:peer", "restore_s:peer"} <= after.measured
+    assert after.persist_s["peer"] == pytest.approx(60.0, rel=0.01)
+    assert after.restore_s["peer"] == pytest.approx(90.0, rel=0.01)
+    assert moved(
+        plan_inputs(before, llama3_rate(), PEER_TIERS),
+        plan_inputs(after, llama3_rate(), PEER_TIERS),
+    )
+    slow = make_schedule(after, llama3_rate(), PEER_TIERS, target=0.02, max_interval_s=3600.0)
+    # a snapshot to the partner now costs more (interference for 60 s) and a lost machine
+    # more (its restart): the peer interval grows, and so does the waste
+    assert slow.intervals_s["peer"] > 1.1 * fast.intervals_s["peer"]
+    assert slow.predicted_waste > fast.predicted_waste
+
+
+def test_a_restore_that_read_a_partner_is_charged_to_the_peer_tier():
+    assert cm.restore_tier("host") == "host"
+    assert cm.restore_tier("local+remote") == "local"
+    assert cm.restore_tier("host+peer") == "peer"  # the replaced node waited for the network
+    assert cm.restore_tier("peer") == "peer"
+
+
+def test_peer_default_costs_are_the_host_tiers_plus_the_transfer():
+    assert pytest.approx(40e9 / 25e9) == cm.PEER_TRANSFER_S
+    assert cm.DEFAULT_PERSIST_S["peer"] == cm.DEFAULT_PERSIST_S["host"] + cm.PEER_TRANSFER_S
+    assert cm.DEFAULT_RESTORE_S["peer"] == cm.DEFAULT_RESTORE_S["host"] + cm.PEER_TRANSFER_S
+
+
+def test_learned_correlated_failures_move_the_remote_interval():
+    c = CostMeter(PEER_TIERS, restart_s=180.0, slowdown=0.05).costs()
+    base = make_schedule(c, llama3_rate(), PEER_TIERS, target=0.02, max_interval_s=3600.0)
+    # 30 machines lost with their partner in 100 h: object storage is needed more often
+    r = rate_info(PRIOR, DEFAULT_QUANTILE, {**NO_PAST, CORRELATED: 30}, 100.0, NO_OWN, 0.0)
+    assert r.by_class[CORRELATED] == 30
+    s = make_schedule(c, r, PEER_TIERS, target=0.02, max_interval_s=3600.0)
+    assert s.intervals_s["remote"] < base.intervals_s["remote"]
+
+
+def test_a_peer_tier_left_out_is_written_with_the_slower_tiers():
+    c = CostMeter(PEER_TIERS, restart_s=180.0, slowdown=0.05).costs()
+    s = make_schedule(c, process_only(), PEER_TIERS, target=0.02, max_interval_s=3600.0)
+    assert set(s.planned_s) == {"host"}  # crashes only: host memory recovers them all
+    assert {"peer", "local", "remote"} <= set(s.forced)
+    assert s.intervals_s["peer"] == s.intervals_s["remote"]
+    assert list(s.intervals_s) == list(PEER_TIERS)
+
+
+def test_partners_across_racks_lower_the_correlated_share():
+    same = llama3_rate()
+    across = rate_info(
+        PRIOR,
+        DEFAULT_QUANTILE,
+        NO_PAST,
+        0.0,
+        NO_OWN,
+        0.0,
+        class_prior=llama3_class_counts(partners_across_racks=True),
+    )
+    for r, correlated in ((same, 38), (across, 3)):
+        total = sum(r.rates_per_s.values())
+        assert r.rates_per_s[CORRELATED] / total == pytest.approx(correlated / 419)
+        assert r.rates_per_s[PROCESS] / total == pytest.approx(63 / 419)
+    c = CostMeter(PEER_TIERS, restart_s=180.0, slowdown=0.05).costs()
+    s = make_schedule(c, same, PEER_TIERS, target=0.02, max_interval_s=86400.0)
+    a = make_schedule(c, across, PEER_TIERS, target=0.02, max_interval_s=86400.0)
+    assert a.intervals_s["remote"] > 2 * s.intervals_s["remote"]
+    assert a.predicted_waste < s.predicted_waste

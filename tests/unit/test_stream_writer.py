@@ -123,3 +123,46 @@ def test_another_process_cannot_save_while_it_streams(tmp_path: Path) -> None:
     w.commit(_tree(["x"]))
     assert LocalDirectory(tmp_path).committed_steps() == [0]
     assert torch.equal(snapcore.load(tmp_path)["x"], torch.ones(2))
+
+
+def test_tensors_interleaved_keep_their_own_bytes(tmp_path: Path) -> None:
+    """A tensor placed while another is partly written goes after the whole of that one
+    (its blob is reserved when placed), not over its later pieces."""
+    a = torch.arange(4096, dtype=torch.int32)
+    b = torch.full((1000,), 7, dtype=torch.int32)
+    w = StreamWriter(tmp_path, 0)
+    i = w.add_tensor(a.dtype, tuple(a.shape))
+    w.write(i, 0, a[:100].contiguous())
+    j = w.add(b)
+    w.write(i, 400, a[100:].contiguous())
+    w.commit({"dict": [["a", {"tensor": i}], ["b", {"tensor": j}]]})
+    out = snapcore.load(tmp_path)
+    assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
+    assert cli(["verify", str(tmp_path)]) == 0
+
+
+def test_a_failed_write_makes_the_writer_refuse_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A piece that failed may be hashed and not written: the writer then refuses further
+    pieces and the commit, instead of committing digests that do not match the bytes."""
+    w = StreamWriter(tmp_path, 0)
+    i = w.add_tensor(torch.float32, (8,))
+    real = w._writer
+
+    class Failing:
+        def write_at(self, *args: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    w._writer = Failing()
+    with pytest.raises(OSError, match="No space"):
+        w.write(i, 0, torch.ones(8))
+    w._writer = real
+    with pytest.raises(RuntimeError, match=r"tensor 0, bytes \[0, 32\).*No space"):
+        w.write(i, 0, torch.ones(8))  # a retry would hash the piece twice
+    with pytest.raises(RuntimeError, match="a write failed"):
+        w.commit(_tree(["t"]))
+    assert LocalDirectory(tmp_path).committed_steps() == []
