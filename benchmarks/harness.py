@@ -441,6 +441,13 @@ SCENARIOS: list[Scenario] = [
         quick=("--runs", "1"),
         in_quick=False,
     ),
+    Scenario(
+        "plan",
+        "bench_plan.py",
+        "the first sharded save's plan for simulated worlds of up to 16,384 ranks",
+        markdown=True,
+        in_quick=False,
+    ),
     Scenario("simulate", "simulate.py", "the scheduler's waste under failure traces", json=False),
     # Written alongside this harness; listed once their scripts exist (both take --smoke,
     # --json and --markdown). Not in the quick set: their --smoke runs' length is theirs.

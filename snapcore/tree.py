@@ -75,6 +75,16 @@ def is_dtensor(t: object) -> bool:
     return dt is not None and isinstance(t, dt.DTensor)
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (any other tensor: itself). Reads the shard DTensor holds
+    (as DCP does) instead of calling ``to_local()``, an autograd function of about 30 us:
+    the training thread pays this per tensor at every save."""
+    if not is_dtensor(t):
+        return t
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()  # type: ignore[attr-defined]
+
+
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     if is_dtensor(t):  # no storage of its own: the same object is the same tensor
         return ("dtensor", id(t))

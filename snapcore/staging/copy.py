@@ -15,7 +15,7 @@ from .. import _native, settings
 from ..errors import SnapcoreError
 from ..io_types import Aborted, Window
 from ..planning.layout import BlobPlan, Layout
-from ..tree import is_dtensor
+from ..tree import local_shard
 from .arena import HostArena
 from .handle import SaveHandle, protect
 
@@ -74,8 +74,10 @@ class Stager:
     ) -> None:
         w = Window(arena, 0, layout.total, 0, 0)
         protected = _optimizer_storages(optimizers) if optimizers else set()
-        now = [b for b in layout.blobs if _storage_ptr(b) not in protected]
-        later = [b for b in layout.blobs if _storage_ptr(b) in protected]
+        now: list[BlobPlan] = []
+        later: list[BlobPlan] = []
+        for b in layout.blobs:
+            (later if protected and _storage_ptr(b) in protected else now).append(b)
         try:
             self.copy(now, w, defer=False, wait_gpu="stream" if optimizers else "cpu")
             if later:
@@ -259,10 +261,8 @@ def _optimizer_storages(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     """Storages the optimizers write in step(): their parameters and state tensors."""
     ptrs: set[int] = set()
 
-    def add(t: torch.Tensor) -> None:
-        if is_dtensor(t):  # its shard's storage: what the layout stages
-            t = t.to_local()  # type: ignore[attr-defined]
-        ptrs.add(t.untyped_storage().data_ptr())
+    def add(t: torch.Tensor) -> None:  # a DTensor: its shard's storage, what is staged
+        ptrs.add(local_shard(t).untyped_storage().data_ptr())
 
     for opt in optimizers:
         for group in opt.param_groups:

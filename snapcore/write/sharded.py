@@ -27,18 +27,18 @@ import torch
 from .. import manifest as mf
 from ..distributed.job import Job, all_gather_bytes
 from ..manifest import dtype_name
-from ..planning.global_plan import (
-    GlobalPlan,
-    LocalItem,
-    describe_local,
-    describe_sharded,
-    plan_copies,
-    plan_save,
-)
+from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_copies, plan_save
 from ..planning.global_plan import structure_fingerprint as fingerprint
 from ..planning.layout import Layout, plan
+from ..planning.uniform import (
+    GlobalTensor,
+    UniformPlan,
+    local_items,
+    plan_uniform,
+    uniform_copies,
+)
 from ..sharding import Box
-from ..tree import Flattened, is_dtensor
+from ..tree import Flattened, is_dtensor, local_shard
 
 __all__ = ["PartSpec", "Sharder"]
 
@@ -66,9 +66,14 @@ class PartSpec:
 
 @dataclass
 class _Cached:
+    """The agreed plan and what this rank derived from it, kept while its structure's
+    signature is unchanged so that a steady-state save recomputes none of it."""
+
     signature: tuple[Any, ...]
     items: list[LocalItem]
-    plan: GlobalPlan
+    plan: GlobalPlan | UniformPlan
+    structure: str  # structure_fingerprint(items)
+    writes: list[bool]  # per item: whether this rank writes its box under the plan
     # per node-local tier ("local", "host"): the boxes this rank writes there as its
     # home's copy (``plan_copies``)
     copies: dict[str, frozenset[tuple[str, Box]]] = field(default_factory=dict)
@@ -129,11 +134,12 @@ class Sharder:
         assert self.cached is not None
         cached = self.cached
         replan = signature != cached.signature
-        items = cached.items
-        if replan:
+        items, structure, writes = cached.items, cached.structure, cached.writes
+        if replan:  # every box it holds (module docstring)
             items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
-        structure = fingerprint(items, job.world_size)
-        return self._spec(flat, glob, items, cached, seq, structure, replan)
+            structure = fingerprint(items, job.world_size)
+            writes = [not item.box.empty for item in items]
+        return self._spec(flat, glob, items, writes, cached, seq, structure, replan)
 
     def _agree(
         self,
@@ -145,11 +151,12 @@ class Sharder:
         """The exchange. First a small one: each rank's home and a hash of its state's
         global description (paths, dtypes, shapes, and each DTensor's mesh and
         placements), about 200 bytes a rank. When every rank has the same description,
-        which is the case of FSDP2, TP, HSDP and DDP, every rank's boxes follow from it,
-        and each rank derives them all alone (``describe_sharded``). Only when the ranks'
-        states differ are the items themselves exchanged."""
+        which is the case of FSDP2, TP, HSDP and DDP, the plan follows from it, and each
+        rank computes what it needs of it alone (``planning.uniform``: its writes and its
+        home's copies, never every rank's boxes). Only when the ranks' states differ are
+        the items themselves exchanged, and ``plan_save`` run on every rank's."""
         job = self.job
-        description = _description(flat, glob)
+        description, tensors = _description(flat, glob)
         mine = {
             "g": hashlib.sha256(json.dumps(description).encode()).hexdigest(),
             "host": job.host,
@@ -158,37 +165,53 @@ class Sharder:
         }
         every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
         self.small_exchange = len({d["g"] for d in every}) == 1
+        # A rank's home in a node-local tier: its host and directory (or host-memory area).
+        # Ranks of one home share it; each home gets its own copy of the boxes its ranks
+        # hold that the plan has a rank of another home write.
+        homes: dict[str, list[tuple[Any, Any]]] = {}
+        for tier, field_name in (("local", "local"), ("host", "area")):
+            homes[tier] = [(d["host"], d[field_name]) for d in every]
+            self.leaders[tier] = homes[tier].index(homes[tier][job.rank]) == job.rank
+            self.with_rank0[tier] = homes[tier][job.rank] == homes[tier][0]
+        tiers = [t for t, f in (("local", "local"), ("host", "area")) if mine[f] is not None]
+        copies: dict[str, frozenset[tuple[str, Box]]] = {}
+        gplan: GlobalPlan | UniformPlan
         if self.small_exchange:
-            per_rank = _derive(flat, glob, job.world_size)
-            if per_rank[job.rank] != items:
+            if local_items(tensors, job.rank) != items:
                 raise AssertionError("the boxes derived from the mesh differ from this rank's")
+            members = {
+                t: {r for r, h in enumerate(homes[t]) if h == homes[t][job.rank]} for t in tiers
+            }
+            near = set().union({job.rank}, *members.values())  # whose writers it needs
+            gplan = plan_uniform(tensors, job.world_size, mine["g"], ranks=near)
+            writes = [gplan.writer(item) == job.rank for item in items]
+            for tier in tiers:
+                copies[tier] = uniform_copies(tensors, gplan, members[tier], job.rank)
         else:
             mine_items = json.dumps([_item_json(i) for i in items]).encode()
             per_rank = [
                 [_item_from(x) for x in json.loads(b)] for b in all_gather_bytes(job, mine_items)
             ]
-        gplan = plan_save(per_rank, job.world_size)
-        # A rank's home in a node-local tier: its host and directory (or host-memory area).
-        # Ranks of one home share it; each home gets its own copy of the boxes its ranks
-        # hold that the plan has a rank of another home write.
-        copies: dict[str, frozenset[tuple[str, Box]]] = {}
-        for tier, field_name in (("local", "local"), ("host", "area")):
-            homes = [(d["host"], d[field_name]) for d in every]
-            self.leaders[tier] = homes.index(homes[job.rank]) == job.rank
-            self.with_rank0[tier] = homes[job.rank] == homes[0]
-            if mine[field_name] is not None:
-                extra = plan_copies(gplan, homes, only=job.rank)[job.rank]
+            full = plan_save(per_rank, job.world_size)
+            writes = [
+                not item.box.empty and full.writers.get((item.path, item.box)) == job.rank
+                for item in items
+            ]
+            for tier in tiers:
+                extra = plan_copies(full, homes[tier], only=job.rank)[job.rank]
                 copies[tier] = frozenset((w.path, w.box) for w in extra)
-        # The holders of every box (every rank, for each plain tensor) are needed only
-        # for the copies: not kept for the job's life.
-        gplan = dataclasses.replace(gplan, holders={})
-        return _Cached(signature, per_rank[job.rank], gplan, copies)
+            # The holders of every box (every rank, for each plain tensor) are needed only
+            # for the copies: not kept for the job's life.
+            gplan = dataclasses.replace(full, holders={})
+        structure = fingerprint(items, job.world_size)
+        return _Cached(signature, items, gplan, structure, writes, copies)
 
     def _spec(
         self,
         flat: Flattened,
         glob: list[int],
         items: list[LocalItem],
+        writes: list[bool],
         cached: _Cached,
         seq: int,
         structure: str,
@@ -196,38 +219,43 @@ class Sharder:
     ) -> PartSpec:
         rank = self.job.rank
         gplan = cached.plan
-        item_of = dict(zip(glob, items, strict=True))
+        n = len(flat.tensors)
+        at = [-1] * n  # state tensor -> its item (a global tensor), or -1 (rank-local)
+        for k, i in enumerate(glob):
+            at[i] = k
         written: list[torch.Tensor] = []
-        where: dict[int, int] = {}  # state tensor -> index among the written
+        where = [-1] * n  # state tensor -> index among the written, or -1
         # Each tier's part lists the rank's own writes of the plan (every tier) and its
         # home's copies (that node-local tier only); the rank stages both.
         drop: dict[str, set[int]] = {t: set() for t in ("host", "local", "remote")}
         for i, t in enumerate(flat.tensors):
-            item = item_of.get(i)
-            if item is not None:
+            k = at[i]
+            if k >= 0 and not writes[k]:
+                item = items[k]
                 if item.box.empty:
                     continue
                 key = (item.path, item.box)
-                if not replan and gplan.writers.get(key) != rank:
-                    outside = {x for x in drop if key not in cached.copies.get(x, ())}
-                    if len(outside) == len(drop):
-                        continue
-                    for tier in outside:
-                        drop[tier].add(i)
+                outside = {x for x in drop if key not in cached.copies.get(x, ())}
+                if len(outside) == len(drop):
+                    continue
+                for tier in outside:
+                    drop[tier].add(i)
             where[i] = len(written)
-            written.append(_local(t))
+            written.append(local_shard(t))
         layout = plan(written)
         entries: list[mf.TensorEntry] = []
         keys: list[str | None] = []
-        for i in range(len(flat.tensors)):
-            item = item_of.get(i)
-            keys.append(item.path if item is not None else None)
-            if item is None:
-                entries.append(layout.entries[where[i]])
+        for i in range(n):
+            k, w = at[i], where[i]
+            if k < 0:
+                keys.append(None)
+                entries.append(layout.entries[w])
                 continue
+            item = items[k]
+            keys.append(item.path)
             pieces = []
-            if i in where:
-                p = layout.entries[where[i]].pieces[0]
+            if w >= 0:
+                p = layout.entries[w].pieces[0]
                 pieces = [mf.Piece(item.box.offsets, p.shape, p.blob, p.byte_offset, p.strides)]
             entries.append(mf.TensorEntry(item.dtype, item.global_shape, pieces))
         return PartSpec(
@@ -243,69 +271,51 @@ class Sharder:
         )
 
 
-def _description(flat: Flattened, glob: list[int]) -> list[Any]:
+def _description(flat: Flattened, glob: list[int]) -> tuple[dict[str, Any], list[GlobalTensor]]:
     """What every rank can know of the state's global tensors: per tensor its path,
-    dtype and global shape, and for a DTensor its mesh (global ranks) and placements."""
-    out: list[Any] = []
-    for i in glob:
-        t = flat.tensors[i]
-        record: list[Any] = [flat.paths[i], str(t.dtype), list(t.shape)]
-        if is_dtensor(t):
-            mesh = t.device_mesh  # type: ignore[attr-defined]
-            record += [mesh.mesh.tolist(), [repr(p) for p in t.placements]]  # type: ignore[attr-defined]
-        out.append(record)
-    return out
-
-
-def _derive(flat: Flattened, glob: list[int], world_size: int) -> list[list[LocalItem]]:
-    """Every rank's items, when every rank's state has this rank's global description."""
-    per_rank: list[list[LocalItem]] = [[] for _ in range(world_size)]
+    dtype and global shape, and for a DTensor its mesh (global ranks, listed once per
+    mesh: not once per tensor) and placements; and the same as ``GlobalTensor``s."""
+    meshes: dict[int, tuple[int, torch.Tensor]] = {}  # id(DeviceMesh) -> (index, ranks)
+    records: list[Any] = []
+    tensors: list[GlobalTensor] = []
     for i in glob:
         t, path = flat.tensors[i], flat.paths[i]
+        shape = tuple(int(s) for s in t.shape)
+        record: list[Any] = [path, str(t.dtype), list(shape)]
         if is_dtensor(t):
             mesh = t.device_mesh  # type: ignore[attr-defined]
-            by_rank = describe_sharded(
-                path,
-                dtype_name(t.dtype),
-                tuple(t.shape),
-                mesh.mesh,
-                t.placements,  # type: ignore[attr-defined]
-            )
-            for rank, item in by_rank.items():
-                per_rank[rank].append(item)
+            known = meshes.get(id(mesh))
+            if known is None:
+                known = meshes[id(mesh)] = (len(meshes), mesh.mesh)
+            placements = tuple(t.placements)  # type: ignore[attr-defined]
+            record += [known[0], [repr(p) for p in placements]]
+            tensors.append(GlobalTensor(path, dtype_name(t.dtype), shape, known[1], placements))
         else:
-            shape = tuple(int(s) for s in t.shape)
-            item = LocalItem(path, dtype_name(t.dtype), shape, Box((0,) * len(shape), shape), True)
-            for rank in range(world_size):
-                per_rank[rank].append(item)
-    return per_rank
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+            tensors.append(GlobalTensor(path, dtype_name(t.dtype), shape))
+        records.append(record)
+    ranks = [m.tolist() for _, m in sorted(meshes.values(), key=lambda x: x[0])]
+    return {"meshes": ranks, "tensors": records}, tensors
 
 
 def _signature(flat: Flattened, glob: list[int]) -> tuple[Any, ...]:
     """A cheap description of the state's global tensors: equal signatures give equal
-    ``describe_local`` items (paths, dtypes, shapes, meshes, placements)."""
-    out = []
+    ``describe_local`` items (paths, dtypes, shapes, meshes, placements). Computed at
+    every save on the training thread: a mesh's ranks are read once per mesh (reading
+    ``DeviceMesh.mesh`` costs about 0.1 ms), a shard's shape without ``to_local()``."""
+    meshes: dict[int, tuple[Any, ...]] = {}  # id -> key; the meshes live through the call
+    out: list[tuple[Any, ...]] = []
+    tensors, paths = flat.tensors, flat.paths
     for i in glob:
-        t = flat.tensors[i]
+        t = tensors[i]
         if is_dtensor(t):
             mesh = t.device_mesh  # type: ignore[attr-defined]
-            out.append(
-                (
-                    flat.paths[i],
-                    t.dtype,
-                    tuple(t.shape),
-                    tuple(t.placements),  # type: ignore[attr-defined]
-                    tuple(mesh.mesh.reshape(-1).tolist()),
-                    tuple(mesh.shape),
-                    tuple(_local(t).shape),
-                )
-            )
+            key = meshes.get(id(mesh))
+            if key is None:
+                key = meshes[id(mesh)] = (tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.shape))
+            placements = tuple(t.placements)  # type: ignore[attr-defined]
+            out.append((paths[i], t.dtype, t.shape, placements, key, local_shard(t).shape))
         else:
-            out.append((flat.paths[i], t.dtype, tuple(t.shape)))
+            out.append((paths[i], t.dtype, t.shape))
     return tuple(out)
 
 

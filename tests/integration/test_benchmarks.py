@@ -242,6 +242,17 @@ def test_bench_training(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("snapcore-bench-train-*"))  # its work directory is removed
 
 
+def test_bench_plan(tmp_path: Path) -> None:
+    raw = tmp_path / "raw.json"
+    out = run("bench_plan.py", "--json", raw, "--markdown", tmp_path / "table.md")
+    rows = json.loads(raw.read_text())["rows"]
+    assert {r["mesh"] for r in rows} == {"fsdp2", "hsdp", "fsdp2+tp", "ddp"}
+    for r in rows:
+        assert r["now_s"] > 0 and r["tensors"] > 0
+        assert r["same_plan"] is True  # the smoke worlds are small enough for the old plan
+    assert "| mesh | ranks |" in out
+
+
 def test_bench_peer(tmp_path: Path) -> None:
     raw = tmp_path / "raw.json"
     out = run("bench_peer.py", "--dir", tmp_path, "--json", raw, timeout=240)

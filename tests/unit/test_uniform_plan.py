@@ -1,0 +1,208 @@
+"""snapcore.planning.uniform: the plan of a description every rank shares, computed
+without enumerating every rank's boxes, must be the plan ``global_plan.plan_save``
+makes from every rank's derived items: the same writer for every box, the same bytes
+per rank, on random meshes (1-D, 2-D HSDP-like, uneven and empty shards, FSDP2 over
+TP's strided shards) and plain tensors held by every rank."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from snapcore.errors import UnsupportedState
+from snapcore.planning.global_plan import (
+    LocalItem,
+    describe_sharded,
+    plan_copies,
+    plan_save,
+    shard_box,
+)
+from snapcore.planning.uniform import (
+    GlobalTensor,
+    local_items,
+    plan_uniform,
+    shard_table,
+    uniform_copies,
+)
+from snapcore.sharding import Box
+
+
+def _random_tensor(rng: random.Random, t: int, world: int) -> GlobalTensor:
+    dtype = rng.choice(["float32", "bfloat16", "int64", "uint8"])
+    if rng.random() < 0.3:  # a plain tensor, held by every rank (DDP, step counters)
+        shape = tuple(rng.choice([0, 1, 3, 4, 4, 4]) for _ in range(rng.randint(0, 2)))
+        return GlobalTensor(f"p{t}", dtype, shape)
+    shape = tuple(rng.randint(0, 9) for _ in range(rng.randint(1, 3)))
+    factors = [m for m in range(1, world + 1) if world % m == 0]
+    m0 = rng.choice(factors)
+    mesh_shape = (m0, world // m0) if rng.random() < 0.6 else (world,)
+    if len(mesh_shape) == 2 and rng.random() < 0.25:
+        # FSDP2 over TP: the data-parallel dimension shards rows TP splits too
+        placements = [_StridedShard(0, split_factor=mesh_shape[1]), Shard(0)]
+        if rng.random() < 0.3:  # the other order interleaves rows: refused
+            placements = [Shard(0), _StridedShard(0, split_factor=rng.randint(1, 3))]
+        shape = (rng.randint(0, 3 * world), *shape[1:])  # uneven ones may be refused
+    else:
+        choices = [Replicate()] + [Shard(d) for d in range(len(shape))]
+        placements = [rng.choice(choices) for _ in mesh_shape]
+    ranks = list(range(world))
+    rng.shuffle(ranks)
+    return GlobalTensor(
+        f"t{t}", dtype, shape, torch.tensor(ranks).reshape(mesh_shape), tuple(placements)
+    )
+
+
+def _plannable(rng: random.Random, t: int, world: int) -> GlobalTensor:
+    """A random tensor whose placements are supported (not interleaving rows)."""
+    while True:
+        g = _random_tensor(rng, t, world)
+        if g.mesh is None:
+            return g
+        try:
+            shard_table(g.global_shape, tuple(g.mesh.shape), g.placements)
+            return g
+        except UnsupportedState:
+            continue
+
+
+def _derived(tensors: list[GlobalTensor], world: int) -> list[list[LocalItem]]:
+    """Every rank's items as write/sharded.py derived them before: one describe_sharded
+    per DTensor (every coordinate's box, with torch's own computation)."""
+    per_rank: list[list[LocalItem]] = [[] for _ in range(world)]
+    for t in tensors:
+        if t.mesh is None:
+            box = Box((0,) * len(t.global_shape), t.global_shape)
+            for r in range(world):
+                per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
+            continue
+        for r, item in describe_sharded(
+            t.path, t.dtype, t.global_shape, t.mesh, t.placements
+        ).items():
+            per_rank[r].append(item)
+    return per_rank
+
+
+def _assert_same_plan(tensors: list[GlobalTensor], world: int, node: int = 2) -> None:
+    per_rank = _derived(tensors, world)
+    old = plan_save(per_rank, world)
+    new = plan_uniform(tensors, world, "digest")
+    assert new.rank_bytes == old.rank_bytes
+    nodes = [r // node for r in range(world)]  # node-local homes of ``node`` ranks each
+    for r in range(world):
+        assert local_items(tensors, r) == per_rank[r], r
+        home = {q for q in range(world) if nodes[q] == nodes[r]}
+        copies = uniform_copies(tensors, plan_uniform(tensors, world, "d", ranks=home), home, r)
+        want = frozenset((w.path, w.box) for w in plan_copies(old, nodes, only=r)[r])
+        assert copies == want, (r, home)
+        mine = plan_uniform(tensors, world, "digest", ranks={r})
+        for item in per_rank[r]:
+            want = None if item.box.empty else old.writers[(item.path, item.box)]
+            assert new.writer(item) == want, (r, item)
+            assert mine.writer(item) == want, (r, item)
+
+
+def test_shard_table_is_shard_box_at_every_coordinate() -> None:
+    rng = random.Random(7)
+    refused = 0
+    for _ in range(400):
+        world = rng.randint(1, 8)
+        t = _random_tensor(rng, 0, world)
+        if t.mesh is None:
+            continue
+        mesh_shape = tuple(t.mesh.shape)
+        coordinates = list(itertools.product(*(range(m) for m in mesh_shape)))
+        try:
+            boxes = [shard_box(t.global_shape, mesh_shape, c, t.placements) for c in coordinates]
+        except UnsupportedState:  # strided shards whose rows interleave: refused alike
+            with pytest.raises(UnsupportedState, match="not one range"):
+                shard_table(t.global_shape, mesh_shape, t.placements)
+            refused += 1
+            continue
+        offsets, sizes = shard_table(t.global_shape, mesh_shape, t.placements)
+        for c, box in zip(coordinates, boxes, strict=True):
+            assert tuple(sizes[c].tolist()) == box.shape, (t, c)
+            assert tuple(offsets[c].tolist()) == box.offsets, (t, c)
+    assert 0 < refused < 100  # both kinds were tried
+
+
+def test_the_uniform_plan_is_plan_save_on_random_meshes() -> None:
+    rng = random.Random(11)
+    for _ in range(150):
+        world = rng.choice([1, 2, 3, 4, 6, 8])
+        tensors = [_plannable(rng, t, world) for t in range(rng.randint(1, 8))]
+        _assert_same_plan(tensors, world, node=rng.choice([1, 2, 3, world]))
+
+
+def _layers(n: int, mesh: torch.Tensor, weight: list, bias: list) -> list[GlobalTensor]:
+    out = []
+    for i in range(n):
+        for kind in ("w", "exp_avg.w", "exp_avg_sq.w"):
+            out.append(GlobalTensor(f"{i}.{kind}", "float32", (64, 32), mesh, tuple(weight)))
+        for kind in ("b", "exp_avg.b", "exp_avg_sq.b"):
+            out.append(GlobalTensor(f"{i}.{kind}", "float32", (64,), mesh, tuple(bias)))
+        out += [GlobalTensor(f"{i}.step.{k}", "float32", ()) for k in "wb"]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh_shape", "weight", "bias"),
+    [
+        ("fsdp2", (8,), [Shard(0)], [Shard(0)]),
+        ("ddp", (8,), [Replicate()], [Replicate()]),
+        ("hsdp 2x4", (2, 4), [Replicate(), Shard(0)], [Replicate(), Shard(0)]),
+        ("tp 4x2, replicated bias", (4, 2), [Shard(0), Shard(1)], [Shard(0), Replicate()]),
+        (
+            "fsdp2 over tp 4x2",
+            (4, 2),
+            [_StridedShard(0, split_factor=2), Shard(0)],
+            [_StridedShard(0, split_factor=2), Shard(0)],
+        ),
+    ],
+)
+def test_the_uniform_plan_is_plan_save_on_training_meshes(name, mesh_shape, weight, bias) -> None:
+    mesh = torch.arange(8).reshape(mesh_shape)
+    _assert_same_plan(_layers(6, mesh, weight, bias), 8)
+
+
+def test_equal_replicated_items_tie_on_the_key_and_the_lowest_rank() -> None:
+    # 24 step counters of one size on 5 ranks: only the keys and ranks order them
+    tensors = [GlobalTensor(f"s{i}", "float32", ()) for i in range(24)]
+    _assert_same_plan(tensors, 5)
+    plan = plan_uniform(tensors, 5, "d")
+    assert sorted(plan.rank_bytes) == [16, 20, 20, 20, 20]
+
+
+def test_the_fingerprint_is_the_digest_and_world_size() -> None:
+    tensors = [GlobalTensor("s", "float32", ())]
+    a = plan_uniform(tensors, 2, "abc")
+    assert a.fingerprint == plan_uniform(tensors, 2, "abc", ranks={1}).fingerprint
+    assert a.fingerprint != plan_uniform(tensors, 2, "abd").fingerprint
+    assert a.fingerprint != plan_uniform(tensors, 3, "abc").fingerprint
+    assert len(a.fingerprint) == 64
+
+
+def test_interleaving_strided_shards_and_bad_placements_are_refused() -> None:
+    with pytest.raises(UnsupportedState, match="not one range"):
+        shard_table((8,), (2, 2), [Shard(0), _StridedShard(0, split_factor=2)], path="w")
+    with pytest.raises(UnsupportedState, match="shards dimension 2"):
+        shard_table((8, 8), (2,), [Shard(2)], path="w")
+    mesh = torch.arange(2)
+    with pytest.raises(UnsupportedState, match="dtype"):
+        plan_uniform([GlobalTensor("w", "no-such-dtype", (2,), mesh, (Shard(0),))], 2, "d")
+
+
+def test_boxes_with_hundreds_of_holders_take_the_same_writers() -> None:
+    # HSDP with 256 replicas of a 2-way shard: the least-loaded holder among 256 is found
+    # with tensor ops, a run of one tensor's boxes at once, with the same ties
+    rng = random.Random(5)
+    mesh = torch.tensor(rng.sample(range(512), 512)).reshape(256, 2)
+    tensors = [
+        GlobalTensor(f"w{i}", "float32", (rng.randint(1, 9), 3), mesh, (Replicate(), Shard(0)))
+        for i in range(12)
+    ] + [GlobalTensor(f"s{i}", "float32", ()) for i in range(4)]
+    _assert_same_plan(tensors, 512)
