@@ -219,15 +219,29 @@ def _data(group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pace
     paths = {o.dst: o.paths for o in out}
     dests = {i.src: i.dest for i in inc}
     sbuf = {d: _buffers(p, piece) for d, p in sends.items()}
-    rbuf = {s: _buffers(p, piece) for s, p in recvs.items()}
+    # A receiver's pieces go straight into its destination's mapping (faulted in ahead
+    # of them); only a copy that has failed on the way takes a buffer, to drop them into.
+    spare: dict[int, torch.Tensor] = {}
+    landed: dict[tuple[int, int], bool] = {}  # (source, piece): it went into the mapping
 
     def load(d: int, k: int) -> None:  # sender: piece k of its files into a buffer
         f, off, n = sends[d][k]
         _native.read_into(str(paths[d][f]), off, n, sbuf[d][k % 2].data_ptr())
 
-    def store(s: int, k: int) -> None:  # receiver: piece k from its buffer into the file
+    def into(s: int, k: int) -> torch.Tensor:  # receiver: where piece k lands
         f, off, n = recvs[s][k]
-        dests[s].write(f, off, rbuf[s][k % 2][:n])
+        t = dests[s].target(f, off, n)
+        landed[s, k] = t is not None
+        if t is None:
+            if s not in spare:
+                spare[s] = torch.empty(max(p[2] for p in recvs[s]), dtype=torch.uint8)
+            t = spare[s][:n]
+        return t
+
+    def store(s: int, k: int) -> None:  # receiver: piece k has arrived; hash it
+        f, off, n = recvs[s][k]
+        if landed.pop((s, k)):
+            dests[s].received(f, off, n)
 
     for d, p in sends.items():
         if p:
@@ -240,12 +254,8 @@ def _data(group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pace
             for d, p in sends.items()
             if k < len(p)
         ]
-        works += [
-            dist.irecv(rbuf[s][k % 2][: p[k][2]], s, group=group)
-            for s, p in recvs.items()
-            if k < len(p)
-        ]
-        for s, p in recvs.items():  # the piece before, while this one travels
+        works += [dist.irecv(into(s, k), s, group=group) for s, p in recvs.items() if k < len(p)]
+        for s, p in recvs.items():  # the piece before (arrived), while this one travels
             if 0 < k <= len(p):
                 store(s, k - 1)
         for d, p in sends.items():  # the piece after, likewise

@@ -216,3 +216,82 @@ def test_a_copy_cut_short_is_not_committed(area: Path) -> None:
     with pytest.raises(InvalidManifest, match="did not arrive whole"):
         dest.finish()
     assert PeerArea(area, 1).committed_steps(IDENTITY) == []
+
+
+def test_a_copy_is_received_straight_into_its_files_mapping(area: Path) -> None:
+    copy, data = make_copy(4)
+    dest = Destination(peer_root(area, 1), step=4, rank=1, identity=IDENTITY)
+    dest.prepare(copy.meta())
+    whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    for off, n in ((0, 50), (50, 78)):  # as the wire's irecv fills each piece
+        target = dest.target(0, off, n)
+        assert target is not None and target.numel() == n
+        target.copy_(whole[off : off + n])
+        dest.received(0, off, n)
+    dest.finish()
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
+    path = peer_root(area, 1) / "slot-r1-0.bin"
+    assert path.read_bytes() == data and path.stat().st_size == 128  # not a page up
+
+
+def test_memory_that_cannot_be_faulted_in_is_reported_as_full_and_nothing_commits(
+    area: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    old, old_data = make_copy(4)
+    receive(peer_root(area, 1), old, old_data)
+    monkeypatch.setattr(Destination, "_populate", staticmethod(lambda *a: errno.ENOMEM))
+    new, _data = make_copy(5, seed=3)
+    dest = Destination(peer_root(area, 1), step=5, rank=1, identity=IDENTITY)
+    dest.prepare(new.meta())
+    assert dest.target(0, 0, 50) is None  # the wire drops the piece into a buffer of its own
+    with pytest.raises(SnapcoreError, match="partner memory full: faulting in"):
+        dest.finish()
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
+    assert (peer_root(area, 1) / "slot-r1-0.bin").read_bytes() == old_data
+
+
+def test_the_checkpointer_sends_the_peer_tier_with_its_host_snapshots() -> None:
+    from snapcore.scheduling.checkpointer import with_peer
+
+    peer = snapcore.Store(host="a", local="/x", peer=True)
+    plain = snapcore.Store(host="a", local="/x")
+    planned = ("host", "local")
+    assert with_peer(peer, ("host", "local"), planned=planned) == ("host", "local", "peer")
+    assert with_peer(peer, ("host",), planned=planned) == ("host", "peer")
+    assert with_peer(peer, ("local",), planned=planned) == ("local",)  # no host: nothing to send
+    assert with_peer(plain, ("host",), planned=planned) == ("host",)
+    assert with_peer(peer, ("host", "peer"), planned=planned) == ("host", "peer")
+    # a plan with an interval of its own for the peer tier decides when it goes
+    assert with_peer(peer, ("host",), planned=(*planned, "peer")) == ("host",)
+
+
+def test_a_checkpointer_over_a_peer_store_asks_for_the_peer_tier(
+    tmp_path: Path, host_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from snapcore import api
+    from snapcore.write.engine import close_all
+
+    asked: list[tuple[str, ...]] = []
+    real = api.async_save
+
+    def spy(state: Any, store: Any, **kw: Any) -> Any:
+        asked.append(tuple(kw["tiers"]))
+        # one process is no job: the peer tier itself is tested in tests/multiproc
+        return real(state, snapcore.Store(host=host_name, local=tmp_path), **kw | {
+            "tiers": [t for t in kw["tiers"] if t != "peer"]
+        })  # fmt: skip
+
+    monkeypatch.setattr(api, "async_save", spy)
+    store = snapcore.Store(host=host_name, local=tmp_path, peer=True)
+    try:
+        ckpt = snapcore.Checkpointer(store, devices=64)
+        state = {"w": torch.ones(8)}
+        for step in range(3):
+            ckpt.step(step, state)
+        ckpt.close()
+    finally:
+        close_all()
+    assert asked and all("peer" in ts for ts in asked if "host" in ts), asked
+    assert any("host" in ts for ts in asked)
