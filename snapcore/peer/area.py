@@ -211,8 +211,12 @@ class Destination:
         identity: dict[str, Any] | None = None,
         max_bytes: int | None = None,
         commit_index: bool = True,
+        reserved: list[Path] | None = None,
     ) -> None:
         self.root = root
+        # files of this root faulted in ahead, that no committed snapshot names: the
+        # copy's files that do not exist yet are these, renamed (peer/restore.py)
+        self.reserved = list(reserved or [])
         self.step = step  # the step expected (None: any)
         self.rank = rank  # whose part
         self.identity = identity  # a peer namespace's: written as peer.json
@@ -284,7 +288,12 @@ class Destination:
         try:
             for name, size in copy.files:
                 # The file of the copy before last is reused (cut to size): its memory is
-                # taken already.
+                # taken already; so is a file reserved ahead, renamed.
+                path = self.root / name
+                spare = [p for p in self.reserved if p != path and p.exists()]
+                if spare and not path.exists():
+                    os.rename(spare[0], path)
+                    self.reserved.remove(spare[0])
                 fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o600)
                 self.fds.append(fd)
                 os.ftruncate(fd, size)
