@@ -295,3 +295,78 @@ def test_a_checkpointer_over_a_peer_store_asks_for_the_peer_tier(
         close_all()
     assert asked and all("peer" in ts for ts in asked if "host" in ts), asked
     assert any("host" in ts for ts in asked)
+
+
+class FakeKV:
+    """The job's key-value store, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        if key not in self.data and expected == "":
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+def fake_link(host: str, rank: int, kv: FakeKV) -> Any:
+    from types import SimpleNamespace
+
+    from snapcore.peer.link import Connection, PeerLink
+
+    job = SimpleNamespace(
+        rank=rank, world_size=2, kv=kv, key=lambda *p: "snapcore/" + "/".join(map(str, p))
+    )
+    conn = Connection(job, None, Topology(homes(2, 1), 1), 1.0)  # type: ignore[arg-type]
+    return PeerLink(conn, snapcore.Store(host=host, peer=True))
+
+
+def test_a_lost_partner_disables_the_peer_tier_once_and_later_saves_leave_it_out(
+    host_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from snapcore.errors import SnapshotFailed
+    from snapcore.peer import link as link_mod
+    from snapcore.peer.wire import Outgoing, PeerLinkError
+    from snapcore.staging.handle import SaveHandle, SaveStats
+    from snapcore.write.engine import close_all, engine_for
+
+    def lost(*a: Any, **k: Any) -> Any:
+        raise PeerLinkError("the peer transfer with ranks [1] failed: Connection reset by peer")
+
+    monkeypatch.setattr(link_mod, "exchange", lost)
+    monkeypatch.setattr(link_mod.PeerLink, "_outgoing", lambda self, d, s, k: Outgoing(d, None, []))
+    kv = FakeKV()
+    links = [fake_link(host_name, r, kv) for r in range(2)]
+    try:
+        h = SaveHandle(7, SaveStats(7, 0, 0), ("host", "peer"))
+        links[0]._run(h, 7, "index")
+        with pytest.raises(SnapshotFailed, match="disabled until the job restarts"):
+            h.wait(tier="peer")
+        assert links[0].off() and "lost at step 7" in (links[0].disabled or "")
+
+        # rank 1 learns it from the job's store at its next round: no transfer is tried
+        monkeypatch.setattr(link_mod, "exchange", lambda *a, **k: pytest.fail("transferred"))
+        assert not links[1].off()
+        h1 = SaveHandle(7, SaveStats(7, 0, 0), ("host", "peer"))
+        links[1]._run(h1, 7, "index")
+        with pytest.raises(SnapshotFailed, match=r"disabled until the job restarts: .*step 7"):
+            h1.wait(tier="peer")
+        assert links[1].off()
+
+        # once reported, this rank's saves go to the other tiers only
+        engine = engine_for(snapcore.Store(host=host_name, peer=True))
+        assert engine._wanted(None) == ("host", "peer")
+        engine.peer = links[0]
+        assert engine._wanted(None) == ("host",)
+        assert engine._wanted(["host", "peer"]) == ("host",)
+        engine.peer = None
+    finally:
+        for link in links:
+            link.close()
+        close_all()
