@@ -198,9 +198,11 @@ def step_names(d: LocalDirectory, step: int) -> set[str] | None:
 
 class Destination:
     """Receives one copy into a store directory ``root`` (a peer namespace, or a host
-    area at restore): ``prepare`` checks the copy and makes its files, the wire hands
-    each piece to ``write`` (written to the file, each chunk hashed as its bytes pass),
-    ``finish`` checks that every chunk arrived whole and intact, and commits."""
+    area at restore): ``prepare`` checks the copy and makes its files, the wire receives
+    each piece straight into the file's mapping (``target``, once faulted in) and says
+    when it has arrived (``received``: each chunk hashed as its bytes pass; ``write``
+    copies a piece in and says so), ``finish`` checks that every chunk arrived whole
+    and intact, and commits."""
 
     def __init__(
         self,

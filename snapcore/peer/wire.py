@@ -8,8 +8,11 @@ deadlock:
 2. the description: the step's index, the part (their bytes), as JSON;
 3. the receiver's answer: accepted, or refused with its reason (memory full, a copy of
    the wrong step, a part that does not match its index);
-4. the data files the part names, in pieces of ``piece_bytes``, paced to ``rate`` bytes
-   per second when one is set (the sender sleeps between pieces);
+4. the data files the part names, in pieces of ``piece_bytes`` sent from the sender's
+   read-only mappings of its files straight into the receiver's shared mappings of the
+   copy's files (faulted in ahead of them), ``WINDOW`` pieces in flight, or one at a
+   time paced to ``rate`` bytes per second when one is set (the sender sleeps between
+   pieces);
 5. the receiver's verdict once every chunk's XXH3-128 matched and the copy is
    committed (or why not).
 
@@ -203,8 +206,8 @@ def exchange(
                 accepted_out.append(o)
         times["prepare"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        # 4. the data, piece by piece, through two buffers per copy: a piece is read
-        # from its file (sender) or written to it (receiver) while the next one travels
+        # 4. the data, piece by piece, from the sender's file mappings straight into the
+        # receiver's, a piece hashed while the next ones travel
         _data(group, accepted_out, accepted_in, piece_bytes, Pacer(rate))
         times["data"] = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -370,3 +371,31 @@ def test_a_lost_partner_disables_the_peer_tier_once_and_later_saves_leave_it_out
         for link in links:
             link.close()
         close_all()
+
+
+def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
+    host_name: str,
+) -> None:
+    from snapcore.peer.restore import reserve, reserved
+    from snapcore.tiers import HostTier
+
+    store = snapcore.Store(host=host_name, peer=True)
+    root = HostTier(host_name).root
+    try:
+        path = reserve(store, 1, 4096)
+        assert path == root / "slot-r1-0.bin" and path.stat().st_blocks * 512 >= 4096
+        inode = path.stat().st_ino
+        assert reserve(store, 1, 4096) is None  # made once
+        copy, data = make_copy(5)  # the part names slot 1: the reserved file is renamed
+        dest = Destination(root, step=5, rank=1, commit_index=False, reserved=reserved(store, 1))
+        dest.prepare(copy.meta())
+        dest.write(0, 0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dest.finish()
+        dest.write_index()
+        got = root / "slot-r1-1.bin"
+        assert got.stat().st_ino == inode and not path.exists()
+        assert got.read_bytes() == data and got.stat().st_size == 128
+        # an area that holds a snapshot is never reserved into
+        assert reserve(store, 1, 4096) is None and reserved(store, 1) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
