@@ -457,9 +457,12 @@ class Engine:
                 arena.close()
                 self.arenas[slot] = None
             shm = self.host.slot_path(slot) if self.host is not None else None
-            if shm is not None:
+            # A fresh file: its old size and contents mean nothing now, and a reader may
+            # still map it. In an area that holds no committed snapshot, nobody reads it:
+            # its memory (prepare()'s reservation for a peer fetch) is taken as it is.
+            if shm is not None and self.host is not None and self.host.committed_steps():
                 with contextlib.suppress(FileNotFoundError):
-                    shm.unlink()  # a fresh file: its old size and contents mean nothing now
+                    shm.unlink()
             arena = self.arenas[slot] = HostArena(size, shm, device)
         return arena
 
