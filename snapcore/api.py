@@ -214,6 +214,7 @@ def _read(
         except ValueError as e:  # a job of one node: no partner to restore from
             log.warning("restore: %s", e)
         else:
+            engine.settle_reserve()  # prepare(): the memory the fetch receives into
             fetched = prepare_peer_restore(engine.config, steps, job, step, link)
             steps = committed(store)
             use = _noting_peer(use, fetched)
@@ -382,7 +383,10 @@ def prepare(state: object, store: StoreLike) -> Future[None]:
     """Allocate and fault the staging memory for ``state`` in the background, so that the
     first ``async_save`` does not (memory touched for the first time can fill at well under
     1 GB/s). Returns a future; a save waits for it. A store with a host-memory tier
-    prepares its second slot after its first save instead."""
+    prepares its second slot after its first save instead; but under torch.distributed,
+    a store with a peer tier whose host area holds no snapshot (a replaced node) faults
+    in the memory its part will be fetched into from a partner, so that the restore
+    receives into memory faulted already (docs/peer.md; the restore waits for it)."""
     return engine_for(store).prepare(state)
 
 

@@ -17,6 +17,7 @@ part: ``commit_index=False``, and ``write_index`` later).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -24,6 +25,7 @@ import re
 import shutil
 import stat
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,11 @@ from ..errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNo
 __all__ = ["Copy", "Destination", "PeerArea", "PeerCopies", "peer_root"]
 
 IDENTITY = "peer.json"
+FAULT_STEP = 4 << 20  # a received copy's memory is faulted in ahead of the wire by this much
+MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels answer EINVAL
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
 
 
 def peer_root(area_root: Path, source: int) -> Path:
@@ -191,9 +198,11 @@ def step_names(d: LocalDirectory, step: int) -> set[str] | None:
 
 class Destination:
     """Receives one copy into a store directory ``root`` (a peer namespace, or a host
-    area at restore): ``prepare`` checks the copy and makes its files, the wire hands
-    each piece to ``write`` (written to the file, each chunk hashed as its bytes pass),
-    ``finish`` checks that every chunk arrived whole and intact, and commits."""
+    area at restore): ``prepare`` checks the copy and makes its files, the wire receives
+    each piece straight into the file's mapping (``target``, once faulted in) and says
+    when it has arrived (``received``: each chunk hashed as its bytes pass; ``write``
+    copies a piece in and says so), ``finish`` checks that every chunk arrived whole
+    and intact, and commits."""
 
     def __init__(
         self,
@@ -204,8 +213,12 @@ class Destination:
         identity: dict[str, Any] | None = None,
         max_bytes: int | None = None,
         commit_index: bool = True,
+        reserved: list[Path] | None = None,
     ) -> None:
         self.root = root
+        # files of this root faulted in ahead, that no committed snapshot names: the
+        # copy's files that do not exist yet are these, renamed (peer/restore.py)
+        self.reserved = list(reserved or [])
         self.step = step  # the step expected (None: any)
         self.rank = rank  # whose part
         self.identity = identity  # a peer namespace's: written as peer.json
@@ -219,6 +232,15 @@ class Destination:
         self._chunks: list[list[tuple[int, int, str, str]]] = []
         self._hashers: dict[tuple[int, int], Any] = {}
         self._done: dict[tuple[int, int], int] = {}
+        # the files' mappings, the views the wire receives into, and their faulting
+        self._maps: list[Any] = []
+        self._views: list[torch.Tensor | None] = []
+        self._sizes: list[tuple[str, int]] = []
+        self._faulted: list[int] = []
+        self._fault_done = False
+        self._faulter: threading.Thread | None = None
+        self._stop = False
+        self._progress = threading.Condition()
 
     def prepare(self, meta: bytes) -> None:
         """Check the copy's description and make room for it; raises ``SnapcoreError``
@@ -268,11 +290,16 @@ class Destination:
         try:
             for name, size in copy.files:
                 # The file of the copy before last is reused (cut to size): its memory is
-                # taken already. Written with pwrite, never through a mapping: a full
-                # /dev/shm is then ENOSPC, not a SIGBUS.
+                # taken already; so is a file reserved ahead, renamed.
+                path = self.root / name
+                spare = [p for p in self.reserved if p != path and p.exists()]
+                if spare and not path.exists():
+                    os.rename(spare[0], path)
+                    self.reserved.remove(spare[0])
                 fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o600)
                 self.fds.append(fd)
                 os.ftruncate(fd, size)
+            self._map(copy)
         except BaseException:
             self.abort()
             raise
@@ -284,18 +311,108 @@ class Destination:
             chunks.sort()
         self.copy = copy
 
-    def write(self, file: int, offset: int, data: torch.Tensor) -> None:
-        """Piece ``data`` of file ``file`` at ``offset`` (pieces come in order): written,
-        and the chunks it holds hashed. A failure is kept for ``finish`` (the sender goes
-        on sending: the wire's stages stay in step)."""
+    def _map(self, copy: Copy) -> None:
+        """Map the copy's files shared and start faulting them in, in order, on a thread
+        of their own: the wire receives each piece straight into the mapping (no copy),
+        into memory faulted while the pieces before it traveled. Fresh memory (a
+        replaced node's host area) fills several times slower than faulted memory, and
+        MADV_POPULATE_WRITE reports a full /dev/shm as an error where a store into the
+        mapping would be a SIGBUS: a piece is received into the mapping only once its
+        range is populated."""
+        for name, size in copy.files:
+            if size == 0:
+                self._maps.append(None)
+                self._views.append(None)
+                continue
+            arena = _native.Arena(
+                size,
+                shm_path=str(self.root / name),
+                huge_pages=False,
+                pin=False,
+                prefault=False,
+            )
+            self._maps.append(arena)
+            buf = (ctypes.c_char * size).from_address(arena.address)
+            self._views.append(torch.frombuffer(buf, dtype=torch.uint8))
+        self._sizes = list(copy.files)
+        self._faulted = [0] * len(copy.files)
+        self._faulter = threading.Thread(
+            target=self._fault, args=([n for _, n in copy.files],), name="snapcore-peer-fault"
+        )
+        self._faulter.start()
+
+    def _fault(self, sizes: list[int]) -> None:
+        populate = True
+        try:
+            for f, size in enumerate(sizes):
+                arena = self._maps[f]
+                for off in range(0, size, FAULT_STEP):
+                    if self._stop:
+                        return
+                    n = min(FAULT_STEP, size - off)
+                    err = self._populate(arena, off, n) if populate else 0
+                    if err == errno.EINVAL:  # a kernel older than 5.14: faults on arrival
+                        populate = False
+                    elif err:
+                        self.failed = self.failed or SnapcoreError(
+                            "partner memory full: faulting in the copy of rank "
+                            f"{self.rank}'s part in {self.root / self._sizes[f][0]}: "
+                            f"{os.strerror(err)}"
+                        )
+                        return
+                    with self._progress:
+                        self._faulted[f] = off + n
+                        self._progress.notify_all()
+        except BaseException as e:  # never leave the wire waiting
+            self.failed = self.failed or e
+        finally:
+            with self._progress:
+                self._fault_done = True
+                self._progress.notify_all()
+
+    @staticmethod
+    def _populate(arena: Any, off: int, n: int) -> int:
+        """Fault ``[off, +n)`` of ``arena`` in; 0, or the errno."""
+        if arena is None or _libc.madvise(arena.address + off, n, MADV_POPULATE_WRITE) == 0:
+            return 0
+        return ctypes.get_errno()
+
+    def target(self, file: int, offset: int, nbytes: int) -> torch.Tensor | None:
+        """Where the wire receives piece ``[offset, +nbytes)`` of file ``file``: a view of
+        its mapping, once that range is faulted in; None once the copy has failed (the
+        wire then receives the piece into a buffer of its own and drops it)."""
+        with self._progress:
+            self._progress.wait_for(
+                lambda: self._fault_done or self._faulted[file] >= offset + nbytes
+            )
+        view = self._views[file]
+        if self.failed is not None or view is None:
+            return None
+        return view[offset : offset + nbytes]
+
+    def received(self, file: int, offset: int, nbytes: int) -> None:
+        """Piece ``[offset, +nbytes)`` of file ``file`` is in the mapping (pieces come in
+        order): the chunks it holds are hashed. A failure is kept for ``finish``."""
         if self.failed is not None:
             return
+        view = self._views[file]
+        assert view is not None
+        self._hash(file, offset, memoryview(view[offset : offset + nbytes].numpy()).cast("B"))
+
+    def write(self, file: int, offset: int, data: torch.Tensor) -> None:
+        """Piece ``data`` of file ``file`` at ``offset`` (pieces come in order), copied
+        into the mapping and hashed: ``target`` and ``received`` without a zero-copy
+        receive. A failure is kept for ``finish`` (the sender goes on sending: the
+        wire's stages stay in step)."""
+        t = self.target(file, offset, data.numel())
+        if t is None:
+            return
+        t.copy_(data)
+        self.received(file, offset, data.numel())
+
+    def _hash(self, file: int, offset: int, view: memoryview) -> None:
         assert self.copy is not None
         try:
-            view = memoryview(data.numpy()).cast("B")
-            done = 0
-            while done < len(view):
-                done += os.pwrite(self.fds[file], view[done:], offset + done)
             end = offset + len(view)
             for c_off, c_len, xxh3, where in self._chunks[file]:
                 lo, hi = max(c_off, offset), min(c_off + c_len, end)
@@ -314,14 +431,6 @@ class Destination:
                         f"damaged: chunk {where} at [{c_off}, +{c_len}) of {name} has xxh3 "
                         f"{h.hexdigest()}, the part says {xxh3}"
                     )
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                self.failed = SnapcoreError(
-                    f"partner memory full: writing the copy of rank {self.copy.rank}'s step "
-                    f"{self.copy.step} into {self.root}: {e.strerror}"
-                )
-            else:
-                self.failed = e
         except BaseException as e:
             self.failed = e
 
@@ -360,6 +469,19 @@ class Destination:
         self._close()
 
     def _close(self) -> None:
+        if self._faulter is not None:
+            self._stop = True
+            self._faulter.join()
+            self._faulter = None
+        self._views = []
+        for arena in self._maps:
+            if arena is not None:
+                with contextlib.suppress(Exception):
+                    arena.close()
+        self._maps = []
+        for fd, (_, size) in zip(self.fds, self._sizes, strict=False):  # mapped: a page up
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
         for fd in self.fds:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -114,6 +114,35 @@ class PeerLink:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapcore-peer")
         self._notes: list[str] = []  # failures of background rounds, for the next handle
         self._notes_lock = threading.Lock()
+        # Why the peer tier is off until the job restarts (a partner lost: gloo does not
+        # recover a pair), once a round failed here or on another rank; and whether a
+        # handle of this rank has failed with it (later saves then leave the tier out).
+        self.disabled: str | None = None
+        self.reported = False
+
+    def off(self) -> bool:
+        """Whether this rank's saves leave the peer tier out: it is disabled and a handle
+        of this rank has failed with the reason (reported once; later saves go on)."""
+        return self.disabled is not None and self.reported
+
+    def disable(self, why: str) -> None:
+        """The peer tier is off until the job restarts; the other ranks learn it from the
+        job's store at their next round, instead of waiting for this rank in vain."""
+        if self.disabled is not None:
+            return
+        self.disabled = why
+        log.error("the peer tier is disabled until the job restarts: %s", why)
+        with contextlib.suppress(Exception):  # rank 0's store may be gone with its rank
+            job = self.conn.job
+            job.kv.compare_set(job.key("peer", "disabled"), "", why)
+
+    def _disabled_elsewhere(self) -> str | None:
+        with contextlib.suppress(Exception):
+            job = self.conn.job
+            key = job.key("peer", "disabled")
+            if job.kv.check([key]):
+                return bytes(job.kv.get(key)).decode(errors="replace")
+        return None
 
     def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the peer thread (the one user of the peer group) and wait."""
@@ -153,6 +182,21 @@ class PeerLink:
             earlier, self._notes = self._notes, []
         for note in earlier:
             handle.warn(note)
+        if self.disabled is None and (why := self._disabled_elsewhere()) is not None:
+            self.disable(why)
+        if self.disabled is not None:
+            self.reported = True
+            handle.resolve(
+                "peer",
+                SnapshotFailed(
+                    f"step {step}: the peer tier is disabled until the job restarts: "
+                    f"{self.disabled}; the other tiers go on, and later saves leave the "
+                    "peer tier out",
+                    step=step,
+                    tier="peer",
+                ),
+            )
+            return
         topo = self.conn.topology
         partners, sources = topo.partners(self.rank), topo.sources(self.rank)
         outgoing = [self._outgoing(p, step, index_key) for p in partners]
@@ -180,11 +224,16 @@ class PeerLink:
         except PeerLinkError as e:
             for s in sources:
                 handle.warn(self._kept(s, step, f"the copy of rank {s}'s part was lost: {e}"))
+            peers = sorted(set(partners) | set(sources))
+            self.disable(f"partner rank(s) {peers} lost at step {step} ({e})")
+            self.reported = True
             handle.resolve(
                 "peer",
                 SnapshotFailed(
                     f"step {step}: the peer tier failed: {e}; the partners keep their "
-                    "previous copies, and the next snapshot sends again",
+                    "previous copies. The peer tier is disabled until the job restarts "
+                    "(gloo does not recover a pair); the other tiers go on, and later "
+                    "saves leave the peer tier out",
                     step=step,
                     tier="peer",
                 ),

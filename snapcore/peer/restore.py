@@ -35,7 +35,7 @@ from .wire import Incoming, Outgoing, PeerLinkError, exchange
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fetched", "prepare_restore"]
+__all__ = ["Fetched", "prepare_restore", "reserve"]
 
 # The stages' times of this process's last fetch (benchmarks/bench_peer.py reports them).
 last_fetch: dict[str, float] = {}
@@ -90,8 +90,15 @@ def prepare_restore(
         "remote": sorted(steps.get("remote", [])),
         "held": {str(r): ss for r, ss in held_copies(store, world).items()},
         "writable": writable,
+        "disabled": link.disabled,
     }
     every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
+    off = [(r, e["disabled"]) for r, e in enumerate(every) if e["disabled"]]
+    if off:  # the peer group is broken (a partner lost): no rank talks over it
+        r, why = off[0]
+        note = f"peer: the peer tier is disabled until the job restarts (rank {r}: {why})"
+        log.warning("%s", note)
+        return Fetched(notes=[note])
 
     def holders(r: int, s: int) -> list[int]:
         return [h for h in range(world) if s in every[h]["held"].get(str(r), [])]
@@ -124,7 +131,9 @@ def prepare_restore(
         ]
         incoming = []
         if rank in fetch:
-            dest = Destination(area, step=target, rank=rank, commit_index=False)
+            dest = Destination(
+                area, step=target, rank=rank, commit_index=False, reserved=reserved(store, rank)
+            )
             incoming.append(Incoming(fetch[rank], dest))
         t0 = time.perf_counter()
         sent, got, failure = link.run(
@@ -193,6 +202,8 @@ def prepare_restore(
 
         def resend() -> list[str]:
             sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes)
+            if failure:
+                link.disable(f"a partner lost in the re-send of step {target} ({failure})")
             return [
                 f"peer tier: the re-send of step {target}'s copies with rank {who} after the "
                 f"restore failed: {failure or why} (the next snapshot sends again)"
@@ -225,3 +236,43 @@ def _round(
     except PeerLinkError as e:
         return {}, {}, str(e)
     return sent, got, None
+
+
+def reserve(store: Store, rank: int, size: int) -> Path | None:
+    """A replaced node's ranks fault in, ahead of the restore (``snapcore.prepare``, while
+    the model is built), the memory their parts will be fetched into: the rank's first
+    host slot file, of ``size`` bytes. The fetch renames it to the slot file the part
+    names and cuts it to the part's size (or extends it: the rest is faulted on the
+    way). Memory touched for the first time fills several times slower than the network
+    brings a part; faulted here, the fetch receives into memory faulted once. Only in an
+    area that holds no committed snapshot (a fresh one, or this store's, empty), where
+    nothing is overwritten. Returns the file, or None when the area is not fresh."""
+    from .. import _native, settings
+
+    host = HostTier(store.host or "")
+    if host.identity() not in (None, store.identity()) or host.committed_steps():
+        return None
+    host.rank = rank
+    path = host.slot_path(0)
+    if path.exists():
+        return None  # an engine's arena, or a reservation already made
+    host.root.mkdir(parents=True, exist_ok=True)
+    _native.Arena(
+        size,
+        shm_path=str(path),
+        huge_pages=False,
+        pin=False,
+        prefault=True,
+        threads=settings.threads(),
+    ).close()
+    return path
+
+
+def reserved(store: Store, rank: int) -> list[Path]:
+    """The slot files of ``rank`` in a host area that holds no committed snapshot: memory
+    faulted ahead (``reserve``) that a fetch may receive into."""
+    host = HostTier(store.host or "")
+    if host.committed_steps():
+        return []
+    host.rank = rank
+    return [p for p in (host.slot_path(i) for i in range(host.SLOTS)) if p.exists()]

@@ -8,8 +8,11 @@ deadlock:
 2. the description: the step's index, the part (their bytes), as JSON;
 3. the receiver's answer: accepted, or refused with its reason (memory full, a copy of
    the wrong step, a part that does not match its index);
-4. the data files the part names, in pieces of ``piece_bytes``, paced to ``rate`` bytes
-   per second when one is set (the sender sleeps between pieces);
+4. the data files the part names, in pieces of ``piece_bytes`` sent from the sender's
+   read-only mappings of its files straight into the receiver's shared mappings of the
+   copy's files (faulted in ahead of them), ``WINDOW`` pieces in flight, or one at a
+   time paced to ``rate`` bytes per second when one is set (the sender sleeps between
+   pieces);
 5. the receiver's verdict once every chunk's XXH3-128 matched and the copy is
    committed (or why not).
 
@@ -19,16 +22,18 @@ reset connection) or after the group's timeout; that is ``PeerLinkError``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
+import mmap
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import _native
 from ..errors import SnapcoreError
 from .area import Copy, Destination
 
@@ -36,11 +41,53 @@ __all__ = ["Incoming", "Outgoing", "PeerLinkError", "exchange"]
 
 MAGIC = 0x5C9EE4
 REPLY_BYTES = 1024
+WINDOW = 4  # the data's pieces in flight per copy (unpaced)
 
 
 # The stages' times of this process's last round, in seconds (what benchmarks/bench_peer.py
 # reports: where a transfer's time goes).
 last_round: dict[str, float] = {}
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class Mapping:
+    """A file's first ``size`` bytes mapped shared and read-only, as a uint8 tensor: the
+    sender hands gloo its pieces straight from the file's memory (no copy into a buffer
+    first). The files sent are never cut while a round reads them: a host slot stays
+    reserved until its transfer is done, and is replaced by unlinking, never truncating;
+    a peer namespace's files are rewritten only by rounds on the same thread."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.size = size
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr is None or addr == _MAP_FAILED:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap {path}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+        self.addr = addr
+        self.tensor = torch.frombuffer((ctypes.c_char * size).from_address(addr), dtype=torch.uint8)
+
+    def close(self) -> None:
+        if self.addr is not None:
+            del self.tensor
+            _libc.munmap(self.addr, self.size)
+            self.addr = None
 
 
 class PeerLinkError(SnapcoreError):
@@ -56,6 +103,7 @@ class Outgoing:
     copy: Copy | None
     paths: list[Path]
     error: str | None = None
+    maps: list[Mapping] = field(default_factory=list)  # the files, mapped read-only
 
 
 @dataclass
@@ -158,8 +206,8 @@ def exchange(
                 accepted_out.append(o)
         times["prepare"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        # 4. the data, piece by piece, through two buffers per copy: a piece is read
-        # from its file (sender) or written to it (receiver) while the next one travels
+        # 4. the data, piece by piece, from the sender's file mappings straight into the
+        # receiver's, a piece hashed while the next ones travel
         _data(group, accepted_out, accepted_in, piece_bytes, Pacer(rate))
         times["data"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -192,6 +240,8 @@ def exchange(
             f"the peer transfer with ranks {peers} failed: {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else e}"
         ) from e
+    finally:
+        _unmap(outgoing)
     return sent, got
 
 
@@ -204,7 +254,10 @@ def _describe(o: Outgoing) -> tuple[bytes, int, int]:
             got = os.stat(path).st_size
             if got < size:
                 raise SnapcoreError(f"{path} has {got} bytes, the part says {size} ({name})")
+            if size:
+                o.maps.append(Mapping(path, size))
     except (OSError, SnapcoreError) as e:
+        _unmap([o])
         o.error = f"{type(e).__name__}: {e}"
         o.copy = None
         return o.error.encode()[:65536], 1, 0
@@ -212,50 +265,63 @@ def _describe(o: Outgoing) -> tuple[bytes, int, int]:
 
 
 def _data(group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pacer: Pacer) -> None:
+    """The data, piece by piece, ``WINDOW`` pieces in flight per copy (one when paced):
+    a sender's pieces go straight from its files' mappings, a receiver's straight into
+    its destination's mapping (faulted in ahead of them); a piece that has arrived is
+    hashed while the next ones travel."""
     import torch.distributed as dist
 
     sends = {o.dst: _cut(o.copy.files if o.copy else [], piece) for o in out}
     recvs = {i.src: _cut(i.dest.copy.files if i.dest.copy else [], piece) for i in inc}
-    paths = {o.dst: o.paths for o in out}
+    maps = {o.dst: [m.tensor for m in o.maps] for o in out}
+    sizes = {o.dst: [n for _, n in o.copy.files] if o.copy else [] for o in out}
     dests = {i.src: i.dest for i in inc}
-    sbuf = {d: _buffers(p, piece) for d, p in sends.items()}
-    rbuf = {s: _buffers(p, piece) for s, p in recvs.items()}
+    # only a copy that has failed on the way takes buffers, to drop its pieces into
+    spare: dict[tuple[int, int], torch.Tensor] = {}
+    landed: dict[tuple[int, int], bool] = {}  # (source, piece): it went into the mapping
 
-    def load(d: int, k: int) -> None:  # sender: piece k of its files into a buffer
+    def source(d: int, k: int) -> torch.Tensor:  # sender: piece k, in its file's mapping
         f, off, n = sends[d][k]
-        _native.read_into(str(paths[d][f]), off, n, sbuf[d][k % 2].data_ptr())
+        nonzero = [i for i, size in enumerate(sizes[d]) if size]
+        return maps[d][nonzero.index(f)][off : off + n]
 
-    def store(s: int, k: int) -> None:  # receiver: piece k from its buffer into the file
+    def into(s: int, k: int) -> torch.Tensor:  # receiver: where piece k lands
         f, off, n = recvs[s][k]
-        dests[s].write(f, off, rbuf[s][k % 2][:n])
+        t = dests[s].target(f, off, n)
+        landed[s, k] = t is not None
+        if t is None:
+            key = (s, k % WINDOW)
+            if key not in spare:
+                spare[key] = torch.empty(max(p[2] for p in recvs[s]), dtype=torch.uint8)
+            t = spare[key][:n]
+        return t
 
-    for d, p in sends.items():
-        if p:
-            load(d, 0)
+    def post(k: int) -> list[Any]:
+        works = [dist.isend(source(d, k), d, group=group) for d, p in sends.items() if k < len(p)]
+        works += [dist.irecv(into(s, k), s, group=group) for s, p in recvs.items() if k < len(p)]
+        return works
+
     pacer.start()
     rounds = max([len(p) for p in (*sends.values(), *recvs.values())], default=0)
+    window = 1 if pacer.rate is not None else WINDOW  # paced: one piece at a time
+    posted: collections.deque[list[Any]] = collections.deque()
     for k in range(rounds):
-        works = [
-            dist.isend(sbuf[d][k % 2][: p[k][2]], d, group=group)
-            for d, p in sends.items()
-            if k < len(p)
-        ]
-        works += [
-            dist.irecv(rbuf[s][k % 2][: p[k][2]], s, group=group)
-            for s, p in recvs.items()
-            if k < len(p)
-        ]
-        for s, p in recvs.items():  # the piece before, while this one travels
-            if 0 < k <= len(p):
-                store(s, k - 1)
-        for d, p in sends.items():  # the piece after, likewise
-            if k + 1 < len(p):
-                load(d, k + 1)
-        _run(works)
+        try:
+            while len(posted) < window and k + len(posted) < rounds:
+                posted.append(post(k + len(posted)))
+            _run(posted.popleft())
+        except BaseException:
+            for works in posted:  # gloo must be done with the mappings before they go
+                for w in works:
+                    with contextlib.suppress(BaseException):
+                        w.wait()
+            raise
+        for s, p in recvs.items():  # hashed while the next pieces travel
+            if k < len(p):
+                f, off, n = p[k]
+                if landed.pop((s, k)):
+                    dests[s].received(f, off, n)
         pacer.account(sum(p[k][2] for p in sends.values() if k < len(p)))
-    for s, p in recvs.items():
-        if p and len(p) >= rounds:
-            store(s, len(p) - 1)
 
 
 def _cut(files: list[tuple[str, int]], piece: int) -> list[tuple[int, int, int]]:
@@ -267,9 +333,11 @@ def _cut(files: list[tuple[str, int]], piece: int) -> list[tuple[int, int, int]]
     ]
 
 
-def _buffers(pieces: list[tuple[int, int, int]], piece: int) -> list[torch.Tensor]:
-    n = max([p[2] for p in pieces], default=0)
-    return [torch.empty(n, dtype=torch.uint8) for _ in range(2)] if n else []
+def _unmap(outgoing: list[Outgoing]) -> None:
+    for o in outgoing:
+        for m in o.maps:
+            m.close()
+        o.maps = []
 
 
 def _bytes(data: bytes) -> torch.Tensor:

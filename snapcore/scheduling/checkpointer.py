@@ -57,6 +57,17 @@ from .rate import (
 
 log = logging.getLogger("snapcore.checkpointer")
 
+
+def with_peer(store: Store, tiers: tuple[str, ...], *, planned: Iterable[str]) -> tuple[str, ...]:
+    """The tiers a Checkpointer's snapshot goes to. A save with explicit tiers sends to the
+    peer tier only when ``"peer"`` is among them; while the plan has no interval of its
+    own for the peer tier (``planned``: the tiers it schedules), the peer tier goes with
+    every host snapshot, as a plain ``async_save`` of the store sends it."""
+    if store.peer_spec is None or "peer" in tiers or "peer" in planned or "host" not in tiers:
+        return tiers
+    return (*tiers, "peer")
+
+
 StoreLike = Store | str | os.PathLike[str]
 
 # The upper bound on every tier's interval unless max_interval_s says otherwise: the
@@ -569,7 +580,7 @@ class Checkpointer:
             self._next_check = -math.inf
 
     def _save(self, step: int, state: Any, tiers: Iterable[str], now: float) -> SaveHandle:
-        tiers = tuple(tiers)
+        tiers = with_peer(self.store, tuple(tiers), planned=self._tiers)
         try:
             h = api.async_save(
                 state,
@@ -590,7 +601,7 @@ class Checkpointer:
         self._meter.stalled(h.stats.stall_s)
         for t in h.tiers:  # the engine adds local to a remote snapshot (uploads read it)
             self._last_begin[t] = now
-            self._per_tier[t] += 1
+            self._per_tier[t] = self._per_tier.get(t, 0) + 1
             self._sent[t] = step
         self._snapshots += 1
         self._pending.append(_InFlight(h))

@@ -25,12 +25,13 @@ from typing import Any
 
 from .. import manifest as mf
 from .. import settings
-from ..distributed.job import Job
+from ..distributed.job import Job, initialized
 from ..distributed.job import current as current_job
 from ..distributed.job import forget as forget_job
 from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, WindowItem
 from ..peer import PeerLink, open_link
+from ..peer.restore import reserve as reserve_peer_fetch
 from ..planning.layout import Layout, align_up, plan
 from ..staging.arena import HostArena, pin_device
 from ..staging.copy import Stager, refuse_overlap_in_graph_capture
@@ -87,6 +88,7 @@ class Engine:
         self._sharder: Sharder | None = None  # the save plan, under torch.distributed
         self._eid = 0  # this engine's number in the job's key space (write/commit.py)
         self.peer: PeerLink | None = None  # the peer tier (snapcore/peer), under a job
+        self._reserving: Future[None] | None = None  # prepare(): a peer fetch's memory
 
     @property
     def local_root(self) -> Path:
@@ -260,10 +262,34 @@ class Engine:
         device = pin_device(t.device for t in tensors)
         if self.host is not None:
             # Slot files may hold committed host snapshots until a save claims the area;
-            # the second slot is prepared in the background after the first save.
-            return _done()
+            # the second slot is prepared in the background after the first save. A
+            # replaced node of a job with a peer tier (an area with no snapshot) faults
+            # in the memory its part will be fetched into (snapcore/peer/restore.py).
+            if self.config.peer_spec is None or not initialized() or self._claimed:
+                return _done()
+            with self._lock:
+                if self._preparer is None:
+                    self._preparer = ThreadPoolExecutor(1, thread_name_prefix="snapcore-prepare")
+                import torch.distributed as dist
+
+                rank = dist.get_rank()
+                self._reserving = self._preparer.submit(self._reserve, rank, size)
+                return self._reserving
         with self._lock:
             return self._prepare_slot(0, size, device) or _done()
+
+    def _reserve(self, rank: int, size: int) -> None:
+        try:
+            reserve_peer_fetch(self.config, rank, size)
+        except Exception as e:  # the fetch faults its memory on the way instead
+            log.warning("could not fault in the memory of a peer fetch ahead: %s", e)
+
+    def settle_reserve(self) -> None:
+        """Wait for ``prepare``'s reservation for a peer fetch (before the fetch uses it)."""
+        fut = self._reserving
+        if fut is not None:
+            fut.result()
+            self._reserving = None
 
     def close(self) -> None:
         """Wait for what is in flight, stop the threads, free the arenas, close the remote
@@ -358,8 +384,11 @@ class Engine:
     def _wanted(self, tiers: Iterable[str] | None) -> tuple[str, ...]:
         have = self.config.tiers
         peer = ("peer",) if self.config.peer_spec is not None else ()  # after host commits
+        # A peer tier disabled until the job restarts (a partner lost), once reported on
+        # a handle of this rank: later saves go on without it (docs/peer.md, "Failures").
+        off = self.peer is not None and self.peer.off()
         if tiers is None:
-            return have + peer
+            return have if off else have + peer
         asked = set(tiers)
         bad = asked - set(have + peer)
         if bad:
@@ -370,6 +399,8 @@ class Engine:
             asked.add("local")  # uploads are read from the local copy
         if "peer" in asked:
             asked.add("host")  # the peer tier sends the host snapshot
+            if off:
+                asked.discard("peer")
         return tuple(t for t in TIER_ORDER if t in asked) + (("peer",) if "peer" in asked else ())
 
     def _raise_unreported(self) -> None:
@@ -426,9 +457,12 @@ class Engine:
                 arena.close()
                 self.arenas[slot] = None
             shm = self.host.slot_path(slot) if self.host is not None else None
-            if shm is not None:
+            # A fresh file: its old size and contents mean nothing now, and a reader may
+            # still map it. In an area that holds no committed snapshot, nobody reads it:
+            # its memory (prepare()'s reservation for a peer fetch) is taken as it is.
+            if shm is not None and self.host is not None and self.host.committed_steps():
                 with contextlib.suppress(FileNotFoundError):
-                    shm.unlink()  # a fresh file: its old size and contents mean nothing now
+                    shm.unlink()
             arena = self.arenas[slot] = HostArena(size, shm, device)
         return arena
 

@@ -6,10 +6,13 @@ order; the report holds one entry per action.
       "rng": RNGState(), "data": RankLocal({"pos": 100 * rank + N})} as step N; report
       the digests of every global tensor of get_state_dict, and the bytes each rank's
       data files take.
-  {"op": "restore", "kind": K, "store": DIR, "seed": S, "rank_local": "error"|"keep"}
+  {"op": "restore", "kind": K, "store": DIR, "seed": S, "rank_local": "error"|"keep",
+   "prepare": bool}
       build model K with other weights (seed S), restore into the same kind of state;
       report the digests, the restored step, the bytes read, the rank-local position and
-      the torch RNG's next draw, or the error's type and message.
+      the torch RNG's next draw, or the error's type and message. "prepare": call
+      snapcore.prepare first and report this rank's host slot files (name: inode) after
+      it ("prepared") and after the restore ("slots").
   {"op": "kill-save", "kind": K, "store": DIR, "step": N, "victim": R, "point": P}
       save steps N then N + 1; rank R SIGKILLs itself during the second at point P
       ("staged": when async_save returns; "writing": once its data file exists; "part":
@@ -118,6 +121,10 @@ def load_alone(a: dict[str, Any]) -> dict[str, Any]:
 def restore(a: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(99)
     state, model, optim = state_of(a["kind"], a.get("seed", 1), -1, a.get("pad_mb", 0))
+    prepared = None
+    if a.get("prepare"):  # a replaced node: fault in what its part is fetched into
+        snapcore.prepare(state, store_of(a)).result()
+        prepared = slot_inodes()
     try:
         info = snapcore.restore(state, store_of(a), rank_local=a.get("rank_local", "error"))
     except snapcore.SnapcoreError as e:
@@ -136,7 +143,15 @@ def restore(a: dict[str, Any]) -> dict[str, Any]:
         "pos": state["data"].value["pos"],
         "saved_step": state["step"],
         "rng_next": torch.rand(1).item(),
+        "prepared": prepared,
+        "slots": slot_inodes() if prepared is not None else None,
     }
+
+
+def slot_inodes() -> dict[str, int]:
+    """This rank's slot files in its node's host area (SNAPCORE_TEST_SHM), by inode."""
+    pattern = os.path.join(os.environ["SNAPCORE_TEST_SHM"], f"slot-r{dist.get_rank()}-*.bin")
+    return {os.path.basename(f): os.stat(f).st_ino for f in glob.glob(pattern)}
 
 
 def kill_save(a: dict[str, Any]) -> dict[str, Any]:

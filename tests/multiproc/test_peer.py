@@ -137,7 +137,8 @@ def test_a_replaced_node_restores_from_its_partners_memory(
     """Save steps 6 and 7 to host, local disk, object storage and the peer tier; node 1
     is replaced (SIGKILLed: its processes end with the run; its directory and memory are
     deleted); the job restarts and restores step 7 bit-exact, node 1's ranks from node
-    0's memory over the network, reading nothing from local disk or object storage."""
+    0's memory over the network (into the slot file snapcore.prepare faulted in), reading
+    nothing from local disk or object storage."""
     spec = {
         "local": "$SNAPCORE_TEST_LOCAL",
         "host": "$SNAPCORE_TEST_HOST",
@@ -161,9 +162,16 @@ def test_a_replaced_node_restores_from_its_partners_memory(
             assert nodes.copies(node, source) == [6, 7], (node, source)
 
     nodes.replace(1)
-    res = nodes.launch([{"op": "restore", "kind": "fsdp2", "store": spec, "pad_mb": 1}])
+    res = nodes.launch(
+        [{"op": "restore", "kind": "fsdp2", "store": spec, "pad_mb": 1, "prepare": True}]
+    )
     for rank, (r,) in enumerate(res):
         assert "error" not in r, r
+        if rank >= 2:  # snapcore.prepare faulted in one slot file; the fetch received into it
+            (reserved,) = r["prepared"].values()
+            assert reserved in r["slots"].values(), r
+        else:  # a node whose area holds its snapshot: nothing reserved
+            assert r["prepared"] == r["slots"], r
         assert r["step"] == 7 and r["digests"] == saved[rank][1]["digests"]
         assert r["pad"] == saved[rank][1]["pad"] and r["pos"] == 100 * rank + 7
         # Nothing from local disk or object storage: the node's own memory, and the copies

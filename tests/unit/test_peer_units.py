@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +217,185 @@ def test_a_copy_cut_short_is_not_committed(area: Path) -> None:
     with pytest.raises(InvalidManifest, match="did not arrive whole"):
         dest.finish()
     assert PeerArea(area, 1).committed_steps(IDENTITY) == []
+
+
+def test_a_copy_is_received_straight_into_its_files_mapping(area: Path) -> None:
+    copy, data = make_copy(4)
+    dest = Destination(peer_root(area, 1), step=4, rank=1, identity=IDENTITY)
+    dest.prepare(copy.meta())
+    whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    for off, n in ((0, 50), (50, 78)):  # as the wire's irecv fills each piece
+        target = dest.target(0, off, n)
+        assert target is not None and target.numel() == n
+        target.copy_(whole[off : off + n])
+        dest.received(0, off, n)
+    dest.finish()
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
+    path = peer_root(area, 1) / "slot-r1-0.bin"
+    assert path.read_bytes() == data and path.stat().st_size == 128  # not a page up
+
+
+def test_memory_that_cannot_be_faulted_in_is_reported_as_full_and_nothing_commits(
+    area: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    old, old_data = make_copy(4)
+    receive(peer_root(area, 1), old, old_data)
+    monkeypatch.setattr(Destination, "_populate", staticmethod(lambda *a: errno.ENOMEM))
+    new, _data = make_copy(5, seed=3)
+    dest = Destination(peer_root(area, 1), step=5, rank=1, identity=IDENTITY)
+    dest.prepare(new.meta())
+    assert dest.target(0, 0, 50) is None  # the wire drops the piece into a buffer of its own
+    with pytest.raises(SnapcoreError, match="partner memory full: faulting in"):
+        dest.finish()
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
+    assert (peer_root(area, 1) / "slot-r1-0.bin").read_bytes() == old_data
+
+
+def test_the_checkpointer_sends_the_peer_tier_with_its_host_snapshots() -> None:
+    from snapcore.scheduling.checkpointer import with_peer
+
+    peer = snapcore.Store(host="a", local="/x", peer=True)
+    plain = snapcore.Store(host="a", local="/x")
+    planned = ("host", "local")
+    assert with_peer(peer, ("host", "local"), planned=planned) == ("host", "local", "peer")
+    assert with_peer(peer, ("host",), planned=planned) == ("host", "peer")
+    assert with_peer(peer, ("local",), planned=planned) == ("local",)  # no host: nothing to send
+    assert with_peer(plain, ("host",), planned=planned) == ("host",)
+    assert with_peer(peer, ("host", "peer"), planned=planned) == ("host", "peer")
+    # a plan with an interval of its own for the peer tier decides when it goes
+    assert with_peer(peer, ("host",), planned=(*planned, "peer")) == ("host",)
+
+
+def test_a_checkpointer_over_a_peer_store_asks_for_the_peer_tier(
+    tmp_path: Path, host_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from snapcore import api
+    from snapcore.write.engine import close_all
+
+    asked: list[tuple[str, ...]] = []
+    real = api.async_save
+
+    def spy(state: Any, store: Any, **kw: Any) -> Any:
+        asked.append(tuple(kw["tiers"]))
+        # one process is no job: the peer tier itself is tested in tests/multiproc
+        return real(state, snapcore.Store(host=host_name, local=tmp_path), **kw | {
+            "tiers": [t for t in kw["tiers"] if t != "peer"]
+        })  # fmt: skip
+
+    monkeypatch.setattr(api, "async_save", spy)
+    store = snapcore.Store(host=host_name, local=tmp_path, peer=True)
+    try:
+        ckpt = snapcore.Checkpointer(store, devices=64)
+        state = {"w": torch.ones(8)}
+        for step in range(3):
+            ckpt.step(step, state)
+        ckpt.close()
+    finally:
+        close_all()
+    assert asked and all("peer" in ts for ts in asked if "host" in ts), asked
+    assert any("host" in ts for ts in asked)
+
+
+class FakeKV:
+    """The job's key-value store, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        if key not in self.data and expected == "":
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+def fake_link(host: str, rank: int, kv: FakeKV) -> Any:
+    from types import SimpleNamespace
+
+    from snapcore.peer.link import Connection, PeerLink
+
+    job = SimpleNamespace(
+        rank=rank, world_size=2, kv=kv, key=lambda *p: "snapcore/" + "/".join(map(str, p))
+    )
+    conn = Connection(job, None, Topology(homes(2, 1), 1), 1.0)  # type: ignore[arg-type]
+    return PeerLink(conn, snapcore.Store(host=host, peer=True))
+
+
+def test_a_lost_partner_disables_the_peer_tier_once_and_later_saves_leave_it_out(
+    host_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from snapcore.errors import SnapshotFailed
+    from snapcore.peer import link as link_mod
+    from snapcore.peer.wire import Outgoing, PeerLinkError
+    from snapcore.staging.handle import SaveHandle, SaveStats
+    from snapcore.write.engine import close_all, engine_for
+
+    def lost(*a: Any, **k: Any) -> Any:
+        raise PeerLinkError("the peer transfer with ranks [1] failed: Connection reset by peer")
+
+    monkeypatch.setattr(link_mod, "exchange", lost)
+    monkeypatch.setattr(link_mod.PeerLink, "_outgoing", lambda self, d, s, k: Outgoing(d, None, []))
+    kv = FakeKV()
+    links = [fake_link(host_name, r, kv) for r in range(2)]
+    try:
+        h = SaveHandle(7, SaveStats(7, 0, 0), ("host", "peer"))
+        links[0]._run(h, 7, "index")
+        with pytest.raises(SnapshotFailed, match="disabled until the job restarts"):
+            h.wait(tier="peer")
+        assert links[0].off() and "lost at step 7" in (links[0].disabled or "")
+
+        # rank 1 learns it from the job's store at its next round: no transfer is tried
+        monkeypatch.setattr(link_mod, "exchange", lambda *a, **k: pytest.fail("transferred"))
+        assert not links[1].off()
+        h1 = SaveHandle(7, SaveStats(7, 0, 0), ("host", "peer"))
+        links[1]._run(h1, 7, "index")
+        with pytest.raises(SnapshotFailed, match=r"disabled until the job restarts: .*step 7"):
+            h1.wait(tier="peer")
+        assert links[1].off()
+
+        # once reported, this rank's saves go to the other tiers only
+        engine = engine_for(snapcore.Store(host=host_name, peer=True))
+        assert engine._wanted(None) == ("host", "peer")
+        engine.peer = links[0]
+        assert engine._wanted(None) == ("host",)
+        assert engine._wanted(["host", "peer"]) == ("host",)
+        engine.peer = None
+    finally:
+        for link in links:
+            link.close()
+        close_all()
+
+
+def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
+    host_name: str,
+) -> None:
+    from snapcore.peer.restore import reserve, reserved
+    from snapcore.tiers import HostTier
+
+    store = snapcore.Store(host=host_name, peer=True)
+    root = HostTier(host_name).root
+    try:
+        path = reserve(store, 1, 4096)
+        assert path == root / "slot-r1-0.bin" and path.stat().st_blocks * 512 >= 4096
+        inode = path.stat().st_ino
+        assert reserve(store, 1, 4096) is None  # made once
+        copy, data = make_copy(5)  # the part names slot 1: the reserved file is renamed
+        dest = Destination(root, step=5, rank=1, commit_index=False, reserved=reserved(store, 1))
+        dest.prepare(copy.meta())
+        dest.write(0, 0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dest.finish()
+        dest.write_index()
+        got = root / "slot-r1-1.bin"
+        assert got.stat().st_ino == inode and not path.exists()
+        assert got.read_bytes() == data and got.stat().st_size == 128
+        # an area that holds a snapshot is never reserved into
+        assert reserve(store, 1, 4096) is None and reserved(store, 1) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
