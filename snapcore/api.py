@@ -255,9 +255,19 @@ def _read(
     raise newest
 
 
+def _with_peer(tier: str) -> str:
+    """``RestoreInfo.tier`` of a rank whose part came from a partner's memory: the peer
+    tier among the tiers read, in their order (its bytes are read from the host area they
+    were received into)."""
+    order = ("host", "peer", "local", "remote")
+    read = set(tier.split("+")) | {"peer"}
+    return "+".join(t for t in order if t in read)
+
+
 def _noting_peer(use: Callable[[Reader], T], fetched: Fetched) -> Callable[[Reader], T]:
     def noted(reader: Reader) -> T:
         reader.peer_bytes, reader.peer_s = fetched.bytes, fetched.seconds
+        reader.peer_ranks = list(fetched.ranks)
         reader.damaged.extend(fetched.notes)
         return use(reader)
 
@@ -318,7 +328,7 @@ def restore(
         log.warning("restore of step %d: %s", reader.m.step, d)
     return RestoreInfo(
         step=reader.m.step,
-        tier=reader.tier,
+        tier=_with_peer(reader.tier) if reader.peer_bytes else reader.tier,
         bytes=reader.bytes_read,
         seconds=time.perf_counter() - t0,
         tensors=n,
@@ -329,6 +339,7 @@ def restore(
         tier_bytes=dict(reader.tier_bytes),
         peer_bytes=reader.peer_bytes,
         peer_s=reader.peer_s,
+        peer_ranks=list(reader.peer_ranks),
     )
 
 

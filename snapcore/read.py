@@ -58,6 +58,9 @@ class RestoreInfo:
     tier_bytes: dict[str, int] = field(default_factory=dict)  # bytes read, per tier
     peer_bytes: int = 0  # bytes of this rank's part received from a partner's memory
     peer_s: float = 0.0  # the time receiving them took (before the restore's reads)
+    # the ranks of the job whose parts came back from a partner's memory (the same list
+    # on every rank): a restore of a replaced machine, whichever rank reads this
+    peer_ranks: list[int] = field(default_factory=list)
 
 
 # Where a chunk is decoded to: an address, or a function that gives one for a number of
@@ -133,6 +136,7 @@ class Reader:
         self.tier_bytes: dict[str, int] = {}  # the same, per tier
         self.peer_bytes = 0  # received from a partner before reading (snapcore/peer)
         self.peer_s = 0.0
+        self.peer_ranks: list[int] = []
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._blobs: dict[int, torch.Tensor] = {}

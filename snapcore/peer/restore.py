@@ -68,6 +68,7 @@ class Fetched:
     bytes: int = 0  # of this rank's part, received from a partner's memory
     seconds: float = 0.0  # the time that took (the whole round, with its checks)
     notes: list[str] = field(default_factory=list)  # what failed (the restore goes on)
+    ranks: list[int] = field(default_factory=list)  # the job's ranks that got their part
 
 
 def prepare_restore(
@@ -159,6 +160,7 @@ def prepare_restore(
                 )
         # The node's copy is committed once every rank of it that fetched has its part.
         said = [json.loads(b) for b in all_gather_bytes(job, json.dumps({"ok": ok}).encode())]
+        out.ranks = sorted(r for r in fetch if said[r]["ok"])
         if rank in fetch and ok:
             node = [r for r in topo.nodes[topo.node_of[rank]] if r in fetch]
             if all(said[r]["ok"] for r in node) and rank == min(node):

@@ -58,6 +58,14 @@ from .rate import (
 log = logging.getLogger("snapcore.checkpointer")
 
 
+def planned_tiers(store: Store) -> tuple[str, ...]:
+    """The tiers a Checkpointer plans an interval for, fastest first: the store's, and
+    its peer tier (``Store(peer=...)``) after host memory, whose snapshots it sends."""
+    if store.peer_spec is None:
+        return store.tiers
+    return tuple(t for t in ("host", "peer", "local", "remote") if t in store.tiers or t == "peer")
+
+
 def with_peer(store: Store, tiers: tuple[str, ...], *, planned: Iterable[str]) -> tuple[str, ...]:
     """The tiers a Checkpointer's snapshot goes to. A save with explicit tiers sends to the
     peer tier only when ``"peer"`` is among them; while the plan has no interval of its
@@ -183,7 +191,7 @@ class Checkpointer:
             raise ValueError(f"max_interval_s must be > 0, got {max_interval_s}")
         self.max_interval_s = max_interval_s or DEFAULT_CHECKPOINTER_MAX_INTERVAL_S
         self._clock = clock
-        self._tiers = self.store.tiers
+        self._tiers = planned_tiers(self.store)
         self._prior = RatePrior.from_devices(
             devices, rate_per_device_hour or LLAMA3_RATE_PER_DEVICE_HOUR
         )
@@ -272,11 +280,16 @@ class Checkpointer:
             return 0
         now = self._clock()
         rollback = self._trained  # training had begun: this run rolls back
-        self._meter.restored(restore_tier(info.tier), info.seconds)
-        self._restored = (info.step, info.tier)
-        self._journal_event("restore", step=info.step, tier=info.tier, rollback=rollback)
+        # The job's restore read a partner's memory when any rank's part came from one:
+        # a machine was replaced, whichever rank (and node) this is.
+        tier = info.tier
+        if info.peer_ranks and "peer" not in tier.split("+"):
+            tier = f"{tier}+peer"
+        self._meter.restored(restore_tier(tier), info.seconds)
+        self._restored = (info.step, tier)
+        self._journal_event("restore", step=info.step, tier=tier, rollback=rollback)
         if rollback:
-            self._own[failure_class(info.tier, self._tiers)] += 1
+            self._own[failure_class(tier, self._tiers)] += 1
         elif self._journal is not None:
             # our restore tells the class of the failure that ended the previous run
             self._load_history(read_history(self.store, live_runs=[self._journal.run]))

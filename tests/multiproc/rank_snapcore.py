@@ -138,6 +138,7 @@ def restore(a: dict[str, Any]) -> dict[str, Any]:
         "skipped": info.skipped,
         "tier_bytes": info.tier_bytes,
         "peer_bytes": info.peer_bytes,
+        "peer_ranks": info.peer_ranks,
         "damaged": info.damaged,
         "pad": models.digest(state["pad"].value) if "pad" in state else None,
         "pos": state["data"].value["pos"],

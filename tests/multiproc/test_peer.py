@@ -180,8 +180,12 @@ def test_a_replaced_node_restores_from_its_partners_memory(
         assert r["tier_bytes"]["host"] > 1 << 20
         if rank >= 2:
             assert r["peer_bytes"] > 1 << 20, r  # its part came from its partner's memory
+            assert "peer" in r["tier"].split("+"), r["tier"]
         else:
             assert r["peer_bytes"] == 0, r
+        # every rank knows that the replaced node's parts came from a partner (the
+        # Checkpointer journals the failure as a lost machine on whichever rank)
+        assert r["peer_ranks"] == [2, 3], r
         assert r["damaged"] == [], r["damaged"]
     # Node 1 holds its own copy again, and its partners' copies (the re-send).
     assert nodes.host_steps(1) == [7]

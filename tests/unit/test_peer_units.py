@@ -268,7 +268,7 @@ def test_the_checkpointer_sends_the_peer_tier_with_its_host_snapshots() -> None:
     assert with_peer(peer, ("host",), planned=(*planned, "peer")) == ("host",)
 
 
-def test_a_checkpointer_over_a_peer_store_asks_for_the_peer_tier(
+def test_a_checkpointer_over_a_peer_store_plans_and_asks_for_the_peer_tier(
     tmp_path: Path, host_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from snapcore import api
@@ -294,8 +294,11 @@ def test_a_checkpointer_over_a_peer_store_asks_for_the_peer_tier(
         ckpt.close()
     finally:
         close_all()
-    assert asked and all("peer" in ts for ts in asked if "host" in ts), asked
-    assert any("host" in ts for ts in asked)
+    # The peer tier has an interval of its own in the plan (between host and local), and
+    # the first step snapshots every tier, the peer tier included.
+    assert list(ckpt._intervals) == ["host", "peer", "local"], ckpt._intervals
+    assert ckpt._intervals["host"] <= ckpt._intervals["peer"] <= ckpt._intervals["local"]
+    assert asked and set(asked[0]) == {"host", "peer", "local"}, asked
 
 
 class FakeKV:
