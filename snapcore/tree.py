@@ -112,10 +112,11 @@ def flatten(state: object) -> Flattened:
                     "convert to a dense tensor first",
                     path=path,
                 )
+            # DTensor first: Parameter's isinstance check is Python code (~15 us).
             if (
                 type(obj) is not torch.Tensor
-                and not isinstance(obj, torch.nn.Parameter)
                 and not is_dtensor(obj)
+                and not isinstance(obj, torch.nn.Parameter)
             ):
                 raise UnsupportedState(
                     f"{path or '<root>'}: tensor subclass {type_name(obj)} is not supported",

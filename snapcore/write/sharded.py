@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,8 +301,9 @@ def _description(flat: Flattened, glob: list[int]) -> tuple[dict[str, Any], list
 def _signature(flat: Flattened, glob: list[int]) -> tuple[Any, ...]:
     """A cheap description of the state's global tensors: equal signatures give equal
     ``describe_local`` items (paths, dtypes, shapes, meshes, placements). Computed at
-    every save on the training thread: a mesh's ranks are read once per mesh (reading
-    ``DeviceMesh.mesh`` costs about 0.1 ms), a shard's shape without ``to_local()``."""
+    every save on the training thread: a mesh's ranks are read once per mesh object for
+    the process's life (``_mesh_key``; reading ``DeviceMesh.mesh`` builds a tensor), a
+    shard's shape without ``to_local()``."""
     meshes: dict[int, tuple[Any, ...]] = {}  # id -> key; the meshes live through the call
     out: list[tuple[Any, ...]] = []
     tensors, paths = flat.tensors, flat.paths
@@ -311,12 +313,28 @@ def _signature(flat: Flattened, glob: list[int]) -> tuple[Any, ...]:
             mesh = t.device_mesh  # type: ignore[attr-defined]
             key = meshes.get(id(mesh))
             if key is None:
-                key = meshes[id(mesh)] = (tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.shape))
+                key = meshes[id(mesh)] = _mesh_key(mesh)
             placements = tuple(t.placements)  # type: ignore[attr-defined]
             out.append((paths[i], t.dtype, t.shape, placements, key, local_shard(t).shape))
         else:
             out.append((paths[i], t.dtype, t.shape))
     return tuple(out)
+
+
+# id(DeviceMesh) -> (a weak reference to it, its key): a mesh's ranks and shape never
+# change, and reading ``DeviceMesh.mesh`` builds a tensor (0.1-1 ms) at every save.
+_MESH_KEYS: dict[int, tuple[weakref.ref[Any], tuple[Any, ...]]] = {}
+
+
+def _mesh_key(mesh: Any) -> tuple[Any, ...]:
+    known = _MESH_KEYS.get(id(mesh))
+    if known is not None and known[0]() is mesh:
+        return known[1]
+    key = (tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.shape))
+    for k in [k for k, (ref, _) in _MESH_KEYS.items() if ref() is None]:
+        del _MESH_KEYS[k]
+    _MESH_KEYS[id(mesh)] = (weakref.ref(mesh), key)
+    return key
 
 
 def _item_json(i: LocalItem) -> list[Any]:
