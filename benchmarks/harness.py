@@ -108,6 +108,7 @@ def save_peers(report: Result) -> Result:
         "snapcore.async_save": _warm(sc.get("async", [])),
         "snapcore.save": sc.get("save", []),
         "torch.save": ts.get("runs", []),
+        "safetensors.save_file": (ts.get("safetensors") or {}).get("runs", []),
         "dcp.save": dc.get("save", []),
         "dcp.async_save thread": _warm(dc.get("async_thread", [])),
         "dcp.async_save process": _warm(dc.get("async_process", [])),
@@ -128,6 +129,7 @@ def save_peers(report: Result) -> Result:
         ("snapcore_load", "snapcore.load"),
         ("torch_load", "torch.load"),
         ("dcp_load", "dcp.load"),
+        ("safetensors_load", "safetensors.load_file"),
     ):
         if key in rs:
             restore[name] = spread([rs[key]["seconds"]])
@@ -137,6 +139,8 @@ def save_peers(report: Result) -> Result:
         for k in report
         if isinstance(report[k], dict) and "error" in report[k]
     }
+    if "error" in (ts.get("safetensors") or {}):
+        errors["safetensors"] = ts["safetensors"]["error"]
     return {"state_bytes": state, "peers": peers, "restore": restore, "errors": errors}
 
 
@@ -376,6 +380,7 @@ def summarise_scaling(doc: Result) -> Result:
         "snapcore.async_save": "snapcore.restore",
         "torch.save": "torch.load",
         "dcp.async_save thread": "dcp.load",
+        "safetensors.save_file": "safetensors.load_file",
     }
     sizes: list[Result] = []
     out: Result = {"sizes": sizes, "stall_s": {}, "staged_s": {}, "durable_s": {}, "restore_s": {}}
