@@ -405,7 +405,8 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "save",
         "bench_save.py",
-        "save / async_save / restore against torch.save and DCP (one size), with machine probes",
+        "save / async_save / restore against torch.save, safetensors and DCP (one size), "
+        "with machine probes",
         markdown=True,
         summarise=summarise_save,
         plot=plot_save,
@@ -735,12 +736,19 @@ def table_checkpointer(doc: Result) -> str:
     return "\n".join(lines)
 
 
+def table_codec_report(doc: Result) -> str:
+    """bench_codec's own report (its --markdown, which names its command, machine and
+    date), after the harness's line on the run."""
+    return _made_by(doc) + "\n\n" + doc["runs"][0]["markdown"].strip("\n")
+
+
 # marker name -> (scenario whose JSON it is made from, renderer)
 TABLES: dict[str, tuple[str, Callable[[Result], str]]] = {
     "save-report": ("save", table_save_report),
     "scaling": ("scaling", table_scaling),
     "tiers": ("tiers", table_tiers),
     "checkpointer": ("checkpointer", table_checkpointer),
+    "codec-report": ("codec", table_codec_report),
 }
 
 

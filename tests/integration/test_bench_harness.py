@@ -232,6 +232,21 @@ def test_tiers_and_checkpointer_regions_from_fixture_json(tmp_path: Path) -> Non
     harness_cli("docs", results, "--doc", doc)
     assert doc.read_text() == text
 
+    # with one, its region is the script's own report after the harness's line
+    codec = _doc("codec", {"rows": []})
+    codec["runs"][0]["markdown"] = "Measured by bench_codec.\n\n| data | codec |\n| --- | --- |\n"
+    (results / "codec.json").write_text(json.dumps(codec))
+    proc = harness_cli("docs", results, "--doc", doc)
+    assert "'codec-report'" in proc.stdout.split("kept")[0]
+    made_by = harness._made_by(codec)
+    assert made_by.startswith("Made by `python -m benchmarks run codec`, 2026-11-23; machine")
+    assert doc.read_text() == text.replace(
+        "<!-- bench:codec-report:begin -->\nstale\n",
+        "<!-- bench:codec-report:begin -->\n\n"
+        + made_by
+        + "\n\nMeasured by bench_codec.\n\n| data | codec |\n| --- | --- |\n\n",
+    )
+
 
 def test_committed_figures_regenerate_the_docs_unchanged() -> None:
     """docs/benchmarks.md's generated regions are what `docs` prints from the JSON
