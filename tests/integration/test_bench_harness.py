@@ -254,5 +254,5 @@ def test_committed_figures_regenerate_the_docs_unchanged() -> None:
     text = harness.DOC.read_text()
     docs = harness.load_results(REPO / "docs" / "figures")
     new, done, _ = harness.regenerate(text, docs)
-    assert {"scaling", "tiers", "checkpointer"} <= set(done)
+    assert {"scaling", "tiers", "checkpointer", "codec-report"} <= set(done)
     assert new == text
