@@ -1,4 +1,5 @@
-"""First benchmark of snapcore: save, async_save and restore against torch.save and DCP.
+"""First benchmark of snapcore: save, async_save and restore against torch.save, safetensors
+and DCP.
 
 One run measures the machine (memcpy into pre-faulted memory, O_DIRECT and buffered
 writes, cold sequential reads) and then each method on the same ~4.4 GB state (a stack
@@ -461,7 +462,54 @@ def phase_torch_save(args: argparse.Namespace, work: Path) -> Result:
             }
         )
         common.drop_page_cache([str(path)])  # leave no cached pages behind for the next measurement
-    return {**info, "runs": runs, "file": str(path), "file_bytes": path.stat().st_size}
+    out = {**info, "runs": runs, "file": str(path), "file_bytes": path.stat().st_size}
+    out["safetensors"] = _safetensors_runs(model, opt, tensors, info, work)
+    return out
+
+
+def flat_tensors(model: Any, opt: Any) -> dict[str, Any]:
+    """The state as safetensors takes it: one flat dict of tensors, no shared storage
+    (the model's parameters and Adam's per-parameter state, by name)."""
+    import torch
+
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, st in enumerate(opt.state.values()):
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim.{i}.{k}"] = v
+    return out
+
+
+def _safetensors_runs(model: Any, opt: Any, tensors: list[Any], info: Result, work: Path) -> Result:
+    """safetensors.torch.save_file of the same state in the same process, made durable as
+    torch.save is (fsync of the file before the clock stops); twice. A missing library is
+    reported, not fatal: the other peers' figures stand."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        return {"error": f"safetensors is not installed ({e})"}
+    path = work / "state.safetensors"
+    runs: list[Result] = []
+    for i in range(2):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        perturb(tensors)
+        with Peak(info["baseline_rss"]) as peak:
+            t0 = time.perf_counter()
+            save_file(flat_tensors(model, opt), str(path))
+            _fsync_path(path)
+            durable = time.perf_counter() - t0
+        runs.append(
+            {
+                "run": i,
+                "blocked_s": durable,
+                "durable_s": durable,
+                "peak_extra": peak.extra,
+                "others": peak.others,
+            }
+        )
+        common.drop_page_cache([str(path)])
+    return {"runs": runs, "file": str(path), "file_bytes": path.stat().st_size}
 
 
 # -- phase: DCP -------------------------------------------------------------------------------
@@ -619,6 +667,14 @@ def phase_restore(args: argparse.Namespace, work: Path) -> Result:
         _fsync_path(torch_file)
     if not (dcp_dir / ".metadata").exists():
         dcp.save(_dcp_state(model, opt), checkpoint_id=str(dcp_dir), no_dist=True)
+    st_file = work / "state.safetensors"
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        load_file = None
+    if load_file is not None and not st_file.exists():
+        save_file(flat_tensors(model, opt), str(st_file))
+        _fsync_path(st_file)
     out: Result = dict(info)
 
     def measure(name: str, files: list[str], fn: Callable[[], object]) -> None:
@@ -671,6 +727,10 @@ def phase_restore(args: argparse.Namespace, work: Path) -> Result:
         dcp.load(sd, checkpoint_id=str(dcp_dir), no_dist=True)
 
     measure("dcp_load", _files_under(dcp_dir), dcp_load)
+    if load_file is not None:  # new tensors, as torch.load
+        measure("safetensors_load", [str(st_file)], lambda: load_file(str(st_file)))
+    else:
+        out["safetensors_load_error"] = "safetensors is not installed"
     return out
 
 
@@ -1030,6 +1090,11 @@ def render(r: Result) -> str:
         row(f"torch.save + fsync ({len(ts['runs'])} runs)", ts["runs"])
     else:
         row("torch.save + fsync", None, ts.get("error", ""))
+    st = ts.get("safetensors") or {}
+    if "runs" in st:
+        row(f"safetensors save_file + fsync ({len(st['runs'])} runs)", st["runs"])
+    elif ts:
+        row("safetensors save_file + fsync", None, st.get("error", ts.get("error", "")))
     if "save" in dc:
         row("dcp.save", dc["save"])
         for key, label in (("async_thread", "thread"), ("async_process", "process")):
@@ -1098,7 +1163,10 @@ def render(r: Result) -> str:
             ("snapcore_load", "snapcore.load (new tensors)"),
             ("torch_load", "torch.load(mmap=False) (new tensors)"),
             ("dcp_load", "dcp.load into the state"),
+            ("safetensors_load", "safetensors load_file (new tensors)"),
         ):
+            if key not in rs:  # safetensors absent, or a run from before it was measured
+                continue
             x = rs[key]
             lines.append(
                 f"| {label} | {_s(x['seconds'])} | {_gb(x['Bps'])} | {x['peak_extra'] / GB:.2f} | "

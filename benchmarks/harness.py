@@ -108,6 +108,7 @@ def save_peers(report: Result) -> Result:
         "snapcore.async_save": _warm(sc.get("async", [])),
         "snapcore.save": sc.get("save", []),
         "torch.save": ts.get("runs", []),
+        "safetensors.save_file": (ts.get("safetensors") or {}).get("runs", []),
         "dcp.save": dc.get("save", []),
         "dcp.async_save thread": _warm(dc.get("async_thread", [])),
         "dcp.async_save process": _warm(dc.get("async_process", [])),
@@ -128,6 +129,7 @@ def save_peers(report: Result) -> Result:
         ("snapcore_load", "snapcore.load"),
         ("torch_load", "torch.load"),
         ("dcp_load", "dcp.load"),
+        ("safetensors_load", "safetensors.load_file"),
     ):
         if key in rs:
             restore[name] = spread([rs[key]["seconds"]])
@@ -137,6 +139,8 @@ def save_peers(report: Result) -> Result:
         for k in report
         if isinstance(report[k], dict) and "error" in report[k]
     }
+    if "error" in (ts.get("safetensors") or {}):
+        errors["safetensors"] = ts["safetensors"]["error"]
     return {"state_bytes": state, "peers": peers, "restore": restore, "errors": errors}
 
 
@@ -376,6 +380,7 @@ def summarise_scaling(doc: Result) -> Result:
         "snapcore.async_save": "snapcore.restore",
         "torch.save": "torch.load",
         "dcp.async_save thread": "dcp.load",
+        "safetensors.save_file": "safetensors.load_file",
     }
     sizes: list[Result] = []
     out: Result = {"sizes": sizes, "stall_s": {}, "staged_s": {}, "durable_s": {}, "restore_s": {}}
@@ -400,7 +405,8 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "save",
         "bench_save.py",
-        "save / async_save / restore against torch.save and DCP (one size), with machine probes",
+        "save / async_save / restore against torch.save, safetensors and DCP (one size), "
+        "with machine probes",
         markdown=True,
         summarise=summarise_save,
         plot=plot_save,
@@ -642,10 +648,107 @@ def table_scaling(doc: Result) -> str:
     return "\n".join(lines)
 
 
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def table_tiers(doc: Result) -> str:
+    """bench_tiers' figures: time to durable per tier, restore per tier, the remote
+    codec, the incremental snapshot."""
+    r = doc["runs"][0]["result"]
+    n, d, w = r["state_bytes"], r["durable"], r["written"]
+    lines = [
+        _made_by(doc),
+        "",
+        f"State: {_mb(n)} (Linear layers + Adam); a warm `async_save` (the second, both host "
+        "slots faulted) to `Store(host=..., local=..., remote=s3://...)`:",
+        "",
+        "| tier | time to durable | written |",
+        "| --- | --- | --- |",
+        f"| (stall of async_save) | {d['stall']:.3f} s | |",
+    ]
+    lines += [f"| {t} | {d[t]:.3f} s | {_mb(w[t])} |" for t in ("host", "local", "remote")]
+    lines += [
+        "",
+        "Restore into the live state, from each tier alone (`Store(host=...)`, "
+        '`Store(local=...)`, `Store(remote=...)`; "cold" after dropping the data file\'s pages):',
+        "",
+        "| restore from | seconds | GB/s |",
+        "| --- | --- | --- |",
+    ]
+    for name, x in r["restore"].items():
+        lines.append(f"| {name} | {x['seconds']:.3f} | {n / x['seconds'] / GB:.2f} |")
+    c = r["remote_codec"]
+    lines += [
+        "",
+        "The remote codec, same state (local tier uncompressed):",
+        "",
+        "| remote codec | bytes uploaded | ratio | time to durable (remote) |",
+        "| --- | --- | --- | --- |",
+        f"| none | {_mb(c['written_none'])} | 1.00 | {c['durable_remote_none']:.2f} s |",
+        f"| shuffle-zstd | {_mb(c['written_shuffle_zstd'])} | "
+        f"{c['written_none'] / c['written_shuffle_zstd']:.2f} | "
+        f"{c['durable_remote_shuffle_zstd']:.2f} s |",
+    ]
+    i = r["incremental"]
+    lines += [
+        "",
+        f"Incremental snapshots: the same model with 90% of its layers frozen (state "
+        f"{_mb(i['state_bytes'])}; no gradient, no optimizer state), one training step "
+        "between two snapshots:",
+        "",
+        "| tier | first snapshot writes | next snapshot writes | shared, not rewritten |",
+        "| --- | --- | --- | --- |",
+    ]
+    for t in ("local", "remote"):
+        lines.append(
+            f"| {t} | {_mb(i['full'][t])} | {_mb(i['incremental'][t])} | "
+            f"{_mb(i['reused'].get(t, 0))} |"
+        )
+    return "\n".join(lines)
+
+
+def _us(ns: float) -> str:
+    return f"{ns / 1000:.2f} µs" if ns < 1_000_000 else f"{ns / 1e6:.2f} ms"
+
+
+def table_checkpointer(doc: Result) -> str:
+    """bench_checkpointer's rows: the cost of each kind of Checkpointer.step() call."""
+    rows = doc["runs"][0]["result"]["rows"]
+    lines = [
+        _made_by(doc),
+        "",
+        "| call | calls | median | p99 | p99.9 | max |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for x in rows:
+        cells = " | ".join(_us(x[k]) for k in ("median_ns", "p99_ns", "p999_ns", "max_ns"))
+        lines.append(f"| {x['name']} | {x['calls']:,} | {cells} |")
+    hot = next((x for x in rows if x["name"] == "step(), nothing due"), None)
+    if hot:
+        ok = hot["median_ns"] < 20_000 and hot["p99_ns"] < 20_000
+        lines += [
+            "",
+            "Target: `step()` with nothing due under 20 µs (median and p99): "
+            f"**{'PASS' if ok else 'FAIL'}** (median {_us(hot['median_ns'])}, "
+            f"p99 {_us(hot['p99_ns'])}).",
+        ]
+    return "\n".join(lines)
+
+
+def table_codec_report(doc: Result) -> str:
+    """bench_codec's own report (its --markdown, which names its command, machine and
+    date), after the harness's line on the run."""
+    return _made_by(doc) + "\n\n" + doc["runs"][0]["markdown"].strip("\n")
+
+
 # marker name -> (scenario whose JSON it is made from, renderer)
 TABLES: dict[str, tuple[str, Callable[[Result], str]]] = {
     "save-report": ("save", table_save_report),
     "scaling": ("scaling", table_scaling),
+    "tiers": ("tiers", table_tiers),
+    "checkpointer": ("checkpointer", table_checkpointer),
+    "codec-report": ("codec", table_codec_report),
 }
 
 

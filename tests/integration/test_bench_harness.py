@@ -137,3 +137,122 @@ def test_docs_rewrites_exactly_the_marked_regions(tmp_path: Path) -> None:
     proc = harness_cli("docs", results, "--doc", doc)
     assert "(a --quick run)" in proc.stdout
     assert doc.read_text() == head + region + mid + other + tail
+
+
+def _doc(scenario: str, result: dict) -> dict:
+    doc = scaling_doc()
+    doc.update(scenario=scenario, command=f"python -m benchmarks run {scenario}")
+    doc["runs"] = [{"label": "", "returncode": 0, "result": result}]
+    del doc["summary"]
+    return doc
+
+
+TIERS_RESULT = {
+    "state_bytes": 264_500_000,
+    "durable": {"stall": 0.025, "host": 0.046, "local": 0.17, "remote": 3.271},
+    "written": {"host": 264_500_000, "local": 264_500_000, "remote": 264_500_000},
+    "restore": {
+        "host": {"seconds": 0.1, "tier": "host"},
+        "local (cold)": {"seconds": 0.25, "tier": "local"},
+        "remote": {"seconds": 10.0, "tier": "remote"},
+    },
+    "remote_codec": {
+        "written_none": 264_500_000,
+        "written_shuffle_zstd": 205_900_000,
+        "durable_remote_none": 3.27,
+        "durable_remote_shuffle_zstd": 3.94,
+    },
+    "incremental": {
+        "state_bytes": 113_400_000,
+        "full": {"local": 113_400_000, "remote": 113_400_000},
+        "incremental": {"local": 37_800_000, "remote": 37_800_000},
+        "reused": {"local": 75_600_000, "remote": 75_600_000},
+    },
+}
+
+CHECKPOINTER_RESULT = {
+    "rows": [
+        {
+            "name": "step(), nothing due",
+            "calls": 1_000_000,
+            "median_ns": 250,
+            "p99_ns": 520,
+            "p999_ns": 880,
+            "max_ns": 45_000,
+        },
+        {
+            "name": "re-plan, 3 tier(s)",
+            "calls": 100,
+            "median_ns": 10_300_000,
+            "p99_ns": 15_000_000,
+            "p999_ns": 15_200_000,
+            "max_ns": 15_200_000,
+        },
+    ]
+}
+
+
+def test_tiers_and_checkpointer_regions_from_fixture_json(tmp_path: Path) -> None:
+    """The tiers and checkpointer tables are made from their scenarios' JSON, exactly."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "tiers.json").write_text(json.dumps(_doc("tiers", TIERS_RESULT)))
+    (results / "checkpointer.json").write_text(
+        json.dumps(_doc("checkpointer", CHECKPOINTER_RESULT))
+    )
+    regions = "".join(
+        f"Prose {n}.\n\n<!-- bench:{n}:begin -->\nstale\n<!-- bench:{n}:end -->\n\n"
+        for n in ("tiers", "checkpointer", "codec-report")
+    )
+    doc = tmp_path / "doc.md"
+    doc.write_text(regions)
+    proc = harness_cli("docs", results, "--doc", doc)
+    assert proc.returncode == 0, proc.stderr
+    assert "rewrote ['tiers', 'checkpointer']" in proc.stdout
+    text = doc.read_text()
+    tiers = text[text.index("<!-- bench:tiers:begin -->") : text.index("<!-- bench:tiers:end -->")]
+    assert "stale" not in tiers
+    assert "Made by `python -m benchmarks run tiers`, 2026-11-23" in tiers
+    for row in (
+        "| (stall of async_save) | 0.025 s | |",
+        "| remote | 3.271 s | 264.5 MB |",
+        "| local (cold) | 0.250 | 1.06 |",
+        "| remote | 10.000 | 0.03 |",
+        "| shuffle-zstd | 205.9 MB | 1.28 | 3.94 s |",
+        "| local | 113.4 MB | 37.8 MB | 75.6 MB |",
+    ):
+        assert "\n" + row + "\n" in tiers, row
+    ck = text[text.index("<!-- bench:checkpointer:begin -->") :]
+    assert "| step(), nothing due | 1,000,000 | 0.25 µs | 0.52 µs | 0.88 µs | 45.00 µs |" in ck
+    assert "| re-plan, 3 tier(s) | 100 | 10.30 ms | 15.00 ms | 15.20 ms | 15.20 ms |" in ck
+    assert "under 20 µs (median and p99): **PASS** (median 0.25 µs, p99 0.52 µs)" in ck
+    assert "Prose tiers.\n\n<!-- bench:tiers:begin -->\n\n" in text  # prose kept as it was
+    # no codec result: that region is kept, byte for byte; a second run changes nothing
+    assert "<!-- bench:codec-report:begin -->\nstale\n<!-- bench:codec-report:end -->" in text
+    harness_cli("docs", results, "--doc", doc)
+    assert doc.read_text() == text
+
+    # with one, its region is the script's own report after the harness's line
+    codec = _doc("codec", {"rows": []})
+    codec["runs"][0]["markdown"] = "Measured by bench_codec.\n\n| data | codec |\n| --- | --- |\n"
+    (results / "codec.json").write_text(json.dumps(codec))
+    proc = harness_cli("docs", results, "--doc", doc)
+    assert "'codec-report'" in proc.stdout.split("kept")[0]
+    made_by = harness._made_by(codec)
+    assert made_by.startswith("Made by `python -m benchmarks run codec`, 2026-11-23; machine")
+    assert doc.read_text() == text.replace(
+        "<!-- bench:codec-report:begin -->\nstale\n",
+        "<!-- bench:codec-report:begin -->\n\n"
+        + made_by
+        + "\n\nMeasured by bench_codec.\n\n| data | codec |\n| --- | --- |\n\n",
+    )
+
+
+def test_committed_figures_regenerate_the_docs_unchanged() -> None:
+    """docs/benchmarks.md's generated regions are what `docs` prints from the JSON
+    committed beside them (docs/figures/): the docs do not drift from a run."""
+    text = harness.DOC.read_text()
+    docs = harness.load_results(REPO / "docs" / "figures")
+    new, done, _ = harness.regenerate(text, docs)
+    assert {"scaling", "tiers", "checkpointer", "codec-report"} <= set(done)
+    assert new == text

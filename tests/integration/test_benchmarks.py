@@ -38,12 +38,22 @@ def test_bench_save(tmp_path: Path) -> None:
     assert all(run["memcpy_Bps"] > 0 for run in sc["async"][1:])
     assert len(sc["odirect_Bps"]) == 2
     assert len(report["torch_save"]["runs"]) == 2
+    st = report["torch_save"]["safetensors"]  # the safetensors peer, same process and state
+    assert len(st.get("runs", [])) == 2, st.get("error")
+    assert all(0 < x["blocked_s"] == x["durable_s"] for x in st["runs"])  # synchronous
+    assert st["file_bytes"] >= report["torch_save"]["state_bytes"]
     dcp = report["dcp"]
     assert len(dcp["save"]) == 1 and len(dcp["async_thread"]) == 1
     assert len(dcp.get("async_process", [])) == 1, dcp.get("async_process_error")
     rs = report["restore"]
     assert [x["streams"] for x in rs["cold_read"]] == [1, 4, 1, 4]
-    for key in ("snapcore_restore_noverify", "snapcore_load", "torch_load", "dcp_load"):
+    for key in (
+        "snapcore_restore_noverify",
+        "snapcore_load",
+        "torch_load",
+        "dcp_load",
+        "safetensors_load",
+    ):
         assert rs[key]["seconds"] > 0
     assert rs["snapcore_restore"]["state_matches"]  # each restore got the saved state back
     # every target was judged (PASS or FAIL: a smoke run's verdicts mean nothing)
@@ -51,6 +61,15 @@ def test_bench_save(tmp_path: Path) -> None:
     assert all(t["status"] in ("PASS", "FAIL") for t in report["targets"]), report["targets"]
     text = table.read_text()
     assert "| machine phase | GB/s |" in text and "| target | measured |" in text
+    assert "| safetensors save_file + fsync (2 runs) |" in text
+    assert "| safetensors load_file (new tensors) |" in text
+    # the harness's summary takes the peer in beside the others
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks import harness
+
+    s = harness.save_peers(report)
+    assert s["peers"]["safetensors.save_file"]["durable_s"]["n"] == 2
+    assert s["restore"]["safetensors.load_file"]["median"] > 0 and not s["errors"]
     assert text in out
     assert not list(tmp_path.glob("snapcore-bench-*"))  # its work directory is removed
 
