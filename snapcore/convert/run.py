@@ -29,6 +29,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+import queue
 import re
 import threading
 import time
@@ -317,6 +318,13 @@ def _tasks(source: Source, sink: Sink, plan: Plan, window: int) -> list[_Task]:
     return out
 
 
+def _task_bytes(task: _Task) -> int:
+    """The bytes a task reads from its source."""
+    info = task.src
+    numel = math.prod(info.shape) if task.start is None else task.stop - task.start  # type: ignore[operator]
+    return numel * info.dtype.itemsize
+
+
 def _stream(
     source: Source,
     sink: Sink,
@@ -326,17 +334,32 @@ def _stream(
     window: int = WINDOW,
 ) -> None:
     """Read the next tensor (or range of one) on a thread while the previous one is
-    written: two reads in flight, each a tensor or at most ``window`` bytes of one."""
+    written: two reads in flight, each a tensor or at most ``window`` bytes of one.
+
+    Where the source reads into given memory (``read_into``) and the sink is done with a
+    tensor's memory when ``write`` returns (``keeps_tensors`` False), the reads go into
+    two buffers allocated once and reused: memory touched for the first time fills
+    several times slower than memory already faulted in (docs/benchmarks.md)."""
     total = sum(out.nbytes for _, out in plan)
     done = 0
     stop = threading.Event()
     tasks = _tasks(source, sink, plan, window)
+    reuse = hasattr(source, "read_into") and getattr(sink, "keeps_tensors", True) is False
+    free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+    if reuse and tasks:
+        size = max(_task_bytes(t) for t in tasks)
+        for _ in range(2):  # the one being written and the one being read
+            free.put(torch.empty(size, dtype=torch.uint8))
 
-    def read(task: _Task) -> torch.Tensor:
+    def read(task: _Task) -> tuple[torch.Tensor, torch.Tensor | None]:
         if stop.is_set():
             raise RuntimeError("conversion stopped")
         info, out = task.src, task.out
-        if task.start is None:
+        buf = free.get() if reuse else None
+        if buf is not None:
+            t = source.read_into(info, task.start, task.stop, buf)  # type: ignore[attr-defined]
+            shape = info.shape if task.start is None else (task.stop - task.start,)  # type: ignore[operator]
+        elif task.start is None:
             t = source.read(info)
             shape = info.shape
         else:
@@ -348,8 +371,11 @@ def _stream(
                 f"{info.name}: the source gave {t.dtype} {tuple(t.shape)}, not {info.dtype} {shape}"
             )
         if out.dtype != t.dtype:
-            t = t.to(out.dtype)
-        return t.contiguous()
+            t = t.to(out.dtype)  # new memory: the buffer is free again
+            if buf is not None:
+                free.put(buf)
+                buf = None
+        return t.contiguous(), buf
 
     with ThreadPoolExecutor(1, thread_name_prefix="snapcore-convert-read") as pool:
         ahead: Future[torch.Tensor] | None = None
@@ -358,7 +384,7 @@ def _stream(
                 ahead = pool.submit(read, tasks[0])
             for k, task in enumerate(tasks):
                 assert ahead is not None
-                tensor = ahead.result()
+                tensor, buf = ahead.result()
                 ahead = pool.submit(read, tasks[k + 1]) if k + 1 < len(tasks) else None
                 out = task.out
                 if task.start is None:
@@ -368,6 +394,8 @@ def _stream(
                     sink.write_range(out, task.start, tensor)  # type: ignore[attr-defined]
                     nbytes = tensor.numel() * tensor.element_size()
                 del tensor
+                if buf is not None:  # the sink is done with it (keeps_tensors False)
+                    free.put(buf)
                 if task.stop is None or task.stop == math.prod(out.shape):
                     stats.tensors += 1
                 stats.bytes += nbytes

@@ -312,34 +312,41 @@ class SafetensorsSource:
         return dict(self._aliases)
 
     def read(self, info: TensorInfo) -> torch.Tensor:
-        entry = self._entries[info.name]
-        if self._open is None or self._open[0] != entry.file:
-            self._close()
-            self._open = (entry.file, os.open(self.files[entry.file], os.O_RDONLY))
-        t = torch.empty(entry.info.shape, dtype=entry.info.dtype)
-        if entry.nbytes and _pread_exact(self._open[1], _buffer(t), entry.offset) != entry.nbytes:
-            where = str(self.files[entry.file])
-            raise CorruptSnapshot(
-                f"{where}: {info.name}: the file ends inside the tensor (truncated since it "
-                "was opened?)",
-                tensor=info.name,
-                file=where,
-            )
-        return t
+        return self.read_into(info, None, None, None)
 
     def read_range(self, info: TensorInfo, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of the tensor in C order (a positioned read of
         that byte range only), as a 1-D tensor."""
+        return self.read_into(info, start, stop, None)
+
+    def read_into(
+        self, info: TensorInfo, start: int | None, stop: int | None, buf: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The tensor (``start`` None) or its elements ``[start, stop)`` as a 1-D tensor,
+        read into the bytes of ``buf`` (a uint8 tensor at least that large, which the
+        result is a view of), or into new memory (``buf`` None). The converter passes
+        buffers it reuses from one tensor to the next, faulted in once."""
         entry = self._entries[info.name]
+        dtype = entry.info.dtype
         numel = math.prod(entry.info.shape)
-        if not 0 <= start <= stop <= numel:
-            raise ValueError(f"{info.name}: elements [{start}, {stop}) of {numel}")
+        if start is None:
+            start, stop, shape = 0, numel, tuple(entry.info.shape)
+        else:
+            assert stop is not None
+            if not 0 <= start <= stop <= numel:
+                raise ValueError(f"{info.name}: elements [{start}, {stop}) of {numel}")
+            shape = (stop - start,)
         if self._open is None or self._open[0] != entry.file:
             self._close()
             self._open = (entry.file, os.open(self.files[entry.file], os.O_RDONLY))
-        t = torch.empty(stop - start, dtype=entry.info.dtype)
-        n = t.numel() * t.element_size()
-        at = entry.offset + start * entry.info.dtype.itemsize
+        n = (stop - start) * dtype.itemsize
+        if buf is None:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            if buf.dtype != torch.uint8 or buf.numel() < n:
+                raise ValueError(f"{info.name}: a buffer of {buf.numel()} bytes for {n}")
+            t = buf[:n].view(dtype).view(shape)
+        at = entry.offset + start * dtype.itemsize
         if n and _pread_exact(self._open[1], _buffer(t), at) != n:
             where = str(self.files[entry.file])
             raise CorruptSnapshot(
@@ -484,6 +491,8 @@ class SafetensorsSink:
         self._values: dict[str, Value] = {}
         self._metadata: dict[str, str] = {}
         self._began = False
+
+    keeps_tensors = False  # each write is done with the tensor's memory when it returns
 
     # -- planning ----------------------------------------------------------------------
     def begin(

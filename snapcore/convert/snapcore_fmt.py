@@ -192,6 +192,12 @@ class SnapcoreSink:
             self._stream = StreamWriter(self._tmp, self.step)
         return self._stream
 
+    @property
+    def keeps_tensors(self) -> bool:
+        """Whether ``write`` keeps a reference to the tensor it is given (a URL target
+        gathers them); a local target is done with its memory when ``write`` returns."""
+        return isinstance(self.target, str)
+
     def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
         if isinstance(self.target, str):  # a URL: gathered, saved whole by commit
             value: Any = tensor

@@ -350,3 +350,34 @@ def test_detect(store: Path, tmp_path: Path) -> None:
     save_file({"a": torch.ones(1)}, tmp_path / "a.safetensors")
     assert stf.detect(tmp_path / "a.safetensors")
     assert not FORMATS["snapcore"].detect(tmp_path / "a.safetensors")
+
+
+def test_reads_reuse_two_buffers_where_the_sink_lets_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Into a safetensors or local snapcore target the source reads into two buffers
+    allocated once (faulted once), whatever the number of tensors, and the output is
+    the same; into a target that keeps its tensors (DCP) it reads into new memory."""
+    g = torch.Generator().manual_seed(2)
+    src = {f"t{i}": torch.randn(100 + 37 * i, generator=g) for i in range(12)}
+    src["big"] = torch.randn(5000, generator=g)  # ranges of a 4000-byte window
+    save_file(src, tmp_path / "a.safetensors")
+    used: list[int | None] = []
+    real = stf.SafetensorsSource.read_into
+
+    def spy(self: Any, info: Any, start: Any, stop: Any, buf: Any) -> torch.Tensor:
+        used.append(None if buf is None else buf.data_ptr())
+        return real(self, info, start, stop, buf)
+
+    monkeypatch.setattr(stf.SafetensorsSource, "read_into", spy)
+    for to, window in (("safetensors", 4000), ("snapcore", 4000), ("snapcore", None)):
+        used.clear()
+        out = tmp_path / (f"{to}-{window}" + (".safetensors" if to == "safetensors" else ""))
+        convert(tmp_path / "a.safetensors", out, to=to, window=window)
+        assert len(used) >= len(src) and None not in used, (to, used)
+        assert len(set(used)) == 2, (to, window, len(set(used)))
+        back = load_file(out) if to == "safetensors" else snapcore.load(out)
+        assert all(_same(v, back[k]) for k, v in src.items())
+    used.clear()
+    convert(tmp_path / "a.safetensors", tmp_path / "dcp", to="dcp")
+    assert used and set(used) == {None}  # DCP keeps tensors until its plan writes them
