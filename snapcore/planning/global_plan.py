@@ -91,25 +91,25 @@ class LocalItem:
         return self.box.numel() * DTYPES[self.dtype].itemsize
 
 
-def _strided(p: Any) -> bool:
+def is_strided(p: Any) -> bool:
     """FSDP2 over a tensor-parallel dimension shards a dimension TP already split:
     DTensor calls that ``_StridedShard`` (a Shard whose chunks interleave)."""
     return type(p).__name__ == "_StridedShard" and hasattr(p, "split_factor")
 
 
-def _shards(p: Any) -> bool:
+def is_sharding(p: Any) -> bool:
     from torch.distributed.tensor import Shard
 
-    return type(p) is Shard or _strided(p)
+    return type(p) is Shard or is_strided(p)
 
 
-def _check_placements(placements: Sequence[Any], ndim: int, path: str) -> None:
+def check_placements(placements: Sequence[Any], ndim: int, path: str) -> None:
     from torch.distributed.tensor import Replicate
 
     for p in placements:
         if type(p) is Replicate:
             continue
-        if _shards(p):
+        if is_sharding(p):
             if not 0 <= p.dim < ndim:
                 raise UnsupportedState(
                     f"{path}: placement {p} shards dimension {p.dim} of a {ndim}-d tensor",
@@ -151,8 +151,8 @@ def shard_box(
         )
     if any(not 0 <= c < m for c, m in zip(coordinate, mesh_shape, strict=True)):
         raise ValueError(f"{path}: coordinate {tuple(coordinate)} outside mesh {tuple(mesh_shape)}")
-    _check_placements(placements, len(shape), path)
-    if any(_strided(p) for p in placements):
+    check_placements(placements, len(shape), path)
+    if any(is_strided(p) for p in placements):
         return _strided_box(shape, mesh_shape, coordinate, placements, path)
     local_shape, offsets = _compute_local_shape_and_global_offset(
         shape, tuple(mesh_shape), list(coordinate), list(placements)
@@ -176,10 +176,10 @@ def _strided_box(
 
     index = [list(range(n)) for n in shape]
     for p, n, c in zip(placements, mesh_shape, coordinate, strict=True):
-        if not _shards(p):
+        if not is_sharding(p):
             continue
         rows = index[p.dim]
-        if _strided(p):
+        if is_strided(p):
             mode = _StridedShardOffsetMode.ALL
             size, at = p.local_shard_size_and_offset(len(rows), n, c, mode)
             index[p.dim] = [rows[i] for i in (at or [])][:size]
@@ -211,7 +211,8 @@ def replica_ranks(
             f"placements {tuple(placements)} differ in length"
         )
     index = tuple(
-        int(c) if _shards(p) else slice(None) for c, p in zip(coordinate, placements, strict=True)
+        int(c) if is_sharding(p) else slice(None)
+        for c, p in zip(coordinate, placements, strict=True)
     )
     return frozenset(int(r) for r in mesh_ranks[index].reshape(-1).tolist())
 

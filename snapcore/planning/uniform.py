@@ -45,7 +45,7 @@ from .. import sharding
 from ..errors import UnsupportedState
 from ..manifest import DTYPES
 from ..sharding import Box
-from .global_plan import LocalItem, _check_placements, _shards, _strided
+from .global_plan import LocalItem, check_placements, is_sharding, is_strided
 
 __all__ = [
     "GlobalTensor",
@@ -85,13 +85,13 @@ def shard_table(
     mesh_shape = tuple(int(m) for m in mesh_shape)
     if len(mesh_shape) != len(placements):
         raise ValueError(f"{path}: mesh shape {mesh_shape} and placements {placements} differ")
-    _check_placements(placements, len(shape), path)
+    check_placements(placements, len(shape), path)
     ndim = len(shape)
     offsets = torch.zeros((*mesh_shape, ndim), dtype=torch.int64)
     sizes = torch.zeros((*mesh_shape, ndim), dtype=torch.int64)
     for d, n in enumerate(shape):
-        dims = [i for i, p in enumerate(placements) if _shards(p) and p.dim == d]
-        if any(_strided(placements[i]) for i in dims):
+        dims = [i for i, p in enumerate(placements) if is_sharding(p) and p.dim == d]
+        if any(is_strided(placements[i]) for i in dims):
             off, size = _strided_dim(n, mesh_shape, placements, dims, path, d)
         else:
             off, size = _chunk_dim(n, mesh_shape, dims)
@@ -150,7 +150,7 @@ def _strided_dim(
     for i in dims:
         p, m = placements[i], mesh_shape[i]
         cc = torch.arange(m, dtype=torch.int64)
-        if _strided(p):
+        if is_strided(p):
             sf = int(p.split_factor)
             jj = torch.arange(sf, dtype=torch.int64)
             chunk = (lengths + sf - 1) // sf  # (K,)
@@ -281,7 +281,7 @@ def plan_uniform(
         mesh_shape = tuple(mesh.shape)
         offsets, sizes, numel = _table(tables, t)
         nbytes_t = numel * itemsize
-        sharding = [i for i, p in enumerate(t.placements) if _shards(p)]
+        sharding = [i for i, p in enumerate(t.placements) if is_sharding(p)]
         replicas = math.prod(m for i, m in enumerate(mesh_shape) if i not in sharding)
         if replicas == 1:  # one holder per box: its own rank writes it
             load_t.index_add_(0, mesh.reshape(-1), nbytes_t.reshape(-1))
@@ -355,7 +355,8 @@ def local_items(tensors: Sequence[GlobalTensor], rank: int) -> list[LocalItem]:
         coordinate = tuple(at[0].tolist())
         offsets, sizes, _ = _table(tables, t)
         index = tuple(
-            c if _shards(p) else slice(None) for c, p in zip(coordinate, t.placements, strict=True)
+            c if is_sharding(p) else slice(None)
+            for c, p in zip(coordinate, t.placements, strict=True)
         )
         holders = frozenset(mesh[index].reshape(-1).tolist())
         box = Box(tuple(offsets[coordinate].tolist()), tuple(sizes[coordinate].tolist()))
@@ -404,9 +405,9 @@ def uniform_copies(
             if c is None:
                 continue
             index = tuple(
-                x if _shards(p) else slice(None) for x, p in zip(c, t.placements, strict=True)
+                x if is_sharding(p) else slice(None) for x, p in zip(c, t.placements, strict=True)
             )
-            shard = tuple(x for x, p in zip(c, t.placements, strict=True) if _shards(p))
+            shard = tuple(x for x, p in zip(c, t.placements, strict=True) if is_sharding(p))
             if shard in seen:  # another home rank holds the same box
                 continue
             seen.add(shard)

@@ -280,7 +280,10 @@ def test_bench_peer(tmp_path: Path) -> None:
     lost = report["restored"][1]  # the replaced node's rank got its part from its partner
     assert lost["peer_bytes"] >= 8 << 20 and set(lost["tier_bytes"]) == {"host"}
     assert [r["digest"] for r in report["restored"]] == [s["digest"] for s in report["saved"]]
-    assert [t["status"] in ("PASS", "FAIL") for t in report["targets"]] == [True]
+    # the replaced node's fetch, judged twice: after snapcore.prepare, and without it
+    assert [t["status"] in ("PASS", "FAIL") for t in report["targets"]] == [True, True]
+    assert ["no prepare" in t["target"] for t in report["targets"]] == [False, True]
+    assert all(t["ratio"] > 0 for t in report["targets"])
     assert report["step_s"]["host"] > 0 and report["step_s"]["host+peer"] > 0  # the slowdown
     assert all(t["train_failures"] == [] for t in report["trained"])
     assert "| target | measured |" in out
