@@ -6,6 +6,7 @@ crash-test children that never import torch) can use it too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -27,3 +28,14 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def allocated_bytes(root: str | Path) -> int:
+    """The blocks allocated to the files under ``root`` (what they take in memory on a
+    tmpfs, or on disk), in bytes; files that go meanwhile count nothing."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+    return total

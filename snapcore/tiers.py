@@ -7,7 +7,6 @@ one run; ``save``/``restore`` accept it wherever they accept a path.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import logging
@@ -27,6 +26,7 @@ from . import _native
 from . import manifest as mf
 from .assemble import read_sharded
 from .directory import MANIFEST, STEP_DIGITS, LocalDirectory, step_dir_name
+from .durable import allocated_bytes
 from .errors import CorruptSnapshot, InvalidManifest, SnapshotNotFound
 
 log = logging.getLogger(__name__)
@@ -196,12 +196,7 @@ class HostTier(LocalTier):
 
     def nbytes(self) -> int:
         """The memory the area takes (allocated blocks of its files)."""
-        total = 0
-        for dirpath, _, files in os.walk(self.root):
-            for f in files:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-        return total
+        return allocated_bytes(self.root)
 
     def claim(self, identity: dict[str, Any]) -> None:
         """Make the area belong to ``identity``; an area of another store is released."""

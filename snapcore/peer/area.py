@@ -36,7 +36,7 @@ from .. import _native
 from .. import manifest as mf
 from ..assemble import read_sharded
 from ..directory import MANIFEST, LocalDirectory, step_dir_name
-from ..durable import fsync_dir
+from ..durable import allocated_bytes, fsync_dir
 from ..errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound
 
 __all__ = ["Copy", "Destination", "PeerArea", "PeerCopies", "peer_root"]
@@ -180,12 +180,7 @@ class PeerArea:
         return self.dir.committed_steps()
 
     def nbytes(self) -> int:
-        total = 0
-        for dirpath, _, files in os.walk(self.root):
-            for f in files:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-        return total
+        return allocated_bytes(self.root)
 
 
 def step_names(d: LocalDirectory, step: int) -> set[str] | None:
