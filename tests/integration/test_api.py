@@ -234,16 +234,6 @@ def test_resaving_a_committed_step_replaces_it_atomically(tmp_path):
     assert len(list(step_dir.glob("*.bin"))) == 1  # the old data file was collected
 
 
-def _slow_copy(monkeypatch, delay: float):
-    real = _native.copy_host
-
-    def slow(copies, threads=0, **kw):
-        time.sleep(delay)
-        real(copies, threads, **kw)
-
-    monkeypatch.setattr(_native, "copy_host", slow)
-
-
 def _hold_overlap_copies(
     monkeypatch, gate: threading.Event, order: list[str], started: threading.Event | None = None
 ) -> None:
@@ -437,10 +427,14 @@ def test_overlap_mode_is_refused_while_a_cuda_graph_is_captured(tmp_path, monkey
 def test_overlap_mode_copies_non_optimizer_tensors_before_returning(tmp_path, monkeypatch):
     model = torch.nn.BatchNorm1d(4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _slow_copy(monkeypatch, 0.2)
+    order: list[str] = []
+    gate = threading.Event()
+    _hold_overlap_copies(monkeypatch, gate, order)  # the parameters' copies wait
     h = snapcore.async_save({"model": model, "optim": opt}, tmp_path, step=1, overlap=True)
     model.running_mean.add_(5)  # a buffer the forward pass writes: not protected by the hook
+    gate.set()  # a buffer left to the deferred copies would be read only now
     h.wait()
+    assert order == ["copied"]  # the parameters' copies were deferred indeed
     assert torch.equal(snapcore.load(tmp_path)["model"]["running_mean"], torch.zeros(4))
 
 
@@ -448,12 +442,21 @@ def test_explicit_staged_wait(tmp_path, monkeypatch):
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     before = model.weight.detach().clone()
-    _slow_copy(monkeypatch, 0.2)
+    order: list[str] = []
+    gate, waiting = threading.Event(), threading.Event()
+    _hold_overlap_copies(monkeypatch, gate, order)
+    _on_copy_wait(monkeypatch, waiting, "MainThread")
+    # the copies are let go once staged() waits for them, or once the weight is changed
+    releaser = threading.Thread(target=lambda: (waiting.wait(60), gate.set()))
+    releaser.start()
     h = snapcore.async_save({"m": model, "o": opt}, tmp_path, step=1, overlap=True)
     h.staged()
     with torch.no_grad():
         model.weight.zero_()
+    waiting.set()
+    releaser.join(60)
     h.wait()
+    assert order == ["copied"]
     assert torch.equal(snapcore.load(tmp_path)["m"]["weight"], before)
 
 
