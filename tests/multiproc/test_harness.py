@@ -84,39 +84,30 @@ def test_kill_at_names_a_rank_of_the_world() -> None:
         run_ranks(PLAIN, 2, ["die"], timeout=TIMEOUT, kill_at={2: "loop"})
 
 
+# rank_plain.py's "nodes" on two nodes of 2 ranks: the environments the launchers are
+# given, and what each rank sees
+_TWO_NODES: dict[str, Any] = {
+    "env": {"SNAPCORE_MP_TEST_COMMON": "both"},
+    "node_envs": [{"SNAPCORE_MP_TEST_NODE": "a"}, {"SNAPCORE_MP_TEST_NODE": "b"}],
+}
+_TWO_NODES_SEEN = [
+    {"rank": r, "local_rank": r % 2, "world": 4, "node_env": "ab"[r // 2], "common_env": "both"}
+    for r in range(4)
+]
+
+
 def test_two_nodes_form_one_job_each_with_its_own_env() -> None:
-    results = run_nodes(
-        PLAIN,
-        2,
-        ["nodes"],
-        timeout=TIMEOUT,
-        env={"SNAPCORE_MP_TEST_COMMON": "both"},
-        node_envs=[{"SNAPCORE_MP_TEST_NODE": "a"}, {"SNAPCORE_MP_TEST_NODE": "b"}],
-    )
+    results = run_nodes(PLAIN, 2, ["nodes"], timeout=TIMEOUT, **_TWO_NODES)
     assert [(r.rank, r.node) for r in results] == [(0, 0), (1, 0), (2, 1), (3, 1)]
-    expected = [
-        {"rank": r, "local_rank": r % 2, "world": 4, "node_env": "ab"[r // 2], "common_env": "both"}
-        for r in range(4)
-    ]
+    expected = _TWO_NODES_SEEN
     for r in results:
         assert r.result == {"mine": expected[r.rank], "everyone": expected}
 
 
 def test_spawned_nodes_form_one_job_each_with_its_own_env(tmp_path: Path) -> None:
     """spawn_nodes: the ranks as plain processes, with the same layout as run_nodes."""
-    runs = spawn_nodes(
-        PLAIN,
-        2,
-        ["nodes"],
-        timeout=TIMEOUT,
-        env={"SNAPCORE_MP_TEST_COMMON": "both"},
-        node_envs=[{"SNAPCORE_MP_TEST_NODE": "a"}, {"SNAPCORE_MP_TEST_NODE": "b"}],
-        workdir=tmp_path,
-    )
-    expected = [
-        {"rank": r, "local_rank": r % 2, "world": 4, "node_env": "ab"[r // 2], "common_env": "both"}
-        for r in range(4)
-    ]
+    runs = spawn_nodes(PLAIN, 2, ["nodes"], timeout=TIMEOUT, workdir=tmp_path, **_TWO_NODES)
+    expected = _TWO_NODES_SEEN
     assert [code for code, _ in runs] == [0] * 4, spawn_logs(tmp_path, 4)
     for rank, (_, result) in enumerate(runs):
         assert result == {"mine": expected[rank], "everyone": expected}
