@@ -75,15 +75,7 @@ def probe(rank: int, port: int, nbytes: int) -> list[float] | None:
     reused by every run: the link's best, not the allocation's."""
     if rank == 0:
         chunk = memoryview(bytearray(os.urandom(1024)) * (PIECE // 1024))
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                s = socket.create_connection(("127.0.0.1", port))
-                break
-            except ConnectionRefusedError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        s = _connect(port)
         with s:
             for _ in range(PROBE_RUNS):
                 s.recv(1)  # the receiver is ready
@@ -156,17 +148,22 @@ def fresh_probe(rank: int, port: int, nbytes: int) -> float | None:
     return rate
 
 
-def _send_once(port: int, nbytes: int) -> None:
-    chunk = memoryview(bytearray(os.urandom(1024)) * (PIECE // 1024))
+def _connect(port: int) -> socket.socket:
+    """A connection to the receiver on 127.0.0.1:``port``, retried while it is not yet
+    listening (60 s at most)."""
     deadline = time.monotonic() + 60
     while True:
         try:
-            s = socket.create_connection(("127.0.0.1", port))
-            break
+            return socket.create_connection(("127.0.0.1", port))
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def _send_once(port: int, nbytes: int) -> None:
+    chunk = memoryview(bytearray(os.urandom(1024)) * (PIECE // 1024))
+    s = _connect(port)
     with s:
         s.recv(1)
         left = nbytes
