@@ -356,21 +356,23 @@ def sigterm(a: dict[str, Any]) -> dict[str, Any]:
 
 def peer_save(a: dict[str, Any]) -> dict[str, Any]:
     """Save step N (with a rank-local pad of ``pad_mb`` MiB) and report each tier's
-    outcome, the handle's warnings and the digests. With ``die_when`` (a glob, "$NAME"
-    expanded) and this rank in ``die_ranks``: SIGKILL this process as soon as a file
-    matching it exists (the peer tier's receiving file of the step: mid-transfer)."""
+    outcome, the handle's warnings and the digests. With ``die_when`` (a glob, or a list of
+    globs, "$NAME" expanded) and this rank in ``die_ranks``: SIGKILL this process as soon
+    as a file matching each exists (the peer tier's receiving file of the step:
+    mid-transfer)."""
     step = a["step"]
     state, model, optim = state_of(a["kind"], a.get("seed", 0), step, a.get("pad_mb", 0))
     torch.manual_seed(1234 + dist.get_rank())
     store = store_of(a)
     saved = digests(model, optim)  # a collective: before any rank may die
     if a.get("die_when") and dist.get_rank() in a.get("die_ranks", []):
-        pattern = os.path.expandvars(a["die_when"])
+        when = a["die_when"] if isinstance(a["die_when"], list) else [a["die_when"]]
+        patterns = [os.path.expandvars(w) for w in when]
 
         def watch() -> None:
-            while not glob.glob(pattern):
+            while not all(glob.glob(p) for p in patterns):
                 time.sleep(0.0005)
-            print(f"rank {dist.get_rank()}: SIGKILL mid-transfer ({pattern})", flush=True)
+            print(f"rank {dist.get_rank()}: SIGKILL mid-transfer ({patterns})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, daemon=True).start()

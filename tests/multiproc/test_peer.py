@@ -126,7 +126,8 @@ def test_a_partner_killed_mid_transfer_leaves_the_previous_copy_usable(
     nodes: PeerNodes, tmp_path: Path
 ) -> None:
     """Step 6 reaches the partners; during step 7's transfer (paced to 4 MiB/s, so it
-    takes seconds) every process of node 1 is SIGKILLed once its receiving file exists.
+    takes seconds) every process of node 1 is SIGKILLed once its receiving file exists
+    and its own host tier has committed step 7 (which may come after the transfer began).
     Node 0's ranks are told (the peer tier of step 7 fails, naming the copy of step 6
     that stays), their host tier holds step 7. Then node 0 is replaced: the job restores
     step 6 from node 1's copies, and the next snapshot reaches the partners again."""
@@ -141,7 +142,10 @@ def test_a_partner_killed_mid_transfer_leaves_the_previous_copy_usable(
             {
                 **save,
                 "step": 7,
-                "die_when": "$SNAPCORE_TEST_SHM/peer/r*/slot-r*-1.bin",
+                "die_when": [
+                    "$SNAPCORE_TEST_SHM/peer/r*/slot-r*-1.bin",
+                    "$SNAPCORE_TEST_SHM/step-000000000007/manifest.json",
+                ],
                 "die_ranks": [2, 3],
                 "no_barrier": True,
             },
