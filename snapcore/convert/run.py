@@ -347,7 +347,8 @@ def _stream(
     reuse = hasattr(source, "read_into") and getattr(sink, "keeps_tensors", True) is False
     free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
     if reuse and tasks:
-        size = max(_task_bytes(t) for t in tasks)
+        # read_slack: what the source needs beyond the bytes (aligned reads, safetensors)
+        size = max(_task_bytes(t) for t in tasks) + getattr(source, "read_slack", 0)
         for _ in range(2):  # the one being written and the one being read
             free.put(torch.empty(size, dtype=torch.uint8))
 
