@@ -14,9 +14,12 @@ contiguous, covering them exactly, little-endian, C order) plus an optional
 Source: each file's header is read and checked before any tensor (``_read_header``: a
 bounded length, strict JSON without duplicate keys, known dtypes, sizes that match the
 offsets, offsets that tile the rest of the file exactly); anything else raises
-``InvalidManifest`` naming the file. A tensor is read with positioned reads straight
-into a new tensor: one tensor in memory at a time; a tensor larger than the converter's
-window is read range by range instead (``read_range``), never whole. Aliases are
+``InvalidManifest`` naming the file. A tensor is read straight into the converter's
+buffer (``read_into``: O_DIRECT where the file system takes it, several pieces in
+flight, the page cache otherwise) or into a new tensor: one tensor in memory at a time;
+a tensor larger than the converter's window is read range by range instead
+(``read_range``), never whole. A file cut short after its header was checked raises
+``CorruptSnapshot`` naming the file and the tensor. Aliases are
 safetensors' own convention (``save_model``): a ``__metadata__`` entry ``{removed name:
 kept name}`` for a tensor that shared storage with a kept one; values written by this
 module come back from ``snapcore.values``.
