@@ -400,6 +400,7 @@ def test_o_direct_read_refused_falls_back_to_the_page_cache(
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(stf, "_pread_direct", refuse)
+    monkeypatch.setenv("SNAPCORE_O_DIRECT", "auto")
     src = FORMATS["safetensors"].source(path, {})
     try:
         buf = _buffer_for(max(t.nbytes for t in tensors.values()))
@@ -427,6 +428,7 @@ def test_o_direct_read_error_names_the_file(
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(stf, "_pread_direct", fail)
+    monkeypatch.setenv("SNAPCORE_O_DIRECT", "auto")
     src = FORMATS["safetensors"].source(path, {})
     try:
         info = next(src.tensors())
