@@ -364,9 +364,9 @@ class SafetensorsSource:
         Into a buffer with ``read_slack`` bytes to spare, the read goes around the page
         cache (O_DIRECT: the block-aligned bytes around the range, several pieces in
         flight) and the result starts at a 64-byte aligned address of ``buf`` (the
-        sink's O_DIRECT writes need it); where the file system refuses O_DIRECT
-        (``SNAPCORE_O_DIRECT=off``, tmpfs), and into new memory, with positioned reads
-        through the page cache."""
+        sink's O_DIRECT writes need it); where O_DIRECT is off or refused
+        (``SNAPCORE_O_DIRECT=off``; tmpfs before Linux 6.6, some FUSE), and into new
+        memory, with positioned reads through the page cache."""
         entry = self._entries[info.name]
         dtype = entry.info.dtype
         numel = math.prod(entry.info.shape)
@@ -413,7 +413,7 @@ class SafetensorsSource:
             if self._direct:
                 try:
                     direct_fd = os.open(self.files[k], os.O_RDONLY | os.O_DIRECT)
-                except OSError:  # EINVAL: a file system without O_DIRECT (tmpfs, some FUSE)
+                except OSError:  # EINVAL: a file system without O_DIRECT (old tmpfs, some FUSE)
                     self._direct = False
             self._open = (k, fd, direct_fd)
         return self._open[1], self._open[2]

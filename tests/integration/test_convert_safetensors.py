@@ -289,7 +289,8 @@ def _buffer_for(n: int) -> torch.Tensor:
 
 
 def _o_direct_here(path: Path) -> bool:
-    """Whether the file system of ``path`` opens files with O_DIRECT (tmpfs does not)."""
+    """Whether the file system of ``path`` opens files with O_DIRECT (tmpfs before Linux
+    6.6 does not)."""
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
     except OSError:
@@ -319,8 +320,8 @@ def test_read_into_a_buffer_is_exact_at_every_alignment(
                 assert got.dtype == want.dtype and _bits(got) == _bits(expect), (info, start)
                 if src._direct:  # the sink's O_DIRECT writes need an aligned start
                     assert got.data_ptr() % 64 == 0
-        # O_DIRECT is used where asked for and the file system takes it (a tmpfs falls
-        # back to the page cache, and the bytes above are exact all the same)
+        # O_DIRECT is used where asked for and the file system takes it (an old tmpfs
+        # falls back to the page cache, and the bytes above are exact all the same)
         used = o_direct == "auto" and _o_direct_here(path)
         assert src._direct is used
         assert src._open is not None and (src._open[2] is not None) is used
