@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,8 +340,9 @@ class _Last:
     A save of the same tensors reuses the part, each blob's source taken from the state
     as it is now. A plain tensor that is a new object at each save (``snapcore.RNGState``'s
     generator states) is put in its predecessor's place when it is alike (dtype, shape,
-    strides, device) and alone in memory that no other tensor of the state had (its own
-    whole storage, contiguous), its predecessor alone in its blob. Anything else is
+    strides, device) and alone in memory that no other tensor of the state holds (its own
+    whole storage, contiguous; its predecessor's address, freed since, allowed), its
+    predecessor alone in its blob. Anything else is
     planned again (``Sharder.part``)."""
 
     paths: list[str]
@@ -407,7 +409,9 @@ class _Last:
         changed = keys != self.keys
         if changed or any(r() is not t for r, t in zip(refs[:n], tensors, strict=True)):
             storages = list(storages)
-            taken = set(storages)
+            # The state's storages by address, with how many of its tensors use each; a
+            # new tensor may take its predecessor's address (freed since), not another's.
+            taken = Counter(storages)
             entries = self.spec.layout.entries
             for i, (new, old) in enumerate(zip(keys, self.keys, strict=True)):
                 t = tensors[i]
@@ -418,9 +422,10 @@ class _Last:
                 store = t.untyped_storage()
                 nbytes = t.numel() * t.element_size()
                 ptr = store.data_ptr()
-                if store.nbytes() != nbytes or not t.is_contiguous() or ptr in taken:
+                taken[storages[i]] -= 1
+                if store.nbytes() != nbytes or not t.is_contiguous() or taken[ptr] > 0:
                     return None  # shares memory with another tensor, or has a gap
-                taken.add(ptr)
+                taken[ptr] += 1
                 storages[i] = ptr
                 if entries[i].pieces:  # this rank stages it
                     b = entries[i].pieces[0].blob
