@@ -308,6 +308,42 @@ def test_a_structure_change_fails_that_step_and_every_rank_replans(
     assert tree["step"] == 3 and tree["extra"].tolist() == list(range(6))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steady_state_saves_reuse_the_part_and_each_step_holds_its_own_values(
+    tmp_path: Path, overlap: bool
+) -> None:
+    """A save of the same tensors reuses the last save's part (the training thread does
+    not plan again), and still stages what the state holds at that save: every step
+    restores to the values saved at it, a new rank-local tensor of the same shape (and
+    the generator's new state) included; one of another dtype is planned again."""
+    import torch
+
+    store = tmp_path / "store"
+    spec = {"local": str(store), "retention": {"local": 4}}  # every step kept
+    res = run(2, [{"op": "steady", "kind": "fsdp2", "store": spec, "overlap": overlap}])
+    for rank, (r,) in enumerate(res):
+        steps = r["steps"]
+        # step 2 (new generator state, new "extra" alike) and 4 reused it; step 3 did not
+        assert [s["reused"] for s in steps] == [0, 1, 1, 2], rank
+        for step, s in enumerate(steps, 1):
+            assert s["digests"] == res[0][0]["steps"][step - 1]["digests"]
+            tree = snapcore.load(store, step=step, rank=rank)
+            assert loaded_digests(store, step=step) == s["digests"], (rank, step)
+            assert tree["extra"]["value"].tolist() == s["extra"], (rank, step)
+            assert models_digest(tree["rng"]["torch"]) == s["rng"], (rank, step)
+            assert tree["step"] == step
+        assert steps[2]["extra"][1] == 100 + rank and steps[1]["extra"][1] == 10 + rank
+        assert len({s["rng"] for s in steps}) == 4  # the generator moved on between saves
+        assert len({json.dumps(s["digests"]) for s in steps}) == 4  # so did the weights
+    assert snapcore.load(store, step=3, rank=0)["extra"]["value"].dtype == torch.float64
+
+
+def models_digest(t: Any) -> str:
+    import models
+
+    return models.digest(t)
+
+
 def test_the_checkpointer_snapshots_the_same_steps_on_every_rank(tmp_path: Path) -> None:
     store = tmp_path / "store"
     action = {"op": "checkpointer", "kind": "fsdp2", "store": str(store), "steps": 60,
