@@ -217,12 +217,14 @@ class Engine:
                 job.go.set()
                 raise
             windows.put(None)
-            if not handle.deferred:
-                handle.mark_staged()
-            if self.slots > 1 and not streaming:
-                self._prepare_slot(1 - slot, size, device)  # the next save's, while training runs
-            stats.stall_s = time.perf_counter() - t0
-            job.go.set()
+            try:
+                if not handle.deferred:
+                    handle.mark_staged()
+                if self.slots > 1 and not streaming:
+                    self._prepare_slot(1 - slot, size, device)  # the next save's, meanwhile
+                stats.stall_s = time.perf_counter() - t0
+            finally:
+                job.go.set()  # whatever happens here, the persist job must not wait forever
             return handle
 
     def _sharded(self, djob: Job, flat: Flattened) -> ShardedSave:
