@@ -234,3 +234,30 @@ def test_the_lock_file_is_not_garbage(tmp_path):
     assert Path(tmp_path / "writer.lock").is_file()
     assert json.loads((tmp_path / "writer.lock").read_text())["pid"] == os.getpid()
     assert snapcore.committed(tmp_path) == {"local": [1]}
+
+
+# -- a failure after staging -----------------------------------------------------------------
+
+
+def test_a_failure_after_staging_does_not_stall_the_persist_thread(
+    tmp_path, host_name, monkeypatch
+):
+    """The persist job starts once the call is done with the training thread. A failure
+    in the call after staging (preparing the next save's slot) reaches the caller, and
+    the job still runs: this step commits, and the next save is not stuck behind it."""
+    store = snapcore.Store(host=host_name, local=tmp_path / "s")
+
+    def fails(self, *a, **k):
+        raise MemoryError("no memory for the next slot (test)")
+
+    monkeypatch.setattr(engine_mod.Engine, "_prepare_slot", fails)
+    with pytest.raises(MemoryError, match="next slot"):
+        snapcore.async_save(small(1.0), store, step=1)
+    monkeypatch.undo()
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (snapcore.save(small(2.0), store, step=2), done.set()))
+    t.daemon = True
+    t.start()
+    t.join(120)  # a bound for a hang, not a timing: the save takes milliseconds
+    assert done.is_set(), "the save after the failure never finished"
+    assert snapcore.committed(store)["local"] == [1, 2]
