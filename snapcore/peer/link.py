@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .. import settings
+from .. import manifest, settings
 from ..distributed.job import Job, all_gather_bytes, kv_get
 from ..errors import SnapcoreError, SnapshotFailed
 from ..staging.handle import SaveHandle
@@ -112,6 +112,9 @@ class PeerLink:
         self.rank = conn.job.rank
         self.identity = peer_identity(store, conn.job.world_size)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapcore-peer")
+        # the first transfer or fetch parses copies' manifests: compile the parser first,
+        # while the training thread is busy elsewhere (its next step, a restore's listing)
+        self.pool.submit(manifest.compile_validators)
         self._notes: list[str] = []  # failures of background rounds, for the next handle
         self._notes_lock = threading.Lock()
         # Why the peer tier is off until the job restarts (a partner lost: gloo does not
@@ -240,6 +243,7 @@ class PeerLink:
             )
             return
         for i in incoming:
+            i.dest.release()  # the copies are committed: their mappings can go
             for note in i.dest.notes:
                 handle.warn(f"peer tier: {note}")
         for s, why in got.items():

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,8 @@ def prepare_restore(
             lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes)
         )
         out.seconds = time.perf_counter() - t0
+        if dest is not None:  # unmapped on the peer thread while the restore goes on
+            link.background(_releasing(dest))
         last_fetch.clear()
         last_fetch.update(wire.last_round)
         if failure:
@@ -204,6 +207,8 @@ def prepare_restore(
 
         def resend() -> list[str]:
             sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes)
+            for i in incoming:
+                i.dest.release()
             if failure:
                 link.disable(f"a partner lost in the re-send of step {target} ({failure})")
             return [
@@ -220,6 +225,14 @@ def prepare_restore(
     for note in notes:
         log.warning("%s", note)
     return out
+
+
+def _releasing(dest: Destination) -> Callable[[], list[str]]:
+    def release() -> list[str]:
+        dest.release()
+        return []
+
+    return release
 
 
 def _read_copy(root: Path, step: int, rank: int, *, dst: int) -> Outgoing:
