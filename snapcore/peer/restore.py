@@ -30,7 +30,7 @@ from ..distributed.job import Job, all_gather_bytes
 from ..errors import SnapcoreError
 from ..tiers import HostTier, Store
 from . import wire
-from .area import Copy, Destination, PeerArea, peer_root
+from .area import Copy, Destination, PeerArea, drop_mappings, hold_mapping, peer_root
 from .link import PeerLink, area_root, peer_identity
 from .wire import Incoming, Outgoing, PeerLinkError, exchange
 
@@ -73,6 +73,17 @@ class Fetched:
 
 
 def prepare_restore(
+    store: Store, steps: dict[str, list[int]], job: Job, step: int | None, link: PeerLink
+) -> Fetched:
+    """``fetch_and_resend``; then the mappings ``prepare()`` held for a fetch and the
+    fetch did not take are dropped (their files stay)."""
+    try:
+        return _fetch_and_resend(store, steps, job, step, link)
+    finally:
+        drop_mappings()
+
+
+def _fetch_and_resend(
     store: Store, steps: dict[str, list[int]], job: Job, step: int | None, link: PeerLink
 ) -> Fetched:
     """Fetch the parts this node lacks of the step every rank can restore, from the
@@ -272,14 +283,15 @@ def reserve(store: Store, rank: int, size: int) -> Path | None:
     if path.exists():
         return None  # an engine's arena, or a reservation already made
     host.root.mkdir(parents=True, exist_ok=True)
-    _native.Arena(
+    arena = _native.Arena(
         size,
         shm_path=str(path),
         huge_pages=False,
         pin=False,
         prefault=True,
         threads=settings.threads(),
-    ).close()
+    )
+    hold_mapping(path, arena)  # the fetch receives into this mapping (or drops it)
     return path
 
 
