@@ -201,9 +201,11 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     ``TRAIN_ROUNDS`` rounds, each running every mode once, the order rotated by one mode
     each round (as benchmarks/bench_training.py does), after a round of warm-up; the
     loop's time per step for each, and its ratio to the adjacent ``none`` loop of the
-    same round. The loop does not wait for its snapshots (as training does not); a save
-    that finds both of its slots still busy waits for one, and that wait is in the step
-    times."""
+    same round. A snapshot is taken at every ``--every``-th step that leaves ``--every``
+    steps after it in the loop (so each one's transfer overlaps the loop's training,
+    none runs past its end uncounted). The loop does not wait for its snapshots (as
+    training does not); a save that finds both of its slots still busy waits for one,
+    and that wait is in the step times."""
     import torch
     import torch.distributed as dist
 
@@ -236,7 +238,7 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
                 c = a @ b
                 t = c[:1, :1].clone()
                 dist.all_reduce(t)
-                if store is not None and s % args.every == 0:
+                if store is not None and s % args.every == 0 and s + args.every <= args.train_steps:
                     step += 1
                     handles.append(snapcore.async_save(state, store, step=step))
             took[label] = (time.perf_counter() - t0) / args.train_steps
@@ -382,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--fetch-runs", type=int, default=3, help="restores after prepare (3)")
     p.add_argument("--train-mb", type=float, default=64.0, help="the loop's state per rank")
-    p.add_argument("--train-steps", type=int, default=300, help="steps per timed loop")
+    p.add_argument("--train-steps", type=int, default=400, help="steps per timed loop")
     p.add_argument("--every", type=int, default=100, help="a snapshot every N steps")
     p.add_argument("--pace-mbps", type=float, default=200.0, help="the paced mode's MB/s")
     p.add_argument("--role", choices=["save", "restore", "train"], help=argparse.SUPPRESS)

@@ -41,7 +41,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["Connection", "PeerLink", "connect", "peer_copies", "peer_identity"]
+__all__ = [
+    "Connection",
+    "PeerLink",
+    "connect",
+    "peer_copies",
+    "peer_identity",
+    "warm_parser",
+]
 
 
 @dataclass
@@ -58,10 +65,29 @@ _connections: dict[tuple[int, str | None, int], Connection] = {}
 _lock = threading.Lock()
 
 
+_warming: threading.Thread | None = None
+
+
+def warm_parser() -> None:
+    """Compile the manifest parser (about 40 ms of pure Python at its first use in a
+    process) on a thread of its own, once per process: the first transfer or fetch
+    parses copies' manifests, and would otherwise compile it on its path (a restore's
+    fetch, on both ranks). Called before the link's collective (which waits for the
+    other ranks, a replaced node the last of them) and by ``prepare``."""
+    global _warming
+    with _lock:
+        if _warming is None:
+            _warming = threading.Thread(
+                target=manifest.compile_validators, name="snapcore-peer-warm", daemon=True
+            )
+            _warming.start()
+
+
 def connect(job: Job, store: Store) -> Connection:
     """The peer group and ring of ``job`` for ``store`` (made at the first call: a
     collective every rank makes). Raises ``ValueError`` when the job has one node."""
 
+    warm_parser()
     spec = store.peer_spec
     assert spec is not None
     key = (id(job), store.host, spec.k)
@@ -112,9 +138,6 @@ class PeerLink:
         self.rank = conn.job.rank
         self.identity = peer_identity(store, conn.job.world_size)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapcore-peer")
-        # the first transfer or fetch parses copies' manifests: compile the parser first,
-        # while the training thread is busy elsewhere (its next step, a restore's listing)
-        self.pool.submit(manifest.compile_validators)
         self._notes: list[str] = []  # failures of background rounds, for the next handle
         self._notes_lock = threading.Lock()
         # Why the peer tier is off until the job restarts (a partner lost: gloo does not
