@@ -384,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--fetch-runs", type=int, default=3, help="restores after prepare (3)")
     p.add_argument("--train-mb", type=float, default=64.0, help="the loop's state per rank")
-    p.add_argument("--train-steps", type=int, default=400, help="steps per timed loop")
-    p.add_argument("--every", type=int, default=100, help="a snapshot every N steps")
+    p.add_argument("--train-steps", type=int, default=1000, help="steps per timed loop")
+    p.add_argument("--every", type=int, default=250, help="a snapshot every N steps")
     p.add_argument("--pace-mbps", type=float, default=200.0, help="the paced mode's MB/s")
     p.add_argument("--role", choices=["save", "restore", "train"], help=argparse.SUPPRESS)
     p.add_argument("--probe-port", type=int, help=argparse.SUPPRESS)
@@ -430,6 +430,15 @@ def main(argv: list[str] | None = None) -> int:
     typical = sorted(ready, key=ratio_of)[(len(ready) - 1) // 2]
     step_s = {k: statistics.median(x for t in trained for x in t["step_s"][k]) for k in MODES}
     slowdown = {k: statistics.median(x for t in trained for x in t["ratio"][k]) for k in MODES[1:]}
+    # what each snapshot cost the loop, in training time: comparable across intervals
+    snaps = sum(
+        1
+        for s in range(args.train_steps)
+        if s % args.every == 0 and s + args.every <= args.train_steps
+    )
+    cost = {
+        k: (slowdown[k] - 1) * step_s["none"] * args.train_steps / max(snaps, 1) for k in MODES[1:]
+    }
 
     def row(what: str, r: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
         fetch, probe_ = fetch_of(r), r["probe_bps"]
@@ -475,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "trained": trained,
         "step_s": step_s,
         "slowdown": slowdown,
+        "lost_per_snapshot_s": cost,
         "targets": targets,
     }
 
@@ -520,15 +530,17 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Training: {args.train_steps} steps of a 384x384 matmul and an all_reduce per "
         f"loop, an async_save of {args.train_mb:g} MiB per rank every {args.every} steps "
-        f"(none in mode none); {TRAIN_ROUNDS} rounds of the modes, rotated; the ratio to "
-        "the adjacent none loop of the same round, median over rounds and ranks:",
+        f"(none in mode none), {snaps} per loop, one every {args.every * step_s['none']:.2f} s "
+        f"of training; {TRAIN_ROUNDS} rounds of the modes, rotated; the ratio to the "
+        "adjacent none loop of the same round, median over rounds and ranks; the training "
+        "time each snapshot cost (the ratio's excess over the loop, per snapshot):",
         "",
-        "| mode | ms per step (median) | x none |",
-        "| --- | --- | --- |",
+        "| mode | ms per step (median) | x none | lost per snapshot (s) |",
+        "| --- | --- | --- | --- |",
         *(
-            f"| {k} | {step_s[k] * 1e3:.2f} | {slowdown[k]:.2f} |"
+            f"| {k} | {step_s[k] * 1e3:.2f} | {slowdown[k]:.2f} | {cost[k]:.3f} |"
             if k != "none"
-            else f"| none | {step_s[k] * 1e3:.2f} | 1 |"
+            else f"| none | {step_s[k] * 1e3:.2f} | 1 | |"
             for k in MODES
         ),
         "",

@@ -293,6 +293,7 @@ def test_bench_peer(tmp_path: Path) -> None:
     assert list(report["slowdown"]) == modes[1:] and all(
         report["slowdown"][m] > 0 for m in modes[1:]
     )
+    assert list(report["lost_per_snapshot_s"]) == modes[1:]
     assert all(t["train_failures"] == [] for t in report["trained"])
     assert all(len(t["step_s"][m]) == 3 for t in report["trained"] for m in modes)
     assert "| target | measured |" in out
