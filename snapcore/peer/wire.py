@@ -339,10 +339,13 @@ def _data(
 
     def post(k: int) -> list[Any]:
         works = [dist.isend(source(d, k), d, group=group) for d, p in sends.items() if k < len(p)]
-        works += [dist.irecv(into(s, k), s, group=group) for s, p in recvs.items() if k < len(p)]
+        targets = [(s, into(s, k)) for s, p in recvs.items() if k < len(p)]
+        t0 = time.perf_counter()  # gloo takes a pair's lock to post, which its reads hold
+        works += [dist.irecv(t, s, group=group) for s, t in targets]
+        spent["post_recv"] += time.perf_counter() - t0
         return works
 
-    spent = {"fault_wait": 0.0, "wire_wait": 0.0, "hash": 0.0}
+    spent = {"fault_wait": 0.0, "post_recv": 0.0, "wire_wait": 0.0, "hash": 0.0}
     pacer.start()
     rounds = max([len(p) for p in (*sends.values(), *recvs.values())], default=0)
     window = 1 if pacer.rate is not None else WINDOW  # paced: one piece at a time
