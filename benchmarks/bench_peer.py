@@ -91,15 +91,7 @@ class Probe:
             buf[off] = 1 + (off >> 12) % 251
         self.view = memoryview(buf)
         if rank == 0:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    self.sock = socket.create_connection(("127.0.0.1", port))
-                    break
-                except ConnectionRefusedError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
+            self.sock = _connect(port)
         else:
             with socket.socket() as srv:
                 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -131,7 +123,7 @@ class Probe:
 
 
 def fresh_probe(rank: int, port: int, nbytes: int) -> float | None:
-    """Like ``probe``, once, but as a replaced node must receive: each piece into a
+    """Like ``Probe``, once, but as a replaced node must receive: each piece into a
     reused buffer, then written into a new file in /dev/shm (fresh memory)."""
     if rank == 0:
         return _send_once(port, nbytes)
@@ -167,17 +159,22 @@ def fresh_probe(rank: int, port: int, nbytes: int) -> float | None:
     return rate
 
 
-def _send_once(port: int, nbytes: int) -> None:
-    chunk = memoryview(bytearray(os.urandom(1024)) * (PIECE // 1024))
+def _connect(port: int) -> socket.socket:
+    """A connection to the receiver on 127.0.0.1:``port``, retried while it is not yet
+    listening (60 s at most)."""
     deadline = time.monotonic() + 60
     while True:
         try:
-            s = socket.create_connection(("127.0.0.1", port))
-            break
+            return socket.create_connection(("127.0.0.1", port))
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def _send_once(port: int, nbytes: int) -> None:
+    chunk = memoryview(bytearray(os.urandom(1024)) * (PIECE // 1024))
+    s = _connect(port)
     with s:
         s.recv(1)
         left = nbytes

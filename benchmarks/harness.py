@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,6 +172,19 @@ def _subtitle(doc: Result) -> str:
     )
 
 
+def _save_figure(
+    plt: Any, fig: Any, doc: Result, out: Path, dpi: int = 110, title: str = ""
+) -> list[Path]:
+    """Title ``fig`` with ``title`` and the run's machine and date, write it as
+    ``<out>/<scenario>.png`` and close it; returns [that path]."""
+    fig.suptitle(title + _subtitle(doc), fontsize=8)
+    fig.tight_layout()
+    path = out / f"{doc['scenario']}.png"
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return [path]
+
+
 def plot_save(doc: Result, out: Path) -> list[Path]:
     """Stall and time to durable per peer, and the restores (bars: median; whiskers:
     best to worst run)."""
@@ -197,12 +210,7 @@ def plot_save(doc: Result, out: Path) -> list[Path]:
     b.invert_yaxis()
     b.set_xlabel("seconds")
     b.set_title("restore, page cache dropped")
-    fig.suptitle(_subtitle(doc), fontsize=8)
-    fig.tight_layout()
-    path = out / f"{doc['scenario']}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return _save_figure(plt, fig, doc, out)
 
 
 SCALING_PANELS = (
@@ -247,12 +255,7 @@ def plot_scaling(doc: Result, out: Path) -> list[Path]:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("bench_save across state sizes; " + _subtitle(doc), fontsize=8)
-    fig.tight_layout()
-    path = out / f"{doc['scenario']}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [path]
+    return _save_figure(plt, fig, doc, out, dpi=100, title="bench_save across state sizes; ")
 
 
 def plot_tiers(doc: Result, out: Path) -> list[Path]:
@@ -274,12 +277,7 @@ def plot_tiers(doc: Result, out: Path) -> list[Path]:
     b.set_xscale("log")
     b.set_xlabel("seconds (log)")
     b.set_title("restore from each tier")
-    fig.suptitle(_subtitle(doc), fontsize=8)
-    fig.tight_layout()
-    path = out / f"{doc['scenario']}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return _save_figure(plt, fig, doc, out)
 
 
 def plot_checkpointer(doc: Result, out: Path) -> list[Path]:
@@ -298,12 +296,7 @@ def plot_checkpointer(doc: Result, out: Path) -> list[Path]:
     ax.set_xlabel("ns per call (log)")
     ax.legend(fontsize=8)
     ax.set_title("Checkpointer.step()")
-    fig.suptitle(_subtitle(doc), fontsize=8)
-    fig.tight_layout()
-    path = out / f"{doc['scenario']}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return _save_figure(plt, fig, doc, out)
 
 
 # -- scenarios --------------------------------------------------------------------------------
@@ -593,6 +586,20 @@ def _fmt(f: Result | None) -> str:
     return f"{med:.3f} ({f['min']:.3f}-{f['max']:.3f})"
 
 
+def _row(cells: Iterable[str]) -> str:
+    """A row of a Markdown table: "| a | b |" (an empty cell: "| |")."""
+    return "|" + "".join(f" {c} |" if c else " |" for c in cells)
+
+
+def _table(
+    head: Sequence[str], rows: Iterable[Sequence[str]], align: str | Sequence[str] = "---"
+) -> list[str]:
+    """The lines of a Markdown table: ``head``, the alignment row (``align``: one for
+    every column, or each column's), ``rows``."""
+    aligns = [align] * len(head) if isinstance(align, str) else align
+    return [_row(head), _row(aligns), *(_row(r) for r in rows)]
+
+
 def _made_by(doc: Result) -> str:
     m = doc["machine"]
     return (
@@ -634,17 +641,15 @@ def table_scaling(doc: Result) -> str:
         if not peers:
             continue
         gbs = sorted({x["state_gb"] for p in peers for x in s[key][p]})
-        lines += [
-            f"| {title}: state GB | " + " | ".join(peers) + " |",
-            "| ---: | " + " | ".join("---:" for _ in peers) + " |",
-        ]
-        for gb in gbs:
-            cells = [
+        rows = [
+            [f"{gb:.2f}"]
+            + [
                 _fmt(next((x["figure"] for x in s[key][p] if x["state_gb"] == gb), None))
                 for p in peers
             ]
-            lines.append(f"| {gb:.2f} | " + " | ".join(cells) + " |")
-        lines.append("")
+            for gb in gbs
+        ]
+        lines += [*_table([f"{title}: state GB", *peers], rows, align="---:"), ""]
     return "\n".join(lines)
 
 
@@ -663,32 +668,40 @@ def table_tiers(doc: Result) -> str:
         f"State: {_mb(n)} (Linear layers + Adam); a warm `async_save` (the second, both host "
         "slots faulted) to `Store(host=..., local=..., remote=s3://...)`:",
         "",
-        "| tier | time to durable | written |",
-        "| --- | --- | --- |",
-        f"| (stall of async_save) | {d['stall']:.3f} s | |",
-    ]
-    lines += [f"| {t} | {d[t]:.3f} s | {_mb(w[t])} |" for t in ("host", "local", "remote")]
-    lines += [
+        *_table(
+            ["tier", "time to durable", "written"],
+            [["(stall of async_save)", f"{d['stall']:.3f} s", ""]]
+            + [[t, f"{d[t]:.3f} s", _mb(w[t])] for t in ("host", "local", "remote")],
+        ),
         "",
         "Restore into the live state, from each tier alone (`Store(host=...)`, "
         '`Store(local=...)`, `Store(remote=...)`; "cold" after dropping the data file\'s pages):',
         "",
-        "| restore from | seconds | GB/s |",
-        "| --- | --- | --- |",
+        *_table(
+            ["restore from", "seconds", "GB/s"],
+            [
+                [name, f"{x['seconds']:.3f}", f"{n / x['seconds'] / GB:.2f}"]
+                for name, x in r["restore"].items()
+            ],
+        ),
     ]
-    for name, x in r["restore"].items():
-        lines.append(f"| {name} | {x['seconds']:.3f} | {n / x['seconds'] / GB:.2f} |")
     c = r["remote_codec"]
     lines += [
         "",
         "The remote codec, same state (local tier uncompressed):",
         "",
-        "| remote codec | bytes uploaded | ratio | time to durable (remote) |",
-        "| --- | --- | --- | --- |",
-        f"| none | {_mb(c['written_none'])} | 1.00 | {c['durable_remote_none']:.2f} s |",
-        f"| shuffle-zstd | {_mb(c['written_shuffle_zstd'])} | "
-        f"{c['written_none'] / c['written_shuffle_zstd']:.2f} | "
-        f"{c['durable_remote_shuffle_zstd']:.2f} s |",
+        *_table(
+            ["remote codec", "bytes uploaded", "ratio", "time to durable (remote)"],
+            [
+                ["none", _mb(c["written_none"]), "1.00", f"{c['durable_remote_none']:.2f} s"],
+                [
+                    "shuffle-zstd",
+                    _mb(c["written_shuffle_zstd"]),
+                    f"{c['written_none'] / c['written_shuffle_zstd']:.2f}",
+                    f"{c['durable_remote_shuffle_zstd']:.2f} s",
+                ],
+            ],
+        ),
     ]
     i = r["incremental"]
     lines += [
@@ -697,14 +710,14 @@ def table_tiers(doc: Result) -> str:
         f"{_mb(i['state_bytes'])}; no gradient, no optimizer state), one training step "
         "between two snapshots:",
         "",
-        "| tier | first snapshot writes | next snapshot writes | shared, not rewritten |",
-        "| --- | --- | --- | --- |",
+        *_table(
+            ["tier", "first snapshot writes", "next snapshot writes", "shared, not rewritten"],
+            [
+                [t, _mb(i["full"][t]), _mb(i["incremental"][t]), _mb(i["reused"].get(t, 0))]
+                for t in ("local", "remote")
+            ],
+        ),
     ]
-    for t in ("local", "remote"):
-        lines.append(
-            f"| {t} | {_mb(i['full'][t])} | {_mb(i['incremental'][t])} | "
-            f"{_mb(i['reused'].get(t, 0))} |"
-        )
     return "\n".join(lines)
 
 
@@ -715,15 +728,16 @@ def _us(ns: float) -> str:
 def table_checkpointer(doc: Result) -> str:
     """bench_checkpointer's rows: the cost of each kind of Checkpointer.step() call."""
     rows = doc["runs"][0]["result"]["rows"]
+    keys = ("median_ns", "p99_ns", "p999_ns", "max_ns")
     lines = [
         _made_by(doc),
         "",
-        "| call | calls | median | p99 | p99.9 | max |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *_table(
+            ["call", "calls", "median", "p99", "p99.9", "max"],
+            [[x["name"], f"{x['calls']:,}", *(_us(x[k]) for k in keys)] for x in rows],
+            align=["---", *["---:"] * 5],
+        ),
     ]
-    for x in rows:
-        cells = " | ".join(_us(x[k]) for k in ("median_ns", "p99_ns", "p999_ns", "max_ns"))
-        lines.append(f"| {x['name']} | {x['calls']:,} | {cells} |")
     hot = next((x for x in rows if x["name"] == "step(), nothing due"), None)
     if hot:
         ok = hot["median_ns"] < 20_000 and hot["p99_ns"] < 20_000

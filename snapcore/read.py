@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import xxhash
+from torch.autograd.graph import increment_version
 
 from . import _native, settings
 from . import manifest as mf
@@ -757,6 +758,7 @@ class Reader:
         copies: list[tuple[int, torch.Tensor]] = []
         done: set[int] = set()
         boxed: list[tuple[int, torch.Tensor]] = []
+        native: list[torch.Tensor] = []  # written through their address, not a torch op
         for i, ts in targets.items():
             for t in ts:
                 if is_dtensor(t) or not self.whole(i):
@@ -764,18 +766,29 @@ class Reader:
                     continue
                 b_i = self.m.tensors[i].pieces[0].blob
                 if t.data_ptr() in done:
-                    continue  # tied: the same memory is filled once
+                    native.append(t)  # tied: the same memory is filled once
+                    continue
                 if self._direct_ok(i, t):
                     direct.append((b_i, t.data_ptr()))
                     done.add(t.data_ptr())
+                    native.append(t)
                 else:
                     copies.append((i, t))
-        self.read_blobs(direct)
+        on_gpu: list[tuple[int, torch.Tensor]] = []
         if _native.cuda_available():
             on_gpu = [(i, t) for i, t in copies if self._h2d_ok(i, t)]
+            copies = [(i, t) for i, t in copies if not self._h2d_ok(i, t)]
+            native += [t for _, t in on_gpu]
+        try:
+            self.read_blobs(direct)
             if on_gpu:
                 self._fill_cuda([(i, t.data_ptr(), _device_index(t)) for i, t in on_gpu])
-                copies = [(i, t) for i, t in copies if not self._h2d_ok(i, t)]
+        finally:
+            # The native reader and copier write through the tensors' addresses, an
+            # in-place change torch does not see (also when they fail part way): bump the
+            # version counters as copy_ would, so that autograd refuses a backward through
+            # a graph that saved the old values.
+            increment_version(native)
         batch: list[tuple[int, torch.Tensor]] = []
         size = 0
         for i, t in copies:

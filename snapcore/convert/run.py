@@ -339,7 +339,9 @@ def _stream(
     Where the source reads into given memory (``read_into``) and the sink is done with a
     tensor's memory when ``write`` returns (``keeps_tensors`` False), the reads go into
     two buffers allocated once and reused: memory touched for the first time fills
-    several times slower than memory already faulted in (docs/benchmarks.md)."""
+    several times slower than memory already faulted in (docs/benchmarks.md). Each
+    buffer has the source's ``read_slack`` bytes to spare (the safetensors source reads
+    the block-aligned bytes around a range, with O_DIRECT)."""
     total = sum(out.nbytes for _, out in plan)
     done = 0
     stop = threading.Event()
@@ -347,7 +349,8 @@ def _stream(
     reuse = hasattr(source, "read_into") and getattr(sink, "keeps_tensors", True) is False
     free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
     if reuse and tasks:
-        size = max(_task_bytes(t) for t in tasks)
+        # read_slack: what the source needs beyond the bytes (aligned reads, safetensors)
+        size = max(_task_bytes(t) for t in tasks) + getattr(source, "read_slack", 0)
         for _ in range(2):  # the one being written and the one being read
             free.put(torch.empty(size, dtype=torch.uint8))
 

@@ -14,9 +14,12 @@ contiguous, covering them exactly, little-endian, C order) plus an optional
 Source: each file's header is read and checked before any tensor (``_read_header``: a
 bounded length, strict JSON without duplicate keys, known dtypes, sizes that match the
 offsets, offsets that tile the rest of the file exactly); anything else raises
-``InvalidManifest`` naming the file. A tensor is read with positioned reads straight
-into a new tensor: one tensor in memory at a time; a tensor larger than the converter's
-window is read range by range instead (``read_range``), never whole. Aliases are
+``InvalidManifest`` naming the file. A tensor is read straight into the converter's
+buffer (``read_into``: O_DIRECT where the file system takes it, several pieces in
+flight, the page cache otherwise) or into a new tensor: one tensor in memory at a time;
+a tensor larger than the converter's window is read range by range instead
+(``read_range``), never whole. A file cut short after its header was checked raises
+``CorruptSnapshot`` naming the file and the tensor. Aliases are
 safetensors' own convention (``save_model``): a ``__metadata__`` entry ``{removed name:
 kept name}`` for a tensor that shared storage with a kept one; values written by this
 module come back from ``snapcore.values``.
@@ -41,6 +44,7 @@ into place by ``commit``; ``abort`` removes it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import math
 import os
@@ -49,14 +53,17 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import settings
 from ..durable import fsync_dir, fsync_file
 from ..errors import CorruptSnapshot, InvalidManifest
+from ..planning.layout import ALIGN, align_up
 from .base import Format, TensorInfo, Value, register
 
 INDEX = "model.safetensors.index.json"
@@ -99,6 +106,15 @@ _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()
 _ORDER = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16")
 _ORDER += ("F8_E5M2FNUZ", "F8_E4M3FNUZ", "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
 _RANK = {name: k for k, name in enumerate(_ORDER)}
+
+# O_DIRECT reads (``SafetensorsSource.read_into``): file offsets, lengths and addresses
+# aligned to a page (every logical block size up to it), in pieces of DIRECT_PIECE bytes,
+# DIRECT_THREADS of them in flight; READ_SLACK: the bytes a buffer needs beyond the range
+# it receives (the aligned start of the buffer, the block-aligned head and tail)
+DIRECT_ALIGN = 4096
+DIRECT_PIECE = 32 << 20
+DIRECT_THREADS = 2
+READ_SLACK = 3 * DIRECT_ALIGN
 
 
 def _little_endian() -> None:
@@ -177,6 +193,20 @@ def _pread_exact(fd: int, buf: memoryview, offset: int) -> int:
         if n == 0:
             break
         done += n
+    return done
+
+
+def _pread_direct(fd: int, address: int, nbytes: int, offset: int) -> int:
+    """Fill ``nbytes`` at ``address`` from ``offset`` of an O_DIRECT descriptor (all three
+    aligned to ``DIRECT_ALIGN``); returns the bytes read, fewer only at the end of the
+    file (a read that stops inside a block has reached it)."""
+    done = 0
+    while done < nbytes:
+        view = memoryview((ctypes.c_char * (nbytes - done)).from_address(address + done))
+        n = os.preadv(fd, [view.cast("B")], offset + done)
+        done += n
+        if n == 0 or n % DIRECT_ALIGN:
+            break
     return done
 
 
@@ -271,7 +301,11 @@ class SafetensorsSource:
         self._meta: dict[str, str] = {}
         self._values: dict[str, Value] = {}
         alias_entries: dict[str, str] = {}
-        self._open: tuple[int, int] | None = None  # (file index, fd)
+        self._open: tuple[int, int, int | None] | None = None  # (file index, fd, O_DIRECT fd)
+        # reads into given buffers go through O_DIRECT until the file system refuses it
+        self._direct = settings.o_direct() == "auto"
+        self._pool: ThreadPoolExecutor | None = None  # the O_DIRECT reads' threads
+        self.read_slack = READ_SLACK  # what ``read_into``'s buffers need beyond the bytes
         for k, f in enumerate(self.files):
             fd = os.open(f, os.O_RDONLY)
             try:
@@ -325,7 +359,14 @@ class SafetensorsSource:
         """The tensor (``start`` None) or its elements ``[start, stop)`` as a 1-D tensor,
         read into the bytes of ``buf`` (a uint8 tensor at least that large, which the
         result is a view of), or into new memory (``buf`` None). The converter passes
-        buffers it reuses from one tensor to the next, faulted in once."""
+        buffers it reuses from one tensor to the next, faulted in once.
+
+        Into a buffer with ``read_slack`` bytes to spare, the read goes around the page
+        cache (O_DIRECT: the block-aligned bytes around the range, several pieces in
+        flight) and the result starts at a 64-byte aligned address of ``buf`` (the
+        sink's O_DIRECT writes need it); where O_DIRECT is off or refused
+        (``SNAPCORE_O_DIRECT=off``; tmpfs before Linux 6.6, some FUSE), and into new
+        memory, with positioned reads through the page cache."""
         entry = self._entries[info.name]
         dtype = entry.info.dtype
         numel = math.prod(entry.info.shape)
@@ -336,26 +377,95 @@ class SafetensorsSource:
             if not 0 <= start <= stop <= numel:
                 raise ValueError(f"{info.name}: elements [{start}, {stop}) of {numel}")
             shape = (stop - start,)
-        if self._open is None or self._open[0] != entry.file:
-            self._close()
-            self._open = (entry.file, os.open(self.files[entry.file], os.O_RDONLY))
+        fd, direct_fd = self._file(entry.file)
         n = (stop - start) * dtype.itemsize
+        at = entry.offset + start * dtype.itemsize
         if buf is None:
             t = torch.empty(shape, dtype=dtype)
         else:
             if buf.dtype != torch.uint8 or buf.numel() < n:
                 raise ValueError(f"{info.name}: a buffer of {buf.numel()} bytes for {n}")
+            if n and direct_fd is not None and buf.numel() >= n + READ_SLACK:
+                first = self._read_direct(entry, direct_fd, at, n, buf)
+                if first is not None:
+                    return buf[first : first + n].view(dtype).view(shape)
             t = buf[:n].view(dtype).view(shape)
-        at = entry.offset + start * dtype.itemsize
-        if n and _pread_exact(self._open[1], _buffer(t), at) != n:
-            where = str(self.files[entry.file])
-            raise CorruptSnapshot(
-                f"{where}: {info.name}: the file ends inside the tensor (truncated since it "
-                "was opened?)",
-                tensor=info.name,
-                file=where,
-            )
+        if n and _pread_exact(fd, _buffer(t), at) != n:
+            raise self._truncated(entry)
         return t
+
+    def _truncated(self, entry: _Entry) -> CorruptSnapshot:
+        where = str(self.files[entry.file])
+        return CorruptSnapshot(
+            f"{where}: {entry.info.name}: the file ends inside the tensor (truncated since "
+            "it was opened?)",
+            tensor=entry.info.name,
+            file=where,
+        )
+
+    def _file(self, k: int) -> tuple[int, int | None]:
+        """The descriptors of file ``k`` (buffered, and O_DIRECT where used), opened once
+        while its tensors are read."""
+        if self._open is None or self._open[0] != k:
+            self._close()
+            fd = os.open(self.files[k], os.O_RDONLY)
+            direct_fd = None
+            if self._direct:
+                try:
+                    direct_fd = os.open(self.files[k], os.O_RDONLY | os.O_DIRECT)
+                except OSError:  # EINVAL: a file system without O_DIRECT (old tmpfs, some FUSE)
+                    self._direct = False
+            self._open = (k, fd, direct_fd)
+        return self._open[1], self._open[2]
+
+    def _read_direct(
+        self, entry: _Entry, fd: int, at: int, n: int, buf: torch.Tensor
+    ) -> int | None:
+        """Bytes ``[at, at + n)`` of the entry's file into ``buf`` through the O_DIRECT
+        descriptor ``fd``: the block-aligned bytes around them are read in pieces on
+        ``DIRECT_THREADS`` threads, and each piece, once read, is moved down by the few
+        bytes that put the first byte at a 64-byte aligned address (while the next
+        pieces are still being read). Returns where in ``buf`` the bytes start, or None
+        where the file system refuses the read (O_DIRECT is then off for this source)."""
+        base = buf.data_ptr()
+        first = at - at % DIRECT_ALIGN  # the file's bytes [first, end) are read...
+        end = align_up(at + n, DIRECT_ALIGN)
+        into = align_up(base, DIRECT_ALIGN)  # ... to address ``into``
+        assert into + (end - first) <= base + buf.numel()  # READ_SLACK covers it
+        head = at - first
+        shift = (into + head) % ALIGN  # the data start moves down to an aligned address
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="snapcore-read")
+        pieces = [
+            (k, min(DIRECT_PIECE, end - first - k)) for k in range(0, end - first, DIRECT_PIECE)
+        ]
+        futures: list[Future[int]] = [
+            self._pool.submit(_pread_direct, fd, into + k, m, first + k) for k, m in pieces
+        ]
+        got = 0  # bytes read, from ``first``, without a gap
+        try:
+            for (k, m), future in zip(pieces, futures, strict=True):
+                r = future.result()
+                lo, hi = max(k, head), min(k + r, head + n)  # the range's bytes in this piece
+                if shift and hi > lo:  # below it: the previous piece, moved already
+                    ctypes.memmove(into + lo - shift, into + lo, hi - lo)
+                got = k + r
+                if r < m:  # the end of the file
+                    break
+        except OSError as e:
+            wait(futures)  # no read may still write into the buffer
+            if e.errno == errno.EINVAL and self._open is not None:  # O_DIRECT refused
+                self._direct = False
+                os.close(fd)
+                self._open = (self._open[0], self._open[1], None)
+                return None
+            where = str(self.files[entry.file])
+            raise OSError(e.errno, f"{e.strerror} (reading {entry.info.name})", where) from None
+        finally:
+            wait(futures)
+        if got < head + n:
+            raise self._truncated(entry)
+        return into + head - shift - base
 
     def values(self) -> dict[str, Value]:
         return dict(self._values)
@@ -367,11 +477,17 @@ class SafetensorsSource:
 
     def _close(self) -> None:
         if self._open is not None:
-            os.close(self._open[1])
+            _, fd, direct_fd = self._open
             self._open = None
+            os.close(fd)
+            if direct_fd is not None:
+                os.close(direct_fd)
 
     def close(self) -> None:
         self._close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 # -- writing -----------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import manifest as mf
 from .. import settings
 from ..distributed.job import Job, initialized
@@ -177,7 +179,9 @@ class Engine:
                 for other in self._slot_steps[:slot] + self._slot_steps[slot + 1 :]:
                     other.discard(step)  # a re-saved step's manifest will name this slot
             size = self._arena_size(layout, budget if streaming else None)
-            device = pin_device(b.device for b in layout.blobs)
+            device = None  # no CUDA tensor without CUDA initialised: no walk over the blobs
+            if torch.cuda.is_initialized():
+                device = pin_device(b.device for b in layout.blobs)
             arena = self._arena(slot, size, device)
             stats = SaveStats(step, layout.data_bytes, layout.total, streaming=streaming)
             handle = SaveHandle(step, stats, want, t0=t0)
@@ -195,6 +199,7 @@ class Engine:
             self._handles.append(handle)
             try:
                 if streaming:
+                    job.go.set()  # the persist thread frees each half that staging refills
                     if overlap:
                         log.warning(
                             "step %d: no overlap mode when the state exceeds the budget", step
@@ -210,13 +215,17 @@ class Engine:
                 # interrupted") is the same news and must not fail the next save again.
                 handle.mark_all_reported()
                 self._handles.remove(handle)
+                job.go.set()
                 raise
             windows.put(None)
-            if not handle.deferred:
-                handle.mark_staged()
-            stats.stall_s = time.perf_counter() - t0
-            if self.slots > 1 and not streaming:
-                self._prepare_slot(1 - slot, size, device)  # the next save's, while training runs
+            try:
+                if not handle.deferred:
+                    handle.mark_staged()
+                if self.slots > 1 and not streaming:
+                    self._prepare_slot(1 - slot, size, device)  # the next save's, meanwhile
+                stats.stall_s = time.perf_counter() - t0
+            finally:
+                job.go.set()  # whatever happens here, the persist job must not wait forever
             return handle
 
     def _sharded(self, djob: Job, flat: Flattened) -> ShardedSave:

@@ -63,11 +63,16 @@ class PersistJob:
         self.helpers: list[Future[Any]] = []  # hash and encode work that reads the arena
         self._ended = False  # staging's last item (None, or Aborted) was taken
         self.peer: Future[None] | None = None  # the peer tier's transfer (snapcore/peer)
+        # Set when ``async_save`` returns (or raises): the job's own Python work (the
+        # plan verdict, the directory's leftovers and lock) then does not compete with
+        # the training thread for the GIL inside the call.
+        self.go = threading.Event()
 
     def run(self) -> None:
         h = self.handle
         upload: Future[None] | None = None
         sh = self.sharded
+        self.go.wait()
         try:
             local = self.engine.local
             if sh is not None:

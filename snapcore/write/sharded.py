@@ -18,8 +18,10 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import threading
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +32,7 @@ from ..distributed.job import Job, all_gather_bytes
 from ..manifest import dtype_name
 from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_copies, plan_save
 from ..planning.global_plan import structure_fingerprint as fingerprint
-from ..planning.layout import Layout, plan
+from ..planning.layout import BlobPlan, Layout, plan
 from ..planning.uniform import (
     GlobalTensor,
     UniformPlan,
@@ -96,6 +98,10 @@ class Sharder:
     leaders: dict[str, bool] = field(default_factory=dict)
     small_exchange: bool = False  # whether the last exchange needed no items (_agree)
     with_rank0: dict[str, bool] = field(default_factory=dict)
+    # The last save's part (a structure the plan knows) and the tensors it was made from:
+    # a save of the same tensors reuses it (``_Last``).
+    last: _Last | None = None
+    reused: int = 0  # saves whose part was the last one's (tests, docs)
 
     def leads(self, tier: str) -> bool:
         """Whether this rank does the housekeeping of ``tier`` (object storage: rank 0)."""
@@ -127,6 +133,13 @@ class Sharder:
             # exchange then fails on snapcore's group timeout if the others do not).
             event, box = self.verdict_slot(seq - 1)
             must_agree = not event.wait(job.timeout_s) or box[0] != "ok"
+        last, self.last = self.last, None
+        if not must_agree and last is not None:
+            again = last.reuse(flat, seq)
+            if again is not None:
+                self.last, spec = again
+                self.reused += 1
+                return spec
         glob = [i for i, local in enumerate(flat.local) if not local]
         signature = _signature(flat, glob)
         if must_agree:
@@ -140,7 +153,10 @@ class Sharder:
             items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
             structure = fingerprint(items, job.world_size)
             writes = [not item.box.empty for item in items]
-        return self._spec(flat, glob, items, writes, cached, seq, structure, replan)
+        spec = self._spec(flat, glob, items, writes, cached, seq, structure, replan)
+        if not replan:
+            self.last = _Last.of(flat, spec)
+        return spec
 
     def _agree(
         self,
@@ -296,6 +312,139 @@ def _description(flat: Flattened, glob: list[int]) -> tuple[dict[str, Any], list
         records.append(record)
     ranks = [m.tolist() for _, m in sorted(meshes.values(), key=lambda x: x[0])]
     return {"meshes": ranks, "tensors": records}, tensors
+
+
+def _key(t: torch.Tensor, dtensor: type | None) -> tuple[Any, ...]:
+    """What a part depends on of one tensor of the state: the object, its memory (address,
+    storage offset, dtype, shape, strides, device) and, for a DTensor, its spec (mesh,
+    placements, global shape: by identity and by hash, which DTensorSpec recomputes when
+    a field is set) and its local shard's. Training in place (an optimizer step, FSDP2's
+    sharded parameters) changes none of it; a tensor replaced, moved (``p.data = ...``),
+    resized or resharded does."""
+    if dtensor is not None and isinstance(t, dtensor):
+        spec, loc = t._spec, local_shard(t)
+        return (id(t), loc.data_ptr(), loc.storage_offset(), loc.dtype, loc.shape, loc.stride(),
+                loc.device, id(spec), hash(spec), id(loc))  # fmt: skip
+    return (id(t), t.data_ptr(), t.storage_offset(), t.dtype, t.shape, t.stride(), t.device)
+
+
+@dataclass
+class _Last:
+    """The last save's part and what it was made from, to reuse it at the next save: the
+    paths, which tensors are rank-local, each tensor's ``_key`` (checked against a weak
+    reference to it: the id is the same object's only while that lives) and storage
+    address, and the part with its blobs' fields but not their source tensors, so that
+    nothing of the state is kept alive between saves (a ``state_dict()`` may build new
+    tensors at every call).
+
+    A save of the same tensors reuses the part, each blob's source taken from the state
+    as it is now. A plain tensor that is a new object at each save (``snapcore.RNGState``'s
+    generator states) is put in its predecessor's place when it is alike (dtype, shape,
+    strides, device) and alone in memory that no other tensor of the state holds (its own
+    whole storage, contiguous; its predecessor's address, freed since, allowed), its
+    predecessor alone in its blob. Anything else is
+    planned again (``Sharder.part``)."""
+
+    paths: list[str]
+    local: list[bool]
+    keys: list[tuple[Any, ...]]
+    refs: list[weakref.ref[Any]]  # the state's tensors and the DTensors' specs
+    storages: list[int]
+    # per blob: (offset, nbytes, the state tensor whose local shard is its source, raw,
+    # src_ptr, tensors, element_size)
+    blobs: list[tuple[int, int, int, bool, int, list[int], int]]
+    spec: PartSpec  # its layout has no blobs (``blobs`` above)
+
+    @staticmethod
+    def of(flat: Flattened, spec: PartSpec) -> _Last | None:
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        layout = spec.layout
+        owner: dict[int, int] = {}  # blob -> the first state tensor staged from it
+        for i, e in enumerate(layout.entries):
+            if e.pieces:
+                owner.setdefault(e.pieces[0].blob, i)
+        if len(owner) != len(layout.blobs):
+            return None  # a blob that no entry names: not a layout of this kind
+        blobs = []
+        for b_i, b in enumerate(layout.blobs):
+            i = owner[b_i]
+            if local_shard(flat.tensors[i]) is not b.source:
+                return None
+            blobs.append((b.offset, b.nbytes, i, b.raw, b.src_ptr, b.tensors, b.element_size))
+        try:
+            refs = [weakref.ref(t) for t in flat.tensors]
+            refs += [
+                weakref.ref(t._spec)
+                for t in flat.tensors
+                if dtensor is not None and isinstance(t, dtensor)
+            ]
+        except TypeError:  # not weakly referenceable: not reused
+            return None
+        return _Last(
+            list(flat.paths),
+            list(flat.local),
+            [_key(t, dtensor) for t in flat.tensors],
+            refs,
+            [local_shard(t).untyped_storage().data_ptr() for t in flat.tensors],
+            blobs,
+            dataclasses.replace(spec, layout=Layout([], layout.entries, layout.total)),
+        )
+
+    def reuse(self, flat: Flattened, seq: int) -> tuple[_Last, PartSpec] | None:
+        """This part for ``flat``, as save ``seq``, or None when it must be made again."""
+        if flat.paths != self.paths or flat.local != self.local:
+            return None
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        tensors = flat.tensors
+        keys = [_key(t, dtensor) for t in tensors]
+        refs = self.refs
+        n = len(tensors)
+        specs = [t._spec for t in tensors if dtensor is not None and isinstance(t, dtensor)]
+        if len(refs) != n + len(specs) or any(
+            r() is not s for r, s in zip(refs[n:], specs, strict=True)
+        ):
+            return None  # a spec replaced (its id may be another's now)
+        ptrs: dict[int, int] = {}  # blob -> the new source's address
+        storages = self.storages
+        changed = keys != self.keys
+        if changed or any(r() is not t for r, t in zip(refs[:n], tensors, strict=True)):
+            storages = list(storages)
+            # The state's storages by address, with how many of its tensors use each; a
+            # new tensor may take its predecessor's address (freed since), not another's.
+            taken = Counter(storages)
+            entries = self.spec.layout.entries
+            for i, (new, old) in enumerate(zip(keys, self.keys, strict=True)):
+                t = tensors[i]
+                if new == old and refs[i]() is t:
+                    continue
+                if len(new) != 7 or len(old) != 7 or new[2:] != old[2:] or new[2] != 0:
+                    return None  # a DTensor, or not alike: another layout
+                store = t.untyped_storage()
+                nbytes = t.numel() * t.element_size()
+                ptr = store.data_ptr()
+                taken[storages[i]] -= 1
+                if store.nbytes() != nbytes or not t.is_contiguous() or taken[ptr] > 0:
+                    return None  # shares memory with another tensor, or has a gap
+                taken[ptr] += 1
+                storages[i] = ptr
+                if entries[i].pieces:  # this rank stages it
+                    b = entries[i].pieces[0].blob
+                    _, size, _, raw, _, members, _ = self.blobs[b]
+                    if len(members) != 1 or not raw or size != nbytes:
+                        return None
+                    ptrs[b] = t.data_ptr()
+        blobs = [
+            BlobPlan(off, size, local_shard(tensors[i]), raw, ptrs.get(b, ptr), members, es)
+            for b, (off, size, i, raw, ptr, members, es) in enumerate(self.blobs)
+        ]
+        layout = self.spec.layout
+        spec = dataclasses.replace(
+            self.spec, seq=seq, layout=Layout(blobs, layout.entries, layout.total)
+        )
+        if not changed and storages is self.storages:
+            return self, spec
+        new_refs = [weakref.ref(t) for t in tensors] + refs[n:]
+        return dataclasses.replace(self, keys=keys, refs=new_refs, storages=storages), spec
 
 
 def _signature(flat: Flattened, glob: list[int]) -> tuple[Any, ...]:

@@ -99,6 +99,23 @@ def test_restore_to_the_gpu_goes_through_the_pinned_ring_not_torch_pinned_buffer
     assert pinned == []
 
 
+def test_restore_through_the_native_gpu_path_bumps_the_version_counter(tmp_path):
+    """The native copier writes a contiguous CUDA tensor through its device address, which
+    torch does not see: restore bumps its version counter (as copy_ would), so that
+    autograd refuses a backward through a graph that saved the old values."""
+    saved = torch.randn(1 << 16, device="cuda")
+    snapcore.save({"t": saved}, tmp_path, step=1)
+    target = torch.zeros_like(saved)
+    x = torch.ones_like(saved, requires_grad=True)
+    y = (target * x).sum()  # saves target for x's gradient
+    before = target._version
+    snapcore.restore({"t": target}, tmp_path)
+    assert torch.equal(target, saved)
+    assert target._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
 def test_restore_into_a_strided_gpu_tensor(tmp_path):
     x = torch.randn(64, 48, device="cuda")
     snapcore.save({"x": x}, tmp_path, step=1)

@@ -234,14 +234,66 @@ def test_resaving_a_committed_step_replaces_it_atomically(tmp_path):
     assert len(list(step_dir.glob("*.bin"))) == 1  # the old data file was collected
 
 
-def _slow_copy(monkeypatch, delay: float):
-    real = _native.copy_host
+def _hold_overlap_copies(
+    monkeypatch, gate: threading.Event, order: list[str], started: threading.Event | None = None
+) -> None:
+    """Overlap mode's CPU copies (on the snapcore-overlap thread) wait for ``gate`` (60 s at
+    most), then run and append "copied" to ``order``; ``started`` is set when they begin."""
+    real_copy = _native.copy_host
 
-    def slow(copies, threads=0, **kw):
-        time.sleep(delay)
-        real(copies, threads, **kw)
+    def held_copy(copies, threads=0, **kw):
+        if threading.current_thread().name.startswith("snapcore-overlap"):
+            if started is not None:
+                started.set()
+            gate.wait(60)
+            real_copy(copies, threads, **kw)
+            order.append("copied")
+        else:
+            real_copy(copies, threads, **kw)
 
-    monkeypatch.setattr(_native, "copy_host", slow)
+    monkeypatch.setattr(_native, "copy_host", held_copy)
+
+
+def _on_copy_wait(monkeypatch, event: threading.Event, thread: str) -> None:
+    """Set ``event`` when a thread whose name starts with ``thread`` calls ``result()`` on a
+    future of overlap mode's CPU copies (those ``Stager._run_deferred`` makes: the one
+    ``SaveHandle.staged()``, the optimizer's step, waits on, and the one in ``w.pending``
+    the persist thread waits on). With the copies held on a gate, a test releases them
+    once the waiter is waiting for them, or has gone on without: no timed wait, and a
+    waiter that does not wait is caught whatever the machine's speed."""
+    real = Stager._run_deferred
+
+    def watch(fut):
+        result = fut.result
+
+        def watched(timeout=None):
+            if threading.current_thread().name.startswith(thread):
+                event.set()
+            return result(timeout)
+
+        fut.result = watched
+
+    def run_deferred(self, w, events, handle):
+        host = real(self, w, events, handle)
+        watch(host)
+        watch(w.pending[-1])
+        return host
+
+    monkeypatch.setattr(Stager, "_run_deferred", run_deferred)
+
+
+def _step_in_thread(opt, order: list[str], done: threading.Event) -> threading.Thread:
+    """``opt.step()`` on a thread named "stepper", which appends "stepped" to ``order`` and
+    sets ``done`` after it."""
+
+    def step() -> None:
+        opt.step()
+        order.append("stepped")
+        done.set()
+
+    stepper = threading.Thread(target=step, name="stepper")
+    stepper.start()
+    return stepper
 
 
 def test_overlap_mode_optimizer_step_waits_for_the_copies(tmp_path, monkeypatch):
@@ -250,11 +302,20 @@ def test_overlap_mode_optimizer_step_waits_for_the_copies(tmp_path, monkeypatch)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model(torch.randn(8, 64)).sum().backward()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    _slow_copy(monkeypatch, 0.3)  # the deferred copies take a while on the persist thread
+    order: list[str] = []
+    gate, waiting = threading.Event(), threading.Event()
+    _hold_overlap_copies(monkeypatch, gate, order)
+    _on_copy_wait(monkeypatch, waiting, "stepper")
     h = snapcore.async_save({"model": model, "optim": opt}, tmp_path, step=1, overlap=True)
-    assert not h._staged.is_set()  # it really returned before copying the parameters
-    opt.step()  # the pre-hook must make this wait for the copies
+    assert not h._staged.is_set()  # it returned before copying the parameters (held)
+    stepper = _step_in_thread(opt, order, waiting)
+    # the step waits for the copies (the pre-hook), or went on without: then the copies run
+    assert waiting.wait(60), "the step neither waited for the copies nor went on"
+    gate.set()
+    stepper.join(120)
+    assert not stepper.is_alive()
     h.wait()
+    assert order == ["copied", "stepped"], order
     saved = snapcore.load(tmp_path)["model"]
     for k, v in before.items():
         assert torch.equal(saved[k], v), k
@@ -274,37 +335,25 @@ def test_overlap_mode_step_waits_for_the_cpu_copies_not_for_the_previous_persist
     model(torch.randn(8, 64)).sum().backward()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     order: list[str] = []
-    persist_gate, copy_gate, copying = threading.Event(), threading.Event(), threading.Event()
-    real_commit, real_copy = PersistJob._commit_local, _native.copy_host
+    persist_gate, copy_gate = threading.Event(), threading.Event()
+    copying, waiting = threading.Event(), threading.Event()
+    real_commit = PersistJob._commit_local
 
     def held_commit(self, m):  # step 1's local commit waits (at most 60 s) for the gate
         if self.handle.step == 1 and not persist_gate.wait(60):
             order.append("persist gate timed out")
         real_commit(self, m)
 
-    def held_copy(copies, threads=0, **kw):  # overlap mode's CPU copies wait for the gate
-        if threading.current_thread().name.startswith("snapcore-overlap"):
-            copying.set()
-            copy_gate.wait(60)
-            real_copy(copies, threads, **kw)
-            order.append("copied")
-        else:
-            real_copy(copies, threads, **kw)
-
     monkeypatch.setattr(PersistJob, "_commit_local", held_commit)
-    monkeypatch.setattr(_native, "copy_host", held_copy)
+    _hold_overlap_copies(monkeypatch, copy_gate, order, started=copying)
+    _on_copy_wait(monkeypatch, waiting, "stepper")
     store = snapcore.Store(host=host_name, local=tmp_path)
     h1 = snapcore.async_save({"model": model, "optim": opt}, store, step=1)
     h2 = snapcore.async_save({"model": model, "optim": opt}, store, step=2, overlap=True)
-
-    def step() -> None:
-        opt.step()  # the pre-hook: waits for the CPU copies, not for step 1's persist
-        order.append("stepped")
-
-    stepper = threading.Thread(target=step)
-    stepper.start()
+    stepper = _step_in_thread(opt, order, waiting)  # the pre-hook: waits for step 2's copies
     assert copying.wait(60), "overlap mode's CPU copies never started on their own thread"
-    stepper.join(0.5)  # room for a step that does not wait for the copies to show it
+    # the step waits for the copies, or went on without; step 1's persist is still held
+    assert waiting.wait(60), "the step neither waited for the copies nor went on"
     copy_gate.set()
     stepper.join(120)
     assert not stepper.is_alive()
@@ -323,38 +372,34 @@ def test_overlap_mode_failed_persist_frees_the_arena_only_after_the_copies(tmp_p
     """The persist thread fails before it takes the window (here: the store cannot be
     opened) while overlap mode's CPU copies still write into the arena: the arena's slot
     is freed, for the next save to stage into, only once those copies have finished."""
-    from concurrent.futures import wait
-
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model(torch.randn(8, 64)).sum().backward()
     order: list[str] = []
-    gate = threading.Event()
-    real_copy, real_begin = _native.copy_host, LocalDirectory.begin
-
-    def held_copy(copies, threads=0, **kw):  # overlap mode's CPU copies wait for the gate
-        if threading.current_thread().name.startswith("snapcore-overlap"):
-            gate.wait(60)
-            real_copy(copies, threads, **kw)
-            order.append("copied")
-        else:
-            real_copy(copies, threads, **kw)
+    gate, progress = threading.Event(), threading.Event()
+    real_begin = LocalDirectory.begin
 
     def failing_begin(self, step):
         if step == 1:
             raise OSError(5, "the store cannot be opened")
         return real_begin(self, step)
 
-    monkeypatch.setattr(_native, "copy_host", held_copy)
+    _hold_overlap_copies(monkeypatch, gate, order)
+    _on_copy_wait(monkeypatch, progress, "snapcore-persist")
     monkeypatch.setattr(LocalDirectory, "begin", failing_begin)
     h = snapcore.async_save({"model": model, "optim": opt}, tmp_path, step=1, overlap=True)
     h.settle()  # failed: the persist thread is past its failure
     slot_free = engine_mod.engine_for(tmp_path)._slot_free[0]
     assert slot_free is not None
-    slot_free.add_done_callback(lambda _: order.append("slot freed"))
-    # the copies are held: the slot must not be freed meanwhile (it is never, whatever the
-    # machine's speed, while the gate is closed; a wrong order would show here)
-    assert not wait([slot_free], timeout=1.0).done, order
+
+    def freed(_) -> None:
+        order.append("slot freed")
+        progress.set()
+
+    slot_free.add_done_callback(freed)
+    # the persist thread waits for the held copies before it frees the slot, or freed it
+    # without: only then are the copies let go (a wrong order shows, on any machine)
+    assert progress.wait(60), "the persist thread neither waited for the copies nor freed"
     gate.set()
     slot_free.result(timeout=60)
     assert order == ["copied", "slot freed"], order
@@ -382,10 +427,14 @@ def test_overlap_mode_is_refused_while_a_cuda_graph_is_captured(tmp_path, monkey
 def test_overlap_mode_copies_non_optimizer_tensors_before_returning(tmp_path, monkeypatch):
     model = torch.nn.BatchNorm1d(4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _slow_copy(monkeypatch, 0.2)
+    order: list[str] = []
+    gate = threading.Event()
+    _hold_overlap_copies(monkeypatch, gate, order)  # the parameters' copies wait
     h = snapcore.async_save({"model": model, "optim": opt}, tmp_path, step=1, overlap=True)
     model.running_mean.add_(5)  # a buffer the forward pass writes: not protected by the hook
+    gate.set()  # a buffer left to the deferred copies would be read only now
     h.wait()
+    assert order == ["copied"]  # the parameters' copies were deferred indeed
     assert torch.equal(snapcore.load(tmp_path)["model"]["running_mean"], torch.zeros(4))
 
 
@@ -393,12 +442,21 @@ def test_explicit_staged_wait(tmp_path, monkeypatch):
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     before = model.weight.detach().clone()
-    _slow_copy(monkeypatch, 0.2)
+    order: list[str] = []
+    gate, waiting = threading.Event(), threading.Event()
+    _hold_overlap_copies(monkeypatch, gate, order)
+    _on_copy_wait(monkeypatch, waiting, "MainThread")
+    # the copies are let go once staged() waits for them, or once the weight is changed
+    releaser = threading.Thread(target=lambda: (waiting.wait(60), gate.set()))
+    releaser.start()
     h = snapcore.async_save({"m": model, "o": opt}, tmp_path, step=1, overlap=True)
     h.staged()
     with torch.no_grad():
         model.weight.zero_()
+    waiting.set()
+    releaser.join(60)
     h.wait()
+    assert order == ["copied"]
     assert torch.equal(snapcore.load(tmp_path)["m"]["weight"], before)
 
 

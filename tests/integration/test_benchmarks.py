@@ -141,7 +141,8 @@ def test_bench_distributed(tmp_path: Path) -> None:
     assert rk["world"] == 4 and len(rk["ranks"]) == 4 and rk["errors"] == {}
     unique = rk["unique_bytes"]
     assert sum(x["needed_bytes"] for x in rk["ranks"]) >= unique > 0
-    for peer in ("snapcore", "snapcore_overlap", "dcp_thread", "dcp_process", "dcp_save"):
+    peers = ("snapcore", "snapcore_overlap", "dcp_sync", "dcp_thread", "dcp_process", "dcp_save")
+    for peer in peers:
         runs = rk["runs"][peer]
         assert [x["first"] for x in runs] == [True, False], peer  # a first save, one timed
         for x in runs:
@@ -170,7 +171,15 @@ def test_bench_distributed(tmp_path: Path) -> None:
     assert [t["status"] for t in r["targets"]] and all(
         t["status"] in ("PASS", "FAIL") for t in r["targets"]
     ), r["targets"]
-    assert len(r["targets"]) == 8  # 6, and overlap=True's stall and staged
+    assert len(r["targets"]) == 9  # 6, overlap=True's stall and staged, default's stall vs sync
+    names = [t["target"] for t in r["targets"]]
+    # each snapcore mode's stall against DCP's matching mode; the cross-mode figure kept
+    assert any("default mode against DCP's default staging" in n for n in names), names
+    assert any("overlap=True against DCP's async staging" in n for n in names), names
+    assert any("information: not the matching mode" in n for n in names), names
+    # DCP's default staging copies in the call: its staging ends when the call returns
+    for x in rk["runs"]["dcp_sync"]:
+        assert x["per_rank"]["staged_s"] == x["per_rank"]["blocked_s"]
     text = table.read_text()
     assert "| save | blocked s |" in text and "| target | measured |" in text
     assert text in out

@@ -5,6 +5,7 @@ import of the library, and memory bounded by a few tensors, not by the checkpoin
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ import torch
 from snapcore.convert import FORMATS, convert
 from snapcore.convert import safetensors_fmt as stf
 from snapcore.convert.base import TensorInfo
-from snapcore.errors import InvalidManifest
+from snapcore.errors import CorruptSnapshot, InvalidManifest
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
@@ -264,3 +265,181 @@ def test_streams_in_bounded_memory_without_the_library(tmp_path: Path) -> None:
         with safe_open(out / index["weight_map"][info.name], framework="pt") as f:
             sl = f.get_slice(info.name)
             assert sl[:2].tolist() == [float(k)] * 2 and sl[numel - 2 :].tolist() == [float(k)] * 2
+
+
+# -- reads into the converter's buffers (O_DIRECT where the file system takes it) -----------
+def _misaligned(path: Path, pad: int) -> dict[str, torch.Tensor]:
+    """A file whose tensors start at offsets of every residue the format allows (odd
+    sizes of 2-byte items; ``pad`` bytes of metadata move the header's end), written by
+    the library; its tensors."""
+    g = torch.Generator().manual_seed(pad)
+    tensors = {
+        "f32": torch.randn(3001, generator=g),
+        "bf16": torch.randn(20001, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(12345, generator=g).to(torch.float16),
+        "u8": torch.randint(0, 256, (4099,), generator=g, dtype=torch.uint8),
+        "i8": torch.randint(-128, 127, (77,), generator=g, dtype=torch.int8),
+    }
+    save_file(tensors, path, metadata={"pad": "x" * pad})
+    return tensors
+
+
+def _buffer_for(n: int) -> torch.Tensor:
+    return torch.full((n + stf.READ_SLACK,), 0xAB, dtype=torch.uint8)
+
+
+def _o_direct_here(path: Path) -> bool:
+    """Whether the file system of ``path`` opens files with O_DIRECT (tmpfs before Linux
+    6.6 does not)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("o_direct", ["auto", "off"])
+@pytest.mark.parametrize("pad", [0, 1, 9, 61, 4090])
+def test_read_into_a_buffer_is_exact_at_every_alignment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, o_direct: str, pad: int
+) -> None:
+    # small O_DIRECT pieces: a range spans several, each moved down after the one before
+    monkeypatch.setattr(stf, "DIRECT_PIECE", 2 * stf.DIRECT_ALIGN)
+    monkeypatch.setenv("SNAPCORE_O_DIRECT", o_direct)
+    path = tmp_path / "m.safetensors"
+    tensors = _misaligned(path, pad)
+    src = FORMATS["safetensors"].source(path, {})
+    try:
+        buf = _buffer_for(max(t.nbytes for t in tensors.values()))
+        for info in src.tensors():
+            want = tensors[info.name]
+            numel = want.numel()
+            for start, stop in [(None, None), (0, 1), (1, numel - 1), (numel // 3, numel)]:
+                got = src.read_into(info, start, stop, buf)
+                expect = want if start is None else want[start:stop]
+                assert got.dtype == want.dtype and _bits(got) == _bits(expect), (info, start)
+                if src._direct:  # the sink's O_DIRECT writes need an aligned start
+                    assert got.data_ptr() % 64 == 0
+        # O_DIRECT is used where asked for and the file system takes it (an old tmpfs
+        # falls back to the page cache, and the bytes above are exact all the same)
+        used = o_direct == "auto" and _o_direct_here(path)
+        assert src._direct is used
+        assert src._open is not None and (src._open[2] is not None) is used
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("o_direct", ["auto", "off"])
+@pytest.mark.parametrize("cut", [1, 3, 4096, 5000])
+def test_source_truncated_after_it_was_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, o_direct: str, cut: int
+) -> None:
+    """A file cut short after its header was checked: the read of a tensor past the new
+    end is CorruptSnapshot naming the file and the tensor, on either read path, even
+    when the cut falls inside a block."""
+    monkeypatch.setattr(stf, "DIRECT_PIECE", 2 * stf.DIRECT_ALIGN)
+    monkeypatch.setenv("SNAPCORE_O_DIRECT", o_direct)
+    path = tmp_path / "m.safetensors"
+    tensors = _misaligned(path, 5)
+    src = FORMATS["safetensors"].source(path, {})
+    try:
+        infos = list(src.tensors())
+        last = max(infos, key=lambda i: src._entries[i.name].offset)
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.truncate(size - cut)
+        buf = _buffer_for(max(t.nbytes for t in tensors.values()))
+        with pytest.raises(CorruptSnapshot, match="the file ends inside the tensor") as e:
+            src.read_into(last, None, None, buf)
+        assert e.value.file == str(path) and str(path) in str(e.value)
+        assert e.value.tensor == last.name
+        # the tensors before the cut still read whole and exact
+        first = min(infos, key=lambda i: src._entries[i.name].offset)
+        assert _bits(src.read_into(first, None, None, buf)) == _bits(tensors[first.name])
+    finally:
+        src.close()
+
+
+def test_conversion_of_a_source_truncated_midway_leaves_no_target(tmp_path: Path) -> None:
+    """The source shrinks while it is converted (after its first tensor): the error names
+    the file, and no target is left behind."""
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file(
+        {f"w{k}": torch.randn(70_000, generator=g) for k in range(6)}, src_dir / "a.safetensors"
+    )
+    path = src_dir / "a.safetensors"
+    cut = []
+
+    def progress(done: int, total: int) -> None:
+        if not cut:  # after the first tensor: the rest of the file goes
+            cut.append(done)
+            with open(path, "r+b") as f:
+                f.truncate(path.stat().st_size // 2 + 3)
+
+    out = tmp_path / "out"
+    with pytest.raises(CorruptSnapshot, match="the file ends inside the tensor") as e:
+        convert(src_dir, out, to="snapcore", progress=progress)
+    assert e.value.file == str(path) and cut
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_o_direct_read_refused_falls_back_to_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that opens with O_DIRECT but refuses the reads (EINVAL): the read
+    is done through the page cache, exact, and O_DIRECT is not tried again."""
+    import errno
+
+    path = tmp_path / "m.safetensors"
+    tensors = _misaligned(path, 3)
+    calls = []
+
+    def refuse(*args: Any) -> int:
+        calls.append(args)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(stf, "_pread_direct", refuse)
+    monkeypatch.setenv("SNAPCORE_O_DIRECT", "auto")
+    src = FORMATS["safetensors"].source(path, {})
+    try:
+        buf = _buffer_for(max(t.nbytes for t in tensors.values()))
+        infos = list(src.tensors())
+        assert _bits(src.read_into(infos[0], None, None, buf)) == _bits(tensors[infos[0].name])
+        tried = len(calls)
+        for info in infos[1:]:
+            assert _bits(src.read_into(info, None, None, buf)) == _bits(tensors[info.name])
+        assert not src._direct and len(calls) == tried  # refused once, never tried again
+        assert (tried > 0) is _o_direct_here(path)
+    finally:
+        src.close()
+
+
+def test_o_direct_read_error_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error of an O_DIRECT read is an OSError naming the file and the tensor."""
+    import errno
+
+    path = tmp_path / "m.safetensors"
+    tensors = _misaligned(path, 3)
+
+    def fail(*args: Any) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(stf, "_pread_direct", fail)
+    monkeypatch.setenv("SNAPCORE_O_DIRECT", "auto")
+    src = FORMATS["safetensors"].source(path, {})
+    try:
+        info = next(src.tensors())
+        src._file(src._entries[info.name].file)
+        if src._open is None or src._open[2] is None:
+            pytest.skip("this file system does not open files with O_DIRECT")
+        buf = _buffer_for(max(t.nbytes for t in tensors.values()))
+        with pytest.raises(OSError, match="Input/output error") as e:
+            src.read_into(info, None, None, buf)
+        assert e.value.errno == errno.EIO and e.value.filename == str(path)
+        assert info.name in str(e.value)
+    finally:
+        src.close()

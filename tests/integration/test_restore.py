@@ -67,6 +67,25 @@ def test_a_saved_state_dict_fills_a_module_in_place(tmp_path):
     assert info.missing == [] and info.unexpected == []
 
 
+def test_restore_bumps_the_version_of_every_tensor_it_fills(tmp_path):
+    """A contiguous CPU tensor is filled by the native reader through its address (no
+    torch op; on a GPU, the native copier: tests/gpu): restore bumps its version counter
+    as copy_ does for the others, so that autograd refuses a backward through a graph
+    that saved the old values instead of computing a wrong gradient."""
+    saved = {"direct": torch.arange(6.0), "strided": torch.arange(6.0).reshape(2, 3)}
+    snapcore.save(saved, tmp_path, step=1)
+    live = {"direct": torch.zeros(6), "strided": torch.zeros(3, 2).t()}  # not contiguous
+    x = torch.ones(6, requires_grad=True)
+    y = (live["direct"] * x).sum()  # saves live["direct"] for x's gradient
+    before = {k: t._version for k, t in live.items()}
+    snapcore.restore(live, tmp_path)
+    for k, t in live.items():
+        assert torch.equal(t, saved[k]), k
+        assert t._version > before[k], k
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
 def test_a_saved_module_fills_a_dict_of_its_tensors(tmp_path):
     model, _ = trained()
     snapcore.save({"model": model}, tmp_path, step=1)

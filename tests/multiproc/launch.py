@@ -1,7 +1,9 @@
 """Run a script as the ranks of a torch.distributed job on this machine, for tests.
 
 The test side calls `run_ranks` (one node) or `run_nodes` (several torchrun "nodes" on
-one machine, each with its own environment). Each torchrun listens on 127.0.0.1 only
+one machine, each with its own environment; `Nodes` gives each node its own local
+directory and host-memory area), or `spawn_nodes` (the ranks as plain processes, for
+tests that kill some). Each torchrun listens on 127.0.0.1 only
 (static rendezvous, a free port found by binding port 0; gloo is pinned to `lo`). Quirk
 of torch 2.13: torchrun's TCPStore, on the master port, listens on every interface
 (`*:port`) whatever --master-addr says, and torch offers no bind address; every
@@ -164,6 +166,129 @@ def run_nodes(
     if own_dir:
         shutil.rmtree(wd, ignore_errors=True)
     return results
+
+
+def spawn_nodes(
+    script: Path,
+    nproc_per_node: int,
+    args: Sequence[str] = (),
+    *,
+    timeout: float,
+    node_envs: Sequence[Mapping[str, str]],
+    workdir: Path,
+    env: Mapping[str, str] | None = None,
+) -> list[tuple[int | None, Any]]:
+    """Run `script args` as the ranks of a job in plain processes, without torchrun
+    (env:// rendezvous on a free 127.0.0.1 port): node N's ranks are N*nproc_per_node
+    and up, with `env` and then `node_envs[N]` in their environment. For a test that
+    kills ranks or nodes: no agent tears the survivors down when a rank dies, as
+    torchrun's would (and torchrun's exit barrier would hold the survivors' agent for
+    300 s). Returns each rank's (exit status, last reported value or None); each rank's
+    output is in `<workdir>/spawn<R>.log` (`spawn_logs`). Ranks still running after
+    `timeout` seconds are SIGKILLed and AssertionError raised with their logs."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    world = nproc_per_node * len(node_envs)
+    port = free_port()
+    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(world):
+            rank_env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "GLOO_SOCKET_IFNAME": "lo",
+                **(env or {}),
+                **node_envs[rank // nproc_per_node],
+                "MASTER_ADDR": LOOPBACK,
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank % nproc_per_node),
+                "WORLD_SIZE": str(world),
+                ENV_DIR: str(workdir),
+                "PYTHONPATH": pythonpath,
+            }
+            with open(workdir / f"spawn{rank}.log", "wb") as log:  # the child keeps its copy
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(script), *args],
+                        env=rank_env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        why = f"the ranks did not finish in {timeout:g} s:\n{spawn_logs(workdir, world)}"
+        raise AssertionError(why) from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    out: list[tuple[int | None, Any]] = []
+    for rank, p in enumerate(procs):
+        path = workdir / f"rank{rank}.json"
+        out.append((p.returncode, json.loads(path.read_text()) if path.exists() else None))
+    return out
+
+
+def spawn_logs(workdir: Path, world: int) -> str:
+    """The tails of the ranks' outputs of a `spawn_nodes` run, for an assertion's message."""
+    return "\n".join(
+        f"--- rank {r}\n" + (workdir / f"spawn{r}.log").read_text(errors="replace")[-3000:]
+        for r in range(world)
+    )
+
+
+class Nodes:
+    """`count` "nodes" on this machine, for a snapcore job run with `run_nodes` or
+    `spawn_nodes` (`node_envs=nodes.envs`): each has its own local directory
+    (`dirs[N]`, under `root`, in `SNAPCORE_TEST_LOCAL`) and its own host-memory area
+    (`areas[N]`, a name unique to this test, in `SNAPCORE_TEST_HOST`; its files are in
+    `shm[N]`, also in `SNAPCORE_TEST_SHM`). A store spec takes them as
+    `{"local": "$SNAPCORE_TEST_LOCAL", "host": "$SNAPCORE_TEST_HOST"}`. Use it as a
+    context manager, or call `cleanup()`: the host areas outlive the processes."""
+
+    def __init__(self, root: Path, count: int = 2) -> None:
+        self.dirs = [root / f"node{n}" for n in range(count)]
+        self.areas = [f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}-n{n}" for n in range(count)]
+        self.shm = [Path("/dev/shm") / f"snapcore-{a}" for a in self.areas]
+        self.envs = [
+            {"SNAPCORE_TEST_LOCAL": str(d), "SNAPCORE_TEST_HOST": a, "SNAPCORE_TEST_SHM": str(s)}
+            for d, a, s in zip(self.dirs, self.areas, self.shm, strict=True)
+        ]
+
+    def run(
+        self, script: Path, nproc_per_node: int, args: Sequence[str] = (), **kw: Any
+    ) -> list[RankResult]:
+        """`run_nodes` on these nodes."""
+        return run_nodes(script, nproc_per_node, args, node_envs=self.envs, **kw)
+
+    def spawn(
+        self, script: Path, nproc_per_node: int, args: Sequence[str] = (), **kw: Any
+    ) -> list[tuple[int | None, Any]]:
+        """`spawn_nodes` on these nodes."""
+        return spawn_nodes(script, nproc_per_node, args, node_envs=self.envs, **kw)
+
+    def replace(self, node: int) -> None:
+        """A new machine: the node's directory and host memory are gone."""
+        shutil.rmtree(self.dirs[node], ignore_errors=True)
+        shutil.rmtree(self.shm[node], ignore_errors=True)
+
+    def cleanup(self) -> None:
+        for path in self.shm:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def __enter__(self) -> Nodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
 
 
 def processes_of(run_id: str) -> list[int]:

@@ -315,6 +315,46 @@ def replan(a: dict[str, Any]) -> dict[str, Any]:
     return {"saves": out, "small_exchange": small}
 
 
+def steady(a: dict[str, Any]) -> dict[str, Any]:
+    """Save steps 1-4 of one state, changing it between saves as training would: AdamW
+    steps (in place), a new generator state (RNGState builds new tensors at each call),
+    the rank-local "extra" replaced by a new tensor of the same shape (step 2), then by
+    one of another dtype (step 3: the part cannot be reused), kept (step 4); "overlap":
+    save with overlap=True. Report per step the digests, "extra", a digest of the torch
+    generator's state and how many saves reused the last part."""
+    state, model, optim = state_of(a["kind"], a.get("seed", 0), 1)
+    state["extra"] = RankLocal(torch.arange(6.0) + dist.get_rank())
+    store = store_of(a)
+    from snapcore.write.engine import engine_for
+
+    data = torch.Generator().manual_seed(7 + dist.get_rank())
+    out = []
+    for step in (1, 2, 3, 4):
+        if step > 1:
+            model(torch.randn(models.BATCH, models.D_IN, generator=data)).pow(2).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            torch.rand(3)  # the generator moves on
+        state["step"] = step
+        if step == 2:
+            state["extra"] = RankLocal(torch.arange(6.0) * 10 + dist.get_rank())
+        elif step == 3:
+            extra = torch.arange(6, dtype=torch.float64) * 100 + dist.get_rank()
+            state["extra"] = RankLocal(extra)
+        snapcore.async_save(state, store, step=step, overlap=bool(a.get("overlap"))).wait()
+        sharder = engine_for(store).sharder
+        assert sharder is not None
+        out.append(
+            {
+                "digests": digests(model, optim),
+                "extra": state["extra"].value.tolist(),
+                "rng": models.digest(torch.get_rng_state()),
+                "reused": sharder.reused,
+            }
+        )
+    return {"steps": out}
+
+
 def checkpointer(a: dict[str, Any]) -> dict[str, Any]:
     """A training loop of ``a["steps"]`` steps (an all_reduce each, as training has) with
     a Checkpointer whose interval is bounded by ``a["max_interval_s"]``."""
@@ -356,21 +396,23 @@ def sigterm(a: dict[str, Any]) -> dict[str, Any]:
 
 def peer_save(a: dict[str, Any]) -> dict[str, Any]:
     """Save step N (with a rank-local pad of ``pad_mb`` MiB) and report each tier's
-    outcome, the handle's warnings and the digests. With ``die_when`` (a glob, "$NAME"
-    expanded) and this rank in ``die_ranks``: SIGKILL this process as soon as a file
-    matching it exists (the peer tier's receiving file of the step: mid-transfer)."""
+    outcome, the handle's warnings and the digests. With ``die_when`` (a glob, or a list of
+    globs, "$NAME" expanded) and this rank in ``die_ranks``: SIGKILL this process as soon
+    as a file matching each exists (the peer tier's receiving file of the step:
+    mid-transfer)."""
     step = a["step"]
     state, model, optim = state_of(a["kind"], a.get("seed", 0), step, a.get("pad_mb", 0))
     torch.manual_seed(1234 + dist.get_rank())
     store = store_of(a)
     saved = digests(model, optim)  # a collective: before any rank may die
     if a.get("die_when") and dist.get_rank() in a.get("die_ranks", []):
-        pattern = os.path.expandvars(a["die_when"])
+        when = a["die_when"] if isinstance(a["die_when"], list) else [a["die_when"]]
+        patterns = [os.path.expandvars(w) for w in when]
 
         def watch() -> None:
-            while not glob.glob(pattern):
+            while not all(glob.glob(p) for p in patterns):
                 time.sleep(0.0005)
-            print(f"rank {dist.get_rank()}: SIGKILL mid-transfer ({pattern})", flush=True)
+            print(f"rank {dist.get_rank()}: SIGKILL mid-transfer ({patterns})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, daemon=True).start()
@@ -412,6 +454,7 @@ OPS = {
     "restore": restore,
     "kill-save": kill_save,
     "replan": replan,
+    "steady": steady,
     "checkpointer": checkpointer,
     "dcp-vs-snapcore": dcp_vs_snapcore,
 }

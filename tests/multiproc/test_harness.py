@@ -7,6 +7,7 @@ fails the test instead of stalling the suite.
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import models
 import pytest
 import torch
-from launch import LaunchError, processes_of, run_nodes, run_ranks
+from launch import LaunchError, processes_of, run_nodes, run_ranks, spawn_logs, spawn_nodes
 
 HERE = Path(__file__).resolve().parent
 PLAIN = HERE / "rank_plain.py"
@@ -83,22 +84,41 @@ def test_kill_at_names_a_rank_of_the_world() -> None:
         run_ranks(PLAIN, 2, ["die"], timeout=TIMEOUT, kill_at={2: "loop"})
 
 
+# rank_plain.py's "nodes" on two nodes of 2 ranks: the environments the launchers are
+# given, and what each rank sees
+_TWO_NODES: dict[str, Any] = {
+    "env": {"SNAPCORE_MP_TEST_COMMON": "both"},
+    "node_envs": [{"SNAPCORE_MP_TEST_NODE": "a"}, {"SNAPCORE_MP_TEST_NODE": "b"}],
+}
+_TWO_NODES_SEEN = [
+    {"rank": r, "local_rank": r % 2, "world": 4, "node_env": "ab"[r // 2], "common_env": "both"}
+    for r in range(4)
+]
+
+
 def test_two_nodes_form_one_job_each_with_its_own_env() -> None:
-    results = run_nodes(
-        PLAIN,
-        2,
-        ["nodes"],
-        timeout=TIMEOUT,
-        env={"SNAPCORE_MP_TEST_COMMON": "both"},
-        node_envs=[{"SNAPCORE_MP_TEST_NODE": "a"}, {"SNAPCORE_MP_TEST_NODE": "b"}],
-    )
+    results = run_nodes(PLAIN, 2, ["nodes"], timeout=TIMEOUT, **_TWO_NODES)
     assert [(r.rank, r.node) for r in results] == [(0, 0), (1, 0), (2, 1), (3, 1)]
-    expected = [
-        {"rank": r, "local_rank": r % 2, "world": 4, "node_env": "ab"[r // 2], "common_env": "both"}
-        for r in range(4)
-    ]
+    expected = _TWO_NODES_SEEN
     for r in results:
         assert r.result == {"mine": expected[r.rank], "everyone": expected}
+
+
+def test_spawned_nodes_form_one_job_each_with_its_own_env(tmp_path: Path) -> None:
+    """spawn_nodes: the ranks as plain processes, with the same layout as run_nodes."""
+    runs = spawn_nodes(PLAIN, 2, ["nodes"], timeout=TIMEOUT, workdir=tmp_path, **_TWO_NODES)
+    expected = _TWO_NODES_SEEN
+    assert [code for code, _ in runs] == [0] * 4, spawn_logs(tmp_path, 4)
+    for rank, (_, result) in enumerate(runs):
+        assert result == {"mine": expected[rank], "everyone": expected}
+
+
+def test_a_hung_spawned_rank_is_killed_on_timeout(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="did not finish in 10 s") as info:
+        spawn_nodes(PLAIN, 2, ["hang"], timeout=10.0, node_envs=[{}], workdir=tmp_path)
+    pid = json.loads((tmp_path / "rank0.json").read_text())["pid"]
+    assert f"rank 0 (pid {pid}) hangs" in str(info.value)  # its output, in the error
+    assert _gone(pid)
 
 
 # ---------------------------------------------------------------------------- models

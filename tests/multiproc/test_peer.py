@@ -14,16 +14,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import ENV_DIR, free_port, run_nodes, run_ranks
+from launch import Nodes, run_ranks, spawn_logs
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "rank_snapcore.py"
@@ -31,83 +27,24 @@ TIMEOUT = 150.0
 ENV = {"SNAPCORE_COMMIT_TIMEOUT_S": "60", "SNAPCORE_PEER_TIMEOUT_S": "30"}
 
 
-class Nodes:
-    """Two nodes' directories and host areas, and a launcher for both."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.dirs = [tmp_path / "node0", tmp_path / "node1"]
-        self.areas = [f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
-        self.shm = [Path("/dev/shm") / f"snapcore-{a}" for a in self.areas]
-        self.envs = [
-            {"SNAPCORE_TEST_LOCAL": str(d), "SNAPCORE_TEST_HOST": a, "SNAPCORE_TEST_SHM": str(s)}
-            for d, a, s in zip(self.dirs, self.areas, self.shm, strict=True)
-        ]
+class PeerNodes(Nodes):
+    """Two nodes (launch.Nodes), with a launcher for both and what their memory holds."""
 
     def launch(self, actions: list[dict[str, Any]], **kw: Any) -> list[Any]:
-        results = run_nodes(
-            SCRIPT, 2, [json.dumps(actions)], timeout=TIMEOUT, node_envs=self.envs, env=ENV, **kw
-        )
+        results = self.run(SCRIPT, 2, [json.dumps(actions)], timeout=TIMEOUT, env=ENV, **kw)
         return [r.result for r in results] if kw.get("check", True) else results
 
-    def spawn(self, actions: list[dict[str, Any]], workdir: Path) -> list[tuple[int, Any]]:
-        """The four ranks as plain processes (env:// rendezvous), each with its node's
-        environment: when a node's processes are SIGKILLed, no torchrun agent waits for
-        them (torchrun's exit barrier would hold the survivors' agent for 300 s)."""
-        workdir.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        procs = []
-        for rank in range(4):
-            env = {
-                **os.environ,
-                **ENV,
-                **self.envs[rank // 2],
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank % 2),
-                "WORLD_SIZE": "4",
-                "GLOO_SOCKET_IFNAME": "lo",
-                "OMP_NUM_THREADS": "1",
-                ENV_DIR: str(workdir),
-                "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-            }
-            with open(workdir / f"spawn{rank}.log", "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(SCRIPT), json.dumps(actions)],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        deadline = time.monotonic() + TIMEOUT
-        try:
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            why = f"the ranks did not finish in {TIMEOUT} s:\n{self.logs(workdir)}"
-            raise AssertionError(why) from None
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-        out = []
-        for rank, p in enumerate(procs):
-            path = workdir / f"rank{rank}.json"
-            out.append((p.returncode, json.loads(path.read_text()) if path.exists() else None))
-        return out
+    def spawn_ranks(
+        self, actions: list[dict[str, Any]], workdir: Path
+    ) -> list[tuple[int | None, Any]]:
+        """The four ranks as plain processes (launch.spawn_nodes): when a node's processes
+        are SIGKILLed, no torchrun agent waits for them."""
+        args = [json.dumps(actions)]
+        return self.spawn(SCRIPT, 2, args, timeout=TIMEOUT, env=ENV, workdir=workdir)
 
     @staticmethod
     def logs(workdir: Path) -> str:
-        return "\n".join(
-            f"--- rank {r}\n" + (workdir / f"spawn{r}.log").read_text()[-3000:] for r in range(4)
-        )
-
-    def replace(self, node: int) -> None:
-        """A new machine: its directory and host memory are gone."""
-        shutil.rmtree(self.dirs[node], ignore_errors=True)
-        shutil.rmtree(self.shm[node], ignore_errors=True)
+        return spawn_logs(workdir, 4)
 
     def copies(self, node: int, source: int) -> list[int]:
         """The committed copies of ``source``'s part that ``node`` holds."""
@@ -117,22 +54,15 @@ class Nodes:
     def host_steps(self, node: int) -> list[int]:
         return sorted(int(p.parent.name[5:]) for p in self.shm[node].glob("step-*/manifest.json"))
 
-    def cleanup(self) -> None:
-        for path in self.shm:
-            shutil.rmtree(path, ignore_errors=True)
-
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Any:
-    n = Nodes(tmp_path)
-    try:
+    with PeerNodes(tmp_path) as n:
         yield n
-    finally:
-        n.cleanup()
 
 
 def test_a_replaced_node_restores_from_its_partners_memory(
-    nodes: Nodes, s3_bucket, tmp_path: Path
+    nodes: PeerNodes, s3_bucket, tmp_path: Path
 ) -> None:
     """Save steps 6 and 7 to host, local disk, object storage and the peer tier; node 1
     is replaced (SIGKILLed: its processes end with the run; its directory and memory are
@@ -150,7 +80,7 @@ def test_a_replaced_node_restores_from_its_partners_memory(
         {"op": "peer-save", "kind": "fsdp2", "store": spec, "step": s, "pad_mb": 1} for s in (6, 7)
     ]
     die = {"op": "die", "store": spec, "ranks": [2, 3], "no_barrier": True}
-    runs = nodes.spawn([*saves, die], tmp_path / "save")
+    runs = nodes.spawn_ranks([*saves, die], tmp_path / "save")
     assert [code for code, _ in runs] == [0, 0, -9, -9], nodes.logs(tmp_path / "save")
     saved = [out for _, out in runs]
     for first, second, *_ in saved:
@@ -193,10 +123,11 @@ def test_a_replaced_node_restores_from_its_partners_memory(
 
 
 def test_a_partner_killed_mid_transfer_leaves_the_previous_copy_usable(
-    nodes: Nodes, tmp_path: Path
+    nodes: PeerNodes, tmp_path: Path
 ) -> None:
     """Step 6 reaches the partners; during step 7's transfer (paced to 4 MiB/s, so it
-    takes seconds) every process of node 1 is SIGKILLed once its receiving file exists.
+    takes seconds) every process of node 1 is SIGKILLed once its receiving file exists
+    and its own host tier has committed step 7 (which may come after the transfer began).
     Node 0's ranks are told (the peer tier of step 7 fails, naming the copy of step 6
     that stays), their host tier holds step 7. Then node 0 is replaced: the job restores
     step 6 from node 1's copies, and the next snapshot reaches the partners again."""
@@ -205,13 +136,16 @@ def test_a_partner_killed_mid_transfer_leaves_the_previous_copy_usable(
         "peer": {"max_bytes_per_s": 4 << 20, "piece_bytes": 1 << 20},
     }
     save = {"op": "peer-save", "kind": "fsdp2", "store": spec, "pad_mb": 8}
-    runs = nodes.spawn(
+    runs = nodes.spawn_ranks(
         [
             {**save, "step": 6},
             {
                 **save,
                 "step": 7,
-                "die_when": "$SNAPCORE_TEST_SHM/peer/r*/slot-r*-1.bin",
+                "die_when": [
+                    "$SNAPCORE_TEST_SHM/peer/r*/slot-r*-1.bin",
+                    "$SNAPCORE_TEST_SHM/step-000000000007/manifest.json",
+                ],
                 "die_ranks": [2, 3],
                 "no_barrier": True,
             },
@@ -246,7 +180,7 @@ def test_a_partner_killed_mid_transfer_leaves_the_previous_copy_usable(
     assert nodes.copies(1, 0)[-1] == nodes.copies(0, 2)[-1] == 8
 
 
-def test_a_full_partner_memory_and_a_stale_partner_area_are_reported(nodes: Nodes) -> None:
+def test_a_full_partner_memory_and_a_stale_partner_area_are_reported(nodes: PeerNodes) -> None:
     """Partner copies are capped at 64 KiB (PeerSpec.max_bytes) and each rank's part
     takes 1 MiB: every rank's peer tier fails with "partner memory full", each receiver
     warns, and the host and local tiers are committed as ever. Node 1's area also holds a

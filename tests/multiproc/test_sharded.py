@@ -12,16 +12,12 @@ Each run has a hard timeout (run_ranks kills the whole run), so a hang fails the
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import ENV_DIR, free_port, run_nodes, run_ranks
+from launch import Nodes, run_ranks, spawn_logs, spawn_nodes
 
 import snapcore
 from snapcore.directory import LocalDirectory
@@ -223,50 +219,13 @@ def test_hsdp_and_two_to_four(tmp_path: Path) -> None:
 
 
 def _spawn(world: int, actions: list[dict[str, Any]], workdir: Path, timeout_s: float) -> list[Any]:
-    """The ranks as plain processes (env:// rendezvous): no agent tears the survivors down
-    when one dies, as torchrun would."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-            "SNAPCORE_COMMIT_TIMEOUT_S": str(timeout_s),
-            ENV_DIR: str(workdir),
-            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        }
-        with open(workdir / f"spawn{rank}.log", "wb") as log:  # the child keeps its copy
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(SCRIPT), json.dumps(actions)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        logs = "\n".join((workdir / f"spawn{r}.log").read_text()[-3000:] for r in range(world))
-        raise AssertionError(f"the ranks did not finish in {TIMEOUT} s:\n{logs}") from None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    out = []
-    for rank, p in enumerate(procs):
-        path = workdir / f"rank{rank}.json"
-        out.append((p.returncode, json.loads(path.read_text()) if path.exists() else None))
-    return out
+    """The ranks as plain processes (launch.spawn_nodes): no agent tears the survivors
+    down when one dies, as torchrun would."""
+    env = {"SNAPCORE_COMMIT_TIMEOUT_S": str(timeout_s)}
+    args = [json.dumps(actions)]
+    return spawn_nodes(
+        SCRIPT, world, args, timeout=TIMEOUT, node_envs=[{}], env=env, workdir=workdir
+    )
 
 
 @pytest.mark.parametrize("point", ["staged", "writing", "part"])
@@ -349,6 +308,42 @@ def test_a_structure_change_fails_that_step_and_every_rank_replans(
     assert tree["step"] == 3 and tree["extra"].tolist() == list(range(6))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steady_state_saves_reuse_the_part_and_each_step_holds_its_own_values(
+    tmp_path: Path, overlap: bool
+) -> None:
+    """A save of the same tensors reuses the last save's part (the training thread does
+    not plan again), and still stages what the state holds at that save: every step
+    restores to the values saved at it, a new rank-local tensor of the same shape (and
+    the generator's new state) included; one of another dtype is planned again."""
+    import torch
+
+    store = tmp_path / "store"
+    spec = {"local": str(store), "retention": {"local": 4}}  # every step kept
+    res = run(2, [{"op": "steady", "kind": "fsdp2", "store": spec, "overlap": overlap}])
+    for rank, (r,) in enumerate(res):
+        steps = r["steps"]
+        # step 2 (new generator state, new "extra" alike) and 4 reused it; step 3 did not
+        assert [s["reused"] for s in steps] == [0, 1, 1, 2], rank
+        for step, s in enumerate(steps, 1):
+            assert s["digests"] == res[0][0]["steps"][step - 1]["digests"]
+            tree = snapcore.load(store, step=step, rank=rank)
+            assert loaded_digests(store, step=step) == s["digests"], (rank, step)
+            assert tree["extra"]["value"].tolist() == s["extra"], (rank, step)
+            assert models_digest(tree["rng"]["torch"]) == s["rng"], (rank, step)
+            assert tree["step"] == step
+        assert steps[2]["extra"][1] == 100 + rank and steps[1]["extra"][1] == 10 + rank
+        assert len({s["rng"] for s in steps}) == 4  # the generator moved on between saves
+        assert len({json.dumps(s["digests"]) for s in steps}) == 4  # so did the weights
+    assert snapcore.load(store, step=3, rank=0)["extra"]["value"].dtype == torch.float64
+
+
+def models_digest(t: Any) -> str:
+    import models
+
+    return models.digest(t)
+
+
 def test_the_checkpointer_snapshots_the_same_steps_on_every_rank(tmp_path: Path) -> None:
     store = tmp_path / "store"
     action = {"op": "checkpointer", "kind": "fsdp2", "store": str(store), "steps": 60,
@@ -372,31 +367,10 @@ def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote
 ) -> None:
     """Two "nodes" (two torchruns, --nnodes 2), each with its own local directory and
     host-memory area."""
-    import shutil
-    import uuid
-
-    dirs = [tmp_path / "node0", tmp_path / "node1"]
-    areas = [f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
-    shm = [Path("/dev/shm") / f"snapcore-{a}" for a in areas]
-    spec = {
-        "local": "$SNAPCORE_TEST_LOCAL",
-        "host": "$SNAPCORE_TEST_HOST",
-        "remote": s3_bucket.url,
-        "storage_options": s3_bucket.storage_options,
-    }
-    nodes = [
-        {"SNAPCORE_TEST_LOCAL": str(d), "SNAPCORE_TEST_HOST": a}
-        for d, a in zip(dirs, areas, strict=True)
-    ]
-
-    def launch(actions: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-        results = run_nodes(
-            SCRIPT, 2, [json.dumps(actions)], timeout=TIMEOUT, node_envs=nodes, env=ENV
-        )
-        return [r.result for r in results]
-
-    try:
-        saved = launch([{"op": "save", "kind": "fsdp2", "store": spec, "step": 6}])
+    remote = {"remote": s3_bucket.url, "storage_options": s3_bucket.storage_options}
+    with Nodes(tmp_path) as nodes:
+        dirs, shm = nodes.dirs, nodes.shm
+        saved = _launch(nodes, [{"op": "save", "kind": "fsdp2", "step": 6}], **remote)
         digests = saved[0][0]["digests"]
         for node in range(2):
             for root in (dirs[node], shm[node]):
@@ -408,9 +382,8 @@ def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote
             slots = sorted(p.name for p in shm[node].glob("slot-*.bin"))
             assert {s.split("-")[1] for s in slots} == {f"r{2 * node}", f"r{2 * node + 1}"}
 
-        shutil.rmtree(dirs[1])  # node 1 was replaced: its directory and memory are gone
-        shutil.rmtree(shm[1])
-        res = launch([{"op": "restore", "kind": "fsdp2", "store": spec}])
+        nodes.replace(1)  # node 1 was replaced: its directory and memory are gone
+        res = _launch(nodes, [{"op": "restore", "kind": "fsdp2"}], **remote)
         for rank, (r,) in enumerate(res):
             assert r["digests"] == digests and r["step"] == 6 and r["pos"] == 100 * rank + 6
             tiers = r["tier"].split("+")
@@ -418,9 +391,6 @@ def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote
                 assert tiers[0] == "host", r["tier"]  # its node's own copy, the fastest
             else:
                 assert tiers == ["remote"], r["tier"]  # the lost node's parts
-    finally:
-        for path in shm:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_sigterm_gives_one_final_snapshot_of_the_same_step_on_every_rank(
@@ -433,7 +403,7 @@ def test_a_sigterm_gives_one_final_snapshot_of_the_same_step_on_every_rank(
     actions = [{"op": "sigterm", "kind": "fsdp2", "store": str(store), "steps": 200,
                 "term_at": [20, 21]}]  # fmt: skip
     (code0, out0), (code1, out1) = _spawn(2, actions, tmp_path, timeout_s=60)
-    logs = "\n".join((tmp_path / f"spawn{r}.log").read_text()[-2000:] for r in range(2))
+    logs = spawn_logs(tmp_path, 2)
     assert code0 == code1 == -signal.SIGTERM, logs  # both ended as the signal would
     assert out0 == out1 == [{"last_step": 22}], logs
     assert LocalDirectory(store).committed_steps() == [0, 22]  # the first step, the final
@@ -508,26 +478,15 @@ def test_a_step_one_node_cannot_open_is_skipped_by_every_rank(tmp_path: Path, s3
     even open step 2 while node 0 can; both ranks restore step 1."""
     from snapcore.tiers import RemoteStoreTier
 
-    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    nodes = Nodes(tmp_path)  # no host tier: nothing to clean up
+    dirs = nodes.dirs
     spec = {
         "local": "$SNAPCORE_TEST_LOCAL",
         "remote": s3_bucket.url,
         "storage_options": s3_bucket.storage_options,
     }
-    nodes = [{"SNAPCORE_TEST_LOCAL": str(d)} for d in dirs]
-
-    def launch(actions: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-        results = run_nodes(
-            SCRIPT, 1, [json.dumps(actions)], timeout=TIMEOUT, node_envs=nodes, env=ENV
-        )
-        return [r.result for r in results]
-
-    saved = launch(
-        [
-            {"op": "save", "kind": "fsdp2", "store": spec, "step": 1, "seed": 0},
-            {"op": "save", "kind": "fsdp2", "store": spec, "step": 2, "seed": 5},
-        ]
-    )
+    saves = [{"step": 1, "seed": 0}, {"step": 2, "seed": 5}]
+    saved = _launch(nodes, [{"op": "save", "kind": "fsdp2", **a} for a in saves], 1, spec=spec)
     first = saved[0][0]["digests"]
     (part,) = (dirs[1] / "step-000000000002").glob("part-00001-*.json")
     data = bytearray(part.read_bytes())
@@ -536,33 +495,22 @@ def test_a_step_one_node_cannot_open_is_skipped_by_every_rank(tmp_path: Path, s3
     remote = RemoteStoreTier(s3_bucket.url, s3_bucket.storage_options)
     remote.uncommit(2)
     remote.close()
-    res = launch([{"op": "restore", "kind": "fsdp2", "store": spec}])
+    res = _launch(nodes, [{"op": "restore", "kind": "fsdp2"}], 1, spec=spec)
     for (r,) in res:
         assert r.get("step") == 1 and r["digests"] == first, r
         assert "(rank 1)" in r["skipped"][0]
 
 
-def _two_nodes(tmp_path: Path, **tiers: Any) -> tuple[list[Path], list[str], Any]:
-    """Two "nodes" of 2 ranks: each its own directory and host-memory area; ``tiers``
-    adds object storage. Returns the directories, the area names and a launcher."""
-    import uuid
-
-    dirs = [tmp_path / "node0", tmp_path / "node1"]
-    areas = [f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
-    spec = {"local": "$SNAPCORE_TEST_LOCAL", "host": "$SNAPCORE_TEST_HOST", **tiers}
-    nodes = [
-        {"SNAPCORE_TEST_LOCAL": str(d), "SNAPCORE_TEST_HOST": a}
-        for d, a in zip(dirs, areas, strict=True)
-    ]
-
-    def launch(actions: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-        actions = [{**a, "store": spec} for a in actions]
-        results = run_nodes(
-            SCRIPT, 2, [json.dumps(actions)], timeout=TIMEOUT, node_envs=nodes, env=ENV
-        )
-        return [r.result for r in results]
-
-    return dirs, areas, launch
+def _launch(
+    nodes: Nodes, actions: list[dict[str, Any]], nproc: int = 2, spec: Any = None, **tiers: Any
+) -> list[list[dict[str, Any]]]:
+    """Run ``actions`` on ``nodes`` (``nproc`` ranks each), every action with the store
+    ``spec``, by default each node's directory and host-memory area and ``tiers``
+    (object storage); the results by rank."""
+    if spec is None:
+        spec = {"local": "$SNAPCORE_TEST_LOCAL", "host": "$SNAPCORE_TEST_HOST", **tiers}
+    args = [json.dumps([{**a, "store": spec} for a in actions])]
+    return [r.result for r in nodes.run(SCRIPT, nproc, args, timeout=TIMEOUT, env=ENV)]
 
 
 def test_each_node_holds_the_replicated_tensors_its_ranks_need_and_restores_alone(
@@ -573,26 +521,20 @@ def test_each_node_holds_the_replicated_tensors_its_ranks_need_and_restores_alon
     counters and the model's buffer are plain tensors on every rank. Each node's tiers
     must hold every tensor its ranks need, so that a restore from node-local tiers alone
     is whole and bit-exact."""
-    import shutil
-
-    dirs, areas, launch = _two_nodes(tmp_path)
-    shm = [Path("/dev/shm") / f"snapcore-{a}" for a in areas]
-    try:
-        saved = launch([{"op": "save", "kind": "hsdp", "step": 7}])
+    with Nodes(tmp_path) as nodes:
+        dirs = nodes.dirs
+        saved = _launch(nodes, [{"op": "save", "kind": "hsdp", "step": 7}])
         digests = saved[0][0]["digests"]
         for node in range(2):  # each node's directory alone gives the full global tensors
             rank = 2 * node
             assert loaded_digests(dirs[node], rank=rank) == digests
             assert snapcore.load(dirs[node], rank=rank)["data"]["value"] == {"pos": 100 * rank + 7}
         snapcore.close()
-        res = launch([{"op": "restore", "kind": "hsdp"}])
+        res = _launch(nodes, [{"op": "restore", "kind": "hsdp"}])
         for rank, (r,) in enumerate(res):
             assert "error" not in r, r
             assert r["digests"] == digests and r["step"] == 7 and r["pos"] == 100 * rank + 7
             assert r["tier"].split("+")[0] == "host", r["tier"]
-    finally:
-        for path in shm:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_object_storage_gets_each_replicated_tensor_once_and_each_node_a_copy(
@@ -602,20 +544,13 @@ def test_object_storage_gets_each_replicated_tensor_once_and_each_node_a_copy(
     Object storage holds each once in the whole job; each node's directory holds each
     once too (its ranks' share of the node's copy). A restore reads each once per node,
     from the node's own tiers, shared by its ranks."""
-    import shutil
-
     from snapcore.tiers import RemoteStoreTier
 
     remote = {"remote": s3_bucket.url, "storage_options": s3_bucket.storage_options}
-    dirs, areas, launch = _two_nodes(tmp_path, **remote)
-    try:
-        saved, restored = zip(
-            *launch([{"op": "save", "kind": "ddp", "step": 3}, {"op": "restore", "kind": "ddp"}]),
-            strict=True,
-        )
-    finally:
-        for a in areas:
-            shutil.rmtree(Path("/dev/shm") / f"snapcore-{a}", ignore_errors=True)
+    with Nodes(tmp_path) as nodes:
+        dirs = nodes.dirs
+        actions = [{"op": "save", "kind": "ddp", "step": 3}, {"op": "restore", "kind": "ddp"}]
+        saved, restored = zip(*_launch(nodes, actions, **remote), strict=True)
     digests = saved[0]["digests"]
     only_remote = snapcore.Store(**remote)
     assert loaded_digests(only_remote) == digests
