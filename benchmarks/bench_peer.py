@@ -5,19 +5,25 @@ Two "nodes" of one rank each (plain processes, env:// rendezvous on 127.0.0.1, g
 each with its own host-memory area. Phase 1: both save a state of ``--size-mb`` MiB per
 rank (rank-local float32 tensors) to ``Store(host=..., peer=True)``; each rank's part is
 copied into the other node's memory. Then node 1 is replaced: its processes have ended
-and its host area is deleted. Phase 2, a new job: first the probe, a plain TCP stream
-on 127.0.0.1 from rank 0 to rank 1 of as many bytes as rank 1's part (the best of 3,
-into a buffer faulted in beforehand: the link's best); then both ranks restore, rank 1's
-part coming back from rank 0's memory over the peer group (gloo point-to-point). Figures
-of rank 1 (the replaced node):
+and its host area is deleted. Phase 2, a new job: the probe, a plain TCP stream on
+127.0.0.1 from rank 0 to rank 1 of as many bytes as rank 1's part (one stream, like the
+fetch; sent from and received into buffers of that size faulted in beforehand), run
+twice before the restore and twice after it (the re-send after the restore done); then
+both ranks restore, rank 1's part coming back from rank 0's memory over the peer group
+(gloo point-to-point). Node 1 is replaced once more without ``snapcore.prepare`` and
+``--fetch-runs`` times with it (a job each). Figures of rank 1 (the replaced node):
 
 - fetch: its part's bytes over the time of the round that brought them (``RestoreInfo
-  .peer_s``: headers, the receiver's allocation of the file in /dev/shm, the data, the
-  check of every chunk's XXH3-128, the commit), against the probe: the target is >= 0.8;
+  .peer_s``: headers, the receiver's making room in /dev/shm, the data, the check of
+  every chunk's XXH3-128, the commit), against the median of the probe's runs of its
+  own job: the target is >= 0.8, judged on the median of the jobs after ``prepare``;
 - the whole restore (``RestoreInfo.seconds``: the agreement, the fetch, the reads into
-  the state; the re-send of the partner's copy runs in the background after it),
-  against the probe, for information;
+  the state; the re-send of the partner's copy runs in the background after it);
 - bit-exactness: the restored tensors' sha256 against the saved ones.
+
+Phase 3, the cost to training: a training-like loop on both ranks (``train``), without
+snapshots, with host snapshots, with host and peer snapshots (unpaced, and paced to
+``--pace-mbps``), rounds rotated; the step time's ratio to the loop without snapshots.
 
     python benchmarks/bench_peer.py                 # 512 MiB per rank
     python benchmarks/bench_peer.py --size-mb 2048
@@ -45,9 +51,9 @@ from common import cpu_model, free_port, targets_table, work_dir, write_figures
 
 TENSORS = 8  # the state: this many rank-local tensors per rank
 TARGET = 0.8  # fetch rate >= TARGET x the loopback TCP probe's
-TRAIN_ROUNDS = 3  # alternations of the training loop with and without the peer tier
+TRAIN_ROUNDS = 3  # rounds of the training loop's modes, rotated
 PIECE = 16 << 20  # the probe's send and receive size
-PROBE_RUNS = 3  # the probe's best of
+PROBE_RUNS = 2  # the probe's runs before the fetch, and as many after it
 
 
 # -- the ranks ---------------------------------------------------------------------------
@@ -68,51 +74,56 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def probe(rank: int, port: int, nbytes: int) -> list[float] | None:
-    """Rank 0 streams ``nbytes`` to rank 1 over TCP on 127.0.0.1, ``PROBE_RUNS`` times;
-    rank 1 returns the rate (bytes/s) of each run (the best and the median are reported),
-    received into one buffer of that size faulted in before the clock starts and
-    reused by every run: the link's best, not the allocation's."""
-    if rank == 0:
-        chunk = memoryview(bytearray(os.urandom(1024)) * (PIECE // 1024))
-        s = _connect(port)
-        with s:
-            for _ in range(PROBE_RUNS):
-                s.recv(1)  # the receiver is ready
-                left = nbytes
-                while left:
-                    n = min(left, PIECE)
-                    s.sendall(chunk[:n])
-                    left -= n
-            s.recv(1)  # the receiver's end
-        return None
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    for off in range(0, nbytes, 4096):  # fault it in first
-        buf[off] = 1
-    runs: list[float] = []
-    with socket.socket() as srv:
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind(("127.0.0.1", port))
-        srv.listen(1)
-        conn, _ = srv.accept()
-        with conn:
-            for _ in range(PROBE_RUNS):
-                conn.sendall(b"r")
-                t0 = time.perf_counter()
-                got = 0
-                while got < nbytes:
-                    n = conn.recv_into(view[got:], min(PIECE, nbytes - got))
-                    if n == 0:
-                        raise ConnectionError("the probe's sender went away")
-                    got += n
-                runs.append(nbytes / (time.perf_counter() - t0))
-            conn.sendall(b"k")
-    return runs
+class Probe:
+    """A TCP stream on 127.0.0.1 from rank 0 to rank 1, of as many bytes as the fetch
+    brings, measured ``PROBE_RUNS`` times before the restore and as many after it
+    (``run``; rank 1 keeps the rate, bytes/s, of each). Like the fetch, one stream, the
+    same bytes: the sender sends them from a buffer of their size faulted in beforehand
+    (the fetch's sender sends from its copy's memory), in pieces of ``PIECE``; the
+    receiver receives into one buffer of that size faulted in beforehand and reused by
+    every run (the fetch after ``prepare`` receives into memory faulted beforehand)."""
+
+    def __init__(self, rank: int, port: int, nbytes: int) -> None:
+        self.rank, self.nbytes = rank, nbytes
+        self.runs: list[float] = []
+        buf = bytearray(nbytes)
+        for off in range(0, nbytes, 4096):  # fault it in first
+            buf[off] = 1 + (off >> 12) % 251
+        self.view = memoryview(buf)
+        if rank == 0:
+            self.sock = _connect(port)
+        else:
+            with socket.socket() as srv:
+                srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                srv.bind(("127.0.0.1", port))
+                srv.listen(1)
+                self.sock, _ = srv.accept()
+
+    def run(self) -> None:
+        for _ in range(PROBE_RUNS):
+            if self.rank == 0:
+                self.sock.recv(1)  # the receiver is ready
+                for off in range(0, self.nbytes, PIECE):
+                    self.sock.sendall(self.view[off : off + PIECE])
+                self.sock.recv(1)  # the receiver's end
+                continue
+            self.sock.sendall(b"r")
+            t0 = time.perf_counter()
+            got = 0
+            while got < self.nbytes:
+                n = self.sock.recv_into(self.view[got:], min(PIECE, self.nbytes - got))
+                if n == 0:
+                    raise ConnectionError("the probe's sender went away")
+                got += n
+            self.runs.append(self.nbytes / (time.perf_counter() - t0))
+            self.sock.sendall(b"k")
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def fresh_probe(rank: int, port: int, nbytes: int) -> float | None:
-    """Like ``probe``, once, but as a replaced node must receive: each piece into a
+    """Like ``Probe``, once, but as a replaced node must receive: each piece into a
     reused buffer, then written into a new file in /dev/shm (fresh memory)."""
     if rank == 0:
         return _send_once(port, nbytes)
@@ -175,11 +186,23 @@ def _send_once(port: int, nbytes: int) -> None:
     return None
 
 
+MODES = ("none", "host", "host+peer", "host+peer paced")
+
+
 def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
-    """A training loop (a matmul and an all_reduce per step) that snapshots every
-    ``--every`` steps with ``async_save`` and goes on at once, to a store with a host tier
-    only and to one with a host and a peer tier, alternated ``TRAIN_ROUNDS`` times; the
-    loop's time per step for each."""
+    """A training-like loop (a 384x384 matmul and an all_reduce of its corner per step,
+    on both ranks) of ``--train-steps`` steps, in four modes: ``none`` (no snapshots),
+    ``host`` (an ``async_save`` of ``--train-mb`` MiB per rank every ``--every`` steps
+    to a store with a host tier only), ``host+peer`` (the same with a peer tier, sent as
+    fast as gloo goes) and ``host+peer paced`` (with ``max_bytes_per_s`` of ``--pace-mbps``).
+    ``TRAIN_ROUNDS`` rounds, each running every mode once, the order rotated by one mode
+    each round (as benchmarks/bench_training.py does), after a round of warm-up; the
+    loop's time per step for each, and its ratio to the adjacent ``none`` loop of the
+    same round. A snapshot is taken at every ``--every``-th step that leaves ``--every``
+    steps after it in the loop (so each one's transfer overlaps the loop's training,
+    none runs past its end uncounted). The loop does not wait for its snapshots (as
+    training does not); a save that finds both of its slots still busy waits for one,
+    and that wait is in the step times."""
     import torch
     import torch.distributed as dist
 
@@ -189,15 +212,22 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     a, b = torch.rand(384, 384), torch.rand(384, 384)
     state = state_of(args.train_mb, rank, seed=3)
     area = os.environ["BENCH_AREA"]
-    stores = {
+    paced = snapcore.PeerSpec(max_bytes_per_s=args.pace_mbps * 1e6)
+    stores: dict[str, Any] = {
+        "none": None,
         "host": snapcore.Store(host=f"{area}-t"),
         "host+peer": snapcore.Store(host=f"{area}-p", peer=True),
+        "host+peer paced": snapcore.Store(host=f"{area}-q", peer=paced),
     }
-    times: dict[str, list[float]] = {k: [] for k in stores}
+    times: dict[str, list[float]] = {k: [] for k in MODES}
+    ratios: dict[str, list[float]] = {k: [] for k in MODES if k != "none"}
     failures: list[str] = []
     step = 0
-    for r in range(TRAIN_ROUNDS + 1):  # the first round warms up (arenas, the plan)
-        for label, store in stores.items():
+    for r in range(TRAIN_ROUNDS + 1):  # the first round warms up (arenas, the peer group)
+        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+        took: dict[str, float] = {}
+        for label in order:
+            store = stores[label]
             handles = []
             dist.barrier()
             t0 = time.perf_counter()
@@ -205,18 +235,21 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
                 c = a @ b
                 t = c[:1, :1].clone()
                 dist.all_reduce(t)
-                if s % args.every == 0:
+                if store is not None and s % args.every == 0 and s + args.every <= args.train_steps:
                     step += 1
                     handles.append(snapcore.async_save(state, store, step=step))
-            seconds = time.perf_counter() - t0
-            for h in handles:
+            took[label] = (time.perf_counter() - t0) / args.train_steps
+            for h in handles:  # outside the loop's time: the next loop starts quiet
                 try:
                     h.wait()
                 except snapcore.SnapcoreError as e:
                     failures.append(f"{label}: {e}")
-            if r:
-                times[label].append(seconds / args.train_steps)
-    return {"step_s": times, "train_failures": failures}
+        if r:
+            for label in MODES:
+                times[label].append(took[label])
+                if label != "none":
+                    ratios[label].append(took[label] / took["none"])
+    return {"step_s": times, "ratio": ratios, "train_failures": failures}
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -227,11 +260,11 @@ def rank_main(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
     out: dict[str, Any] = {"rank": rank}
     store = snapcore.Store(host=os.environ["BENCH_AREA"], peer=True)
+    probe: Probe | None = None
     if args.role == "restore":
         nbytes = int(args.size_mb * (1 << 20))
-        runs = probe(rank, args.probe_port, nbytes)
-        out["probe_runs_bps"] = runs
-        out["probe_bps"] = max(runs) if runs else None
+        probe = Probe(rank, args.probe_port, nbytes)
+        probe.run()  # before the restore (and after it, below)
         out["fresh_probe_bps"] = fresh_probe(rank, args.probe_port + 1, nbytes)
         if rank == 1:  # fresh memory's cost here: what the fetch's receiving file costs
             from snapcore.staging.arena import HostArena
@@ -273,7 +306,12 @@ def rank_main(args: argparse.Namespace) -> None:
         from snapcore.peer import restore as peer_restore
 
         out["fetch_stages"] = dict(peer_restore.last_fetch)  # where the fetch's time went
-    snapcore.close()
+    snapcore.close()  # the re-send after the restore is done: the link is quiet again
+    if probe is not None:
+        probe.run()  # after the restore: the probe's runs surround the fetch
+        probe.close()
+        out["probe_runs_bps"] = probe.runs
+        out["probe_bps"] = statistics.median(probe.runs) if probe.runs else None
     Path(args.out).write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
@@ -316,6 +354,8 @@ def run_job(
             str(args.train_steps),
             "--every",
             str(args.every),
+            "--pace-mbps",
+            str(args.pace_mbps),
             "--out",
             str(work / f"{role}{rank}{tag}.json"),
         ]
@@ -339,9 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown")
     p.add_argument("--dir", help="where the run's logs go (a temporary directory)")
     p.add_argument("--timeout-s", type=float, default=600.0)
-    p.add_argument("--train-mb", type=float, default=128.0, help="the loop's state per rank")
-    p.add_argument("--train-steps", type=int, default=60, help="steps per timed loop")
-    p.add_argument("--every", type=int, default=10, help="a snapshot every N steps")
+    p.add_argument("--fetch-runs", type=int, default=3, help="restores after prepare (3)")
+    p.add_argument("--train-mb", type=float, default=64.0, help="the loop's state per rank")
+    p.add_argument("--train-steps", type=int, default=1000, help="steps per timed loop")
+    p.add_argument("--every", type=int, default=250, help="a snapshot every N steps")
+    p.add_argument("--pace-mbps", type=float, default=200.0, help="the paced mode's MB/s")
     p.add_argument("--role", choices=["save", "restore", "train"], help=argparse.SUPPRESS)
     p.add_argument("--probe-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -350,44 +392,53 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(args)
         return 0
     if args.smoke:
-        args.size_mb, args.train_mb, args.train_steps = 8.0, 4.0, 10
+        args.size_mb, args.train_mb, args.train_steps, args.every = 8.0, 4.0, 20, 10
+        args.fetch_runs = 1
     areas = [f"bench-peer-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
-    shm = [Path("/dev/shm") / f"snapcore-{a}{x}" for a in areas for x in ("", "-t", "-p")]
+    shm = [Path("/dev/shm") / f"snapcore-{a}{x}" for a in areas for x in ("", "-t", "-p", "-q")]
     try:
         with work_dir(args.dir) as work:
             saved = run_job("save", args, work, areas)
             shutil.rmtree(Path("/dev/shm") / f"snapcore-{areas[1]}")  # node 1 is replaced
             restored = run_job("restore", args, work, areas)
-            shutil.rmtree(Path("/dev/shm") / f"snapcore-{areas[1]}")  # replaced again
-            prepared = run_job("restore", args, work, areas, prepare=True)
+            prepared = []
+            for _ in range(args.fetch_runs):
+                shutil.rmtree(Path("/dev/shm") / f"snapcore-{areas[1]}")  # replaced again
+                prepared.append(run_job("restore", args, work, areas, prepare=True))
             trained = run_job("train", args, work, areas)
     finally:
         for path in shm:
             shutil.rmtree(path, ignore_errors=True)
-    lost, ready = restored[1], prepared[1]
+    lost = restored[1]
+    ready = [run[1] for run in prepared]
 
-    def rates(r: dict[str, Any]) -> tuple[float, float, float]:
-        fetch = r["peer_bytes"] / r["peer_s"] if r["peer_s"] else 0.0
-        whole = r["peer_bytes"] / r["seconds"] if r["seconds"] else 0.0
-        return r["probe_bps"], fetch, whole
+    def fetch_of(r: dict[str, Any]) -> float:
+        return r["peer_bytes"] / r["peer_s"] if r["peer_s"] else 0.0
 
-    def median(r: dict[str, Any]) -> float:
-        return statistics.median(r["probe_runs_bps"])
+    def ratio_of(r: dict[str, Any]) -> float:
+        return fetch_of(r) / r["probe_bps"]
 
-    probe_bps, fetch_bps, restore_bps = rates(lost)
-    probe2_bps, fetch2_bps, restore2_bps = rates(ready)
     exact = all(
         r["digest"] == s["digest"]
-        for run in (restored, prepared)
+        for run in (restored, *prepared)
         for r, s in zip(run, saved, strict=True)
     )
-    step_s = {
-        k: statistics.median(x for t in trained for x in t["step_s"][k])
-        for k in trained[0]["step_s"]
+    # the run whose ratio is the median of the runs after prepare stands for them
+    typical = sorted(ready, key=ratio_of)[(len(ready) - 1) // 2]
+    step_s = {k: statistics.median(x for t in trained for x in t["step_s"][k]) for k in MODES}
+    slowdown = {k: statistics.median(x for t in trained for x in t["ratio"][k]) for k in MODES[1:]}
+    # what each snapshot cost the loop, in training time: comparable across intervals
+    snaps = sum(
+        1
+        for s in range(args.train_steps)
+        if s % args.every == 0 and s + args.every <= args.train_steps
+    )
+    cost = {
+        k: (slowdown[k] - 1) * step_s["none"] * args.train_steps / max(snaps, 1) for k in MODES[1:]
     }
-    slowdown = step_s["host+peer"] / step_s["host"]
 
-    def row(what: str, r: dict[str, Any], fetch: float, probe_: float) -> dict[str, Any]:
+    def row(what: str, r: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+        fetch, probe_ = fetch_of(r), r["probe_bps"]
         return {
             "target": what,
             "value": fetch,
@@ -396,23 +447,23 @@ def main(argv: list[str] | None = None) -> int:
             "status": "PASS" if fetch >= TARGET * probe_ and exact else "FAIL",
             "detail": (
                 f"{r['peer_bytes'] / 1e6:.0f} MB in {r['peer_s']:.3f} s (RestoreInfo.peer_s) "
-                f"against the probe's {probe_ / 1e9:.2f} GB/s in the same job; bit-exact: "
-                f"{exact}; tiers read: {r['tier_bytes']}"
+                f"against the median of the probe's {2 * PROBE_RUNS} runs around it, "
+                f"{probe_ / 1e9:.2f} GB/s; the median of {len(runs)} run(s), each of its own "
+                f"job: {', '.join(f'{ratio_of(x):.2f}' for x in runs)} x; bit-exact: {exact}; "
+                f"tiers read: {r['tier_bytes']}"
             ),
         }
 
     targets = [
         row(
             "replaced node's fetch (after snapcore.prepare) >= 0.8 x loopback TCP",
+            typical,
             ready,
-            fetch2_bps,
-            probe2_bps,
         ),
         row(
             "replaced node's fetch (no prepare: faulted on the way) >= 0.8 x loopback TCP",
             lost,
-            fetch_bps,
-            probe_bps,
+            [lost],
         ),
     ]
     doc = {
@@ -421,54 +472,77 @@ def main(argv: list[str] | None = None) -> int:
         "saved": saved,
         "restored": restored,
         "prepared": prepared,
-        "probe_bps": probe_bps,
-        "fetch_bps": fetch_bps,
-        "restore_bps": restore_bps,
-        "prepared_probe_bps": probe2_bps,
-        "prepared_fetch_bps": fetch2_bps,
-        "prepared_restore_bps": restore2_bps,
+        "probe_bps": lost["probe_bps"],
+        "fetch_bps": fetch_of(lost),
+        "restore_bps": lost["peer_bytes"] / lost["seconds"],
+        "prepared_ratios": [ratio_of(r) for r in ready],
         "fault_bps": lost["fault_bps"],
         "fresh_probe_bps": lost["fresh_probe_bps"],
         "trained": trained,
         "step_s": step_s,
         "slowdown": slowdown,
+        "lost_per_snapshot_s": cost,
         "targets": targets,
     }
+
+    def gbs(x: float) -> str:
+        return f"{x / 1e9:.2f}"
+
+    def stages(r: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {v:.3f}" for k, v in r["fetch_stages"].items())
+
     lines = [
         f"# bench_peer: {args.size_mb:g} MiB per rank, 2 nodes x 1 rank on 127.0.0.1",
         "",
         "Restore of the replaced node, first without snapcore.prepare (its part received "
-        "into fresh memory, faulted by a thread ahead of the wire), then, replaced again, "
-        "with it (the part received into memory prepare faulted in beforehand):",
+        "into fresh memory, faulted by a thread ahead of the wire), then, replaced again "
+        f"{args.fetch_runs} time(s), with it (the part received into memory prepare "
+        "faulted in beforehand). Each fetch against the median of a loopback TCP probe's "
+        f"{2 * PROBE_RUNS} runs in its own job ({PROBE_RUNS} before the restore, "
+        f"{PROBE_RUNS} after it; rank 0 -> rank 1, the same bytes, from and into buffers "
+        "faulted beforehand):",
         "",
-        f"- loopback TCP probe (rank 0 -> rank 1, the same bytes into a reused buffer "
-        f"faulted beforehand, best of {PROBE_RUNS}): {probe_bps / 1e9:.2f} GB/s "
-        f"(median {median(lost) / 1e9:.2f}); {probe2_bps / 1e9:.2f} GB/s (median "
-        f"{median(ready) / 1e9:.2f}) in the second job",
-        f"- fetch without prepare: {fetch_bps / 1e9:.2f} GB/s ({fetch_bps / probe_bps:.2f} x "
-        f"the probe's best, {fetch_bps / median(lost):.2f} x its median)",
-        f"- fetch after prepare ({ready['prepare_s']:.3f} s before the restore): "
-        f"{fetch2_bps / 1e9:.2f} GB/s ({fetch2_bps / probe2_bps:.2f} x the probe's best, "
-        f"{fetch2_bps / median(ready):.2f} x its median)",
-        f"- whole restore of the replaced node (agreement, fetch, reads): "
-        f"{restore_bps / 1e9:.2f} GB/s ({restore_bps / probe_bps:.2f} x the probe), "
-        f"{lost['seconds']:.3f} s without prepare; {restore2_bps / 1e9:.2f} GB/s "
-        f"({restore2_bps / probe2_bps:.2f} x), {ready['seconds']:.3f} s with it",
+        "| job | probe runs (GB/s) | fetch (GB/s) | x probe | peer_s | whole restore (s) |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *(
+            f"| {name} | {' '.join(gbs(x) for x in r['probe_runs_bps'])} | "
+            f"{gbs(fetch_of(r))} | {ratio_of(r):.2f} | {r['peer_s']:.3f} | {r['seconds']:.3f} |"
+            for name, r in [("no prepare", lost)]
+            + [(f"prepare {i + 1}", x) for i, x in enumerate(ready)]
+        ),
+        "",
         f"- loopback TCP into fresh /dev/shm memory (a reused buffer, then pwrite to a new "
-        f"file, as the fetch does): {lost['fresh_probe_bps'] / 1e9:.2f} GB/s; the fetch is "
-        f"{fetch_bps / lost['fresh_probe_bps']:.2f} x that",
+        f"file): {gbs(lost['fresh_probe_bps'])} GB/s; the fetch without prepare is "
+        f"{fetch_of(lost) / lost['fresh_probe_bps']:.2f} x that",
         f"- fresh /dev/shm memory on the replaced node (allocated and faulted, as the "
-        f"fetch's receiving file is): {lost['fault_bps'] / 1e9:.2f} GB/s",
-        "- the fetch's stages on the replaced node (s), without / with prepare: "
-        + ", ".join(f"{k} {v:.3f}" for k, v in lost["fetch_stages"].items())
-        + " / "
-        + ", ".join(f"{k} {v:.3f}" for k, v in ready["fetch_stages"].items()),
-        f"- training ({args.train_steps} steps of a 384x384 matmul and an all_reduce, an "
-        f"async_save of {args.train_mb:g} MiB per rank every {args.every} steps; median of "
-        f"{TRAIN_ROUNDS} alternated loops per rank): {step_s['host'] * 1e3:.1f} ms a step "
-        f"with a host tier, {step_s['host+peer'] * 1e3:.1f} ms with host and peer tiers: "
-        f"{slowdown:.2f} x; failures: {[f for t in trained for f in t['train_failures']]}",
+        f"fetch's receiving file is): {gbs(lost['fault_bps'])} GB/s",
+        "- prepare took "
+        + ", ".join(f"{r['prepare_s']:.3f}" for r in ready)
+        + " s before the restore",
+        "- the fetch's stages on the replaced node (s): without prepare: "
+        + stages(lost)
+        + "; with it: "
+        + " / ".join(stages(r) for r in ready),
         f"- the save's peer tier durable after {saved[1]['peer_s']:.3f} s (rank 1)",
+        "",
+        f"Training: {args.train_steps} steps of a 384x384 matmul and an all_reduce per "
+        f"loop, an async_save of {args.train_mb:g} MiB per rank every {args.every} steps "
+        f"(none in mode none), {snaps} per loop, one every {args.every * step_s['none']:.2f} s "
+        f"of training; {TRAIN_ROUNDS} rounds of the modes, rotated; the ratio to the "
+        "adjacent none loop of the same round, median over rounds and ranks; the training "
+        "time each snapshot cost (the ratio's excess over the loop, per snapshot):",
+        "",
+        "| mode | ms per step (median) | x none | lost per snapshot (s) |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {k} | {step_s[k] * 1e3:.2f} | {slowdown[k]:.2f} | {cost[k]:.3f} |"
+            if k != "none"
+            else f"| none | {step_s[k] * 1e3:.2f} | 1 | |"
+            for k in MODES
+        ),
+        "",
+        f"(paced: max_bytes_per_s = {args.pace_mbps:g} MB/s; failures: "
+        f"{[f for t in trained for f in t['train_failures']]})",
         "",
         *targets_table(targets, "memory"),
     ]

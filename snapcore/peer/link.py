@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .. import settings
+from .. import manifest, settings
 from ..distributed.job import Job, all_gather_bytes, kv_get
 from ..errors import SnapcoreError, SnapshotFailed
 from ..staging.handle import SaveHandle
@@ -41,7 +41,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["Connection", "PeerLink", "connect", "peer_copies", "peer_identity"]
+__all__ = [
+    "Connection",
+    "PeerLink",
+    "connect",
+    "peer_copies",
+    "peer_identity",
+    "warm_parser",
+]
 
 
 @dataclass
@@ -58,10 +65,29 @@ _connections: dict[tuple[int, str | None, int], Connection] = {}
 _lock = threading.Lock()
 
 
+_warming: threading.Thread | None = None
+
+
+def warm_parser() -> None:
+    """Compile the manifest parser (about 40 ms of pure Python at its first use in a
+    process) on a thread of its own, once per process: the first transfer or fetch
+    parses copies' manifests, and would otherwise compile it on its path (a restore's
+    fetch, on both ranks). Called before the link's collective (which waits for the
+    other ranks, a replaced node the last of them) and by ``prepare``."""
+    global _warming
+    with _lock:
+        if _warming is None:
+            _warming = threading.Thread(
+                target=manifest.compile_validators, name="snapcore-peer-warm", daemon=True
+            )
+            _warming.start()
+
+
 def connect(job: Job, store: Store) -> Connection:
     """The peer group and ring of ``job`` for ``store`` (made at the first call: a
     collective every rank makes). Raises ``ValueError`` when the job has one node."""
 
+    warm_parser()
     spec = store.peer_spec
     assert spec is not None
     key = (id(job), store.host, spec.k)
@@ -240,6 +266,7 @@ class PeerLink:
             )
             return
         for i in incoming:
+            i.dest.release()  # the copies are committed: their mappings can go
             for note in i.dest.notes:
                 handle.warn(f"peer tier: {note}")
         for s, why in got.items():

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from ..distributed.job import Job, all_gather_bytes
 from ..errors import SnapcoreError
 from ..tiers import HostTier, Store
 from . import wire
-from .area import Copy, Destination, PeerArea, peer_root
+from .area import Copy, Destination, PeerArea, drop_mappings, hold_mapping, peer_root
 from .link import PeerLink, area_root, peer_identity
 from .wire import Incoming, Outgoing, PeerLinkError, exchange
 
@@ -72,6 +73,17 @@ class Fetched:
 
 
 def prepare_restore(
+    store: Store, steps: dict[str, list[int]], job: Job, step: int | None, link: PeerLink
+) -> Fetched:
+    """``fetch_and_resend``; then the mappings ``prepare()`` held for a fetch and the
+    fetch did not take are dropped (their files stay)."""
+    try:
+        return _fetch_and_resend(store, steps, job, step, link)
+    finally:
+        drop_mappings()
+
+
+def _fetch_and_resend(
     store: Store, steps: dict[str, list[int]], job: Job, step: int | None, link: PeerLink
 ) -> Fetched:
     """Fetch the parts this node lacks of the step every rank can restore, from the
@@ -141,6 +153,8 @@ def prepare_restore(
             lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes)
         )
         out.seconds = time.perf_counter() - t0
+        if dest is not None:  # unmapped on the peer thread while the restore goes on
+            link.background(_releasing(dest))
         last_fetch.clear()
         last_fetch.update(wire.last_round)
         if failure:
@@ -204,6 +218,8 @@ def prepare_restore(
 
         def resend() -> list[str]:
             sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes)
+            for i in incoming:
+                i.dest.release()
             if failure:
                 link.disable(f"a partner lost in the re-send of step {target} ({failure})")
             return [
@@ -220,6 +236,14 @@ def prepare_restore(
     for note in notes:
         log.warning("%s", note)
     return out
+
+
+def _releasing(dest: Destination) -> Callable[[], list[str]]:
+    def release() -> list[str]:
+        dest.release()
+        return []
+
+    return release
 
 
 def _read_copy(root: Path, step: int, rank: int, *, dst: int) -> Outgoing:
@@ -259,14 +283,15 @@ def reserve(store: Store, rank: int, size: int) -> Path | None:
     if path.exists():
         return None  # an engine's arena, or a reservation already made
     host.root.mkdir(parents=True, exist_ok=True)
-    _native.Arena(
+    arena = _native.Arena(
         size,
         shm_path=str(path),
         huge_pages=False,
         pin=False,
         prefault=True,
         threads=settings.threads(),
-    ).close()
+    )
+    hold_mapping(path, arena)  # the fetch receives into this mapping (or drops it)
     return path
 
 

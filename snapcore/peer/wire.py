@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,8 @@ __all__ = ["Incoming", "Outgoing", "PeerLinkError", "exchange"]
 MAGIC = 0x5C9EE4
 REPLY_BYTES = 1024
 WINDOW = 4  # the data's pieces in flight per copy (unpaced)
+POPULATE_STEP = 4 << 20  # a sent file's pages are mapped ahead of the wire by this much
+MADV_POPULATE_READ = 22  # Linux 5.14
 
 
 # The stages' times of this process's last round, in seconds (what benchmarks/bench_peer.py
@@ -60,6 +63,8 @@ _libc.mmap.argtypes = [
 ]
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -68,7 +73,12 @@ class Mapping:
     sender hands gloo its pieces straight from the file's memory (no copy into a buffer
     first). The files sent are never cut while a round reads them: a host slot stays
     reserved until its transfer is done, and is replaced by unlinking, never truncating;
-    a peer namespace's files are rewritten only by rounds on the same thread."""
+    a peer namespace's files are rewritten only by rounds on the same thread.
+
+    A fresh mapping has no page table entries: gloo's socket writes would fault them in
+    one by one, on the wire's path (about 0.1 s per 512 MiB here). A thread of its own
+    (``snapcore-peer-map``) maps them ahead of the wire instead (``MADV_POPULATE_READ``,
+    in bulk); ``ready`` waits until a range is mapped."""
 
     def __init__(self, path: Path, size: int) -> None:
         self.size = size
@@ -82,9 +92,36 @@ class Mapping:
             os.close(fd)
         self.addr = addr
         self.tensor = torch.frombuffer((ctypes.c_char * size).from_address(addr), dtype=torch.uint8)
+        self._mapped = 0  # the bytes populated so far (all of them once it gave up)
+        self._stop = False
+        self._progress = threading.Condition()
+        self._thread = threading.Thread(target=self._populate, name="snapcore-peer-map")
+        self._thread.start()
+
+    def _populate(self) -> None:
+        try:
+            for off in range(0, self.size, POPULATE_STEP):
+                n = min(POPULATE_STEP, self.size - off)
+                if self._stop or _libc.madvise(self.addr + off, n, MADV_POPULATE_READ) != 0:
+                    return  # stopped, or a kernel older than 5.14: gloo faults them in
+                with self._progress:
+                    self._mapped = off + n
+                    self._progress.notify_all()
+        finally:
+            with self._progress:
+                self._mapped = self.size
+                self._progress.notify_all()
+
+    def ready(self, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, +nbytes)``, once their pages are mapped."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._mapped >= offset + nbytes)
+        return self.tensor[offset : offset + nbytes]
 
     def close(self) -> None:
         if self.addr is not None:
+            self._stop = True
+            self._thread.join()
             del self.tensor
             _libc.munmap(self.addr, self.size)
             self.addr = None
@@ -208,7 +245,7 @@ def exchange(
         t0 = time.perf_counter()
         # 4. the data, piece by piece, from the sender's file mappings straight into the
         # receiver's, a piece hashed while the next ones travel
-        _data(group, accepted_out, accepted_in, piece_bytes, Pacer(rate))
+        times.update(_data(group, accepted_out, accepted_in, piece_bytes, Pacer(rate)))
         times["data"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         # 5. the receivers' verdicts
@@ -264,7 +301,9 @@ def _describe(o: Outgoing) -> tuple[bytes, int, int]:
     return o.copy.meta(), 0, sum(n for _, n in o.copy.files)
 
 
-def _data(group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pacer: Pacer) -> None:
+def _data(
+    group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pacer: Pacer
+) -> dict[str, float]:
     """The data, piece by piece, ``WINDOW`` pieces in flight per copy (one when paced):
     a sender's pieces go straight from its files' mappings, a receiver's straight into
     its destination's mapping (faulted in ahead of them); a piece that has arrived is
@@ -273,7 +312,7 @@ def _data(group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pace
 
     sends = {o.dst: _cut(o.copy.files if o.copy else [], piece) for o in out}
     recvs = {i.src: _cut(i.dest.copy.files if i.dest.copy else [], piece) for i in inc}
-    maps = {o.dst: [m.tensor for m in o.maps] for o in out}
+    maps = {o.dst: o.maps for o in out}
     sizes = {o.dst: [n for _, n in o.copy.files] if o.copy else [] for o in out}
     dests = {i.src: i.dest for i in inc}
     # only a copy that has failed on the way takes buffers, to drop its pieces into
@@ -283,11 +322,13 @@ def _data(group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pace
     def source(d: int, k: int) -> torch.Tensor:  # sender: piece k, in its file's mapping
         f, off, n = sends[d][k]
         nonzero = [i for i, size in enumerate(sizes[d]) if size]
-        return maps[d][nonzero.index(f)][off : off + n]
+        return maps[d][nonzero.index(f)].ready(off, n)
 
     def into(s: int, k: int) -> torch.Tensor:  # receiver: where piece k lands
         f, off, n = recvs[s][k]
+        t0 = time.perf_counter()
         t = dests[s].target(f, off, n)
+        spent["fault_wait"] += time.perf_counter() - t0
         landed[s, k] = t is not None
         if t is None:
             key = (s, k % WINDOW)
@@ -298,9 +339,13 @@ def _data(group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pace
 
     def post(k: int) -> list[Any]:
         works = [dist.isend(source(d, k), d, group=group) for d, p in sends.items() if k < len(p)]
-        works += [dist.irecv(into(s, k), s, group=group) for s, p in recvs.items() if k < len(p)]
+        targets = [(s, into(s, k)) for s, p in recvs.items() if k < len(p)]
+        t0 = time.perf_counter()  # gloo takes a pair's lock to post, which its reads hold
+        works += [dist.irecv(t, s, group=group) for s, t in targets]
+        spent["post_recv"] += time.perf_counter() - t0
         return works
 
+    spent = {"fault_wait": 0.0, "post_recv": 0.0, "wire_wait": 0.0, "hash": 0.0}
     pacer.start()
     rounds = max([len(p) for p in (*sends.values(), *recvs.values())], default=0)
     window = 1 if pacer.rate is not None else WINDOW  # paced: one piece at a time
@@ -309,19 +354,24 @@ def _data(group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pace
         try:
             while len(posted) < window and k + len(posted) < rounds:
                 posted.append(post(k + len(posted)))
+            t0 = time.perf_counter()
             _run(posted.popleft())
+            spent["wire_wait"] += time.perf_counter() - t0
         except BaseException:
             for works in posted:  # gloo must be done with the mappings before they go
                 for w in works:
                     with contextlib.suppress(BaseException):
                         w.wait()
             raise
+        t0 = time.perf_counter()
         for s, p in recvs.items():  # hashed while the next pieces travel
             if k < len(p):
                 f, off, n = p[k]
                 if landed.pop((s, k)):
                     dests[s].received(f, off, n)
+        spent["hash"] += time.perf_counter() - t0
         pacer.account(sum(p[k][2] for p in sends.values() if k < len(p)))
+    return spent
 
 
 def _cut(files: list[tuple[str, int]], piece: int) -> list[tuple[int, int, int]]:

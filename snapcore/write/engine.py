@@ -33,6 +33,7 @@ from ..distributed.job import forget as forget_job
 from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, WindowItem
 from ..peer import PeerLink, open_link
+from ..peer.link import warm_parser
 from ..peer.restore import reserve as reserve_peer_fetch
 from ..planning.layout import Layout, align_up, plan
 from ..staging.arena import HostArena, pin_device
@@ -276,6 +277,7 @@ class Engine:
             # in the memory its part will be fetched into (snapcore/peer/restore.py).
             if self.config.peer_spec is None or not initialized() or self._claimed:
                 return _done()
+            warm_parser()  # a replaced node's fetch parses its copy's manifest
             with self._lock:
                 if self._preparer is None:
                     self._preparer = ThreadPoolExecutor(1, thread_name_prefix="snapcore-prepare")

@@ -293,7 +293,17 @@ def test_bench_peer(tmp_path: Path) -> None:
     assert [t["status"] in ("PASS", "FAIL") for t in report["targets"]] == [True, True]
     assert ["no prepare" in t["target"] for t in report["targets"]] == [False, True]
     assert all(t["ratio"] > 0 for t in report["targets"])
-    assert report["step_s"]["host"] > 0 and report["step_s"]["host+peer"] > 0  # the slowdown
+    # the fetch after prepare ran in a job of its own, judged against its own probe's runs
+    assert len(report["prepared"]) == 1 and all(x > 0 for x in report["prepared_ratios"])
+    assert all(len(r[1]["probe_runs_bps"]) == 4 for r in [report["restored"], *report["prepared"]])
+    # the training loop's four modes, each timed in every round, and the slowdowns
+    modes = ["none", "host", "host+peer", "host+peer paced"]
+    assert list(report["step_s"]) == modes and all(report["step_s"][m] > 0 for m in modes)
+    assert list(report["slowdown"]) == modes[1:] and all(
+        report["slowdown"][m] > 0 for m in modes[1:]
+    )
+    assert list(report["lost_per_snapshot_s"]) == modes[1:]
     assert all(t["train_failures"] == [] for t in report["trained"])
+    assert all(len(t["step_s"][m]) == 3 for t in report["trained"] for m in modes)
     assert "| target | measured |" in out
     assert not list(tmp_path.glob("snapcore-bench-*"))

@@ -379,6 +379,7 @@ def test_a_lost_partner_disables_the_peer_tier_once_and_later_saves_leave_it_out
 def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
     host_name: str,
 ) -> None:
+    from snapcore.peer.area import drop_mappings, holds_mapping
     from snapcore.peer.restore import reserve, reserved
     from snapcore.tiers import HostTier
 
@@ -389,9 +390,12 @@ def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
         assert path == root / "slot-r1-0.bin" and path.stat().st_blocks * 512 >= 4096
         inode = path.stat().st_ino
         assert reserve(store, 1, 4096) is None  # made once
+        assert holds_mapping(path)  # kept mapped, for the fetch to receive into
         copy, data = make_copy(5)  # the part names slot 1: the reserved file is renamed
         dest = Destination(root, step=5, rank=1, commit_index=False, reserved=reserved(store, 1))
         dest.prepare(copy.meta())
+        # the fetch took that mapping (not mapped anew), under the file's new name
+        assert not holds_mapping(path) and not holds_mapping(root / "slot-r1-1.bin")
         dest.write(0, 0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
         dest.finish()
         dest.write_index()
@@ -400,5 +404,7 @@ def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
         assert got.read_bytes() == data and got.stat().st_size == 128
         # an area that holds a snapshot is never reserved into
         assert reserve(store, 1, 4096) is None and reserved(store, 1) == []
+        dest.release()
     finally:
+        drop_mappings()
         shutil.rmtree(root, ignore_errors=True)
