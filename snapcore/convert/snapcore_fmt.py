@@ -1,13 +1,17 @@
 """Format ``snapcore``: a snapcore store, read and written.
 
-Source: a committed step of a store (a directory, an fsspec URL, or the ``store`` option:
-a ``snapcore.Store`` with its host and remote tiers), read through snapcore's own reader
-(hashes checked, each chunk from the fastest tier holding it intact), one tensor at a
-time; a sharded snapshot (format 3) gives full tensors, assembled from the ranks' pieces,
-and rank 0's values. Tensors that are one tensor in the snapshot (tied weights) are
-listed once, the other paths as aliases. Non-tensor leaves become values: ints, floats,
-strings, bools and None by dotted path; other values (NumPy arrays, bytes, generators,
-enums...) have no place in the other formats and are listed in ``skipped``.
+Source: a committed step of a store (a directory, an fsspec URL, or the ``store``
+option: a ``snapcore.Store`` with its host and remote tiers), read through snapcore's
+own reader (hashes checked, each chunk from the fastest tier holding it intact), one
+tensor at a time, or one range of a tensor larger than the converter's window:
+``read_into`` reads the whole chunks holding it into the converter's reused buffer (a
+tensor that is not one contiguous piece of its blob, or a range that does not cover
+whole chunks, is read whole into new memory instead); a sharded snapshot (format 3)
+gives full tensors, assembled from the ranks' pieces, and rank 0's values. Tensors that
+are one tensor in the snapshot (tied weights) are listed once, the other paths as
+aliases. Non-tensor leaves become values: ints, floats, strings, bools and None by
+dotted path; other values (NumPy arrays, bytes, generators, enums...) have no place in
+the other formats and are listed in ``skipped``.
 
 Sink: each tensor is written into the new snapshot's data file as it arrives, straight
 from the converter's buffer, and hashed on the way (``snapcore.write.stream``); the sink
@@ -26,6 +30,7 @@ its blob as it comes.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -37,6 +42,7 @@ import torch
 
 from .. import api
 from ..durable import fsync_dir
+from ..planning.layout import contiguous_strides
 from ..tiers import Store, as_store
 from ..tree import decode_float, flatten, join_path
 from ..write.stream import StreamWriter
@@ -68,6 +74,8 @@ class SnapcoreSource:
         except BaseException:
             self.close()
             raise
+        # a tensor read whole for ``read_into``'s ranges, kept until its last range
+        self._whole: tuple[str, torch.Tensor] | None = None
         self._tensors: list[tuple[str, int]] = []
         self._values: dict[str, Value] = {}
         self.skipped: list[str] = []
@@ -112,6 +120,7 @@ class SnapcoreSource:
         return dict(self._aliases)
 
     def read(self, info: TensorInfo) -> torch.Tensor:
+        self._whole = None
         i = self._index[info.name]
         try:
             t = self.reader.tensor(i, info.name)
@@ -123,6 +132,79 @@ class SnapcoreSource:
             self.reader.release(i)
         return t
 
+    def read_range(self, info: TensorInfo, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the tensor in C order, as a 1-D tensor."""
+        return self.read_into(info, start, stop, None)
+
+    def read_into(
+        self, info: TensorInfo, start: int | None, stop: int | None, buf: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The tensor (``start`` None) or its elements ``[start, stop)`` as a 1-D tensor.
+
+        Into ``buf`` (the converter's reused uint8 buffer) when the tensor is one
+        contiguous piece of its blob and the chunks holding the range fit in ``buf``:
+        those whole chunks are read by the reader (each one's xxh3 checked, a damaged
+        one read from the next tier) and the result is a view of ``buf``. Otherwise
+        (a sharded or strided tensor, a range that does not cover its chunks, no
+        buffer) the tensor is read whole into new memory, as ``read`` does, and kept
+        until its last range is taken."""
+        i = self._index[info.name]
+        e = self.reader.m.tensors[i]
+        numel = math.prod(e.shape)
+        if start is None:
+            start, stop, shape = 0, numel, tuple(e.shape)
+        else:
+            assert stop is not None
+            if not 0 <= start <= stop <= numel:
+                raise ValueError(f"{info.name}: elements [{start}, {stop}) of {numel}")
+            shape = (stop - start,)
+        if self._whole is not None and self._whole[0] != info.name:
+            self._whole = None  # another tensor's
+        if buf is not None:
+            t = self._chunks_into(i, start, stop, buf)
+            if t is not None:
+                if stop == numel:
+                    self._whole = None
+                return t.view(shape)
+        whole = self._whole
+        if whole is None or whole[0] != info.name:
+            whole = self._whole = (info.name, self.read(info))
+        t = whole[1]
+        if shape != tuple(e.shape):
+            t = t.view(-1)[start:stop]
+        if stop == numel:
+            self._whole = None  # the last range: dropped once the caller drops it
+        return t
+
+    def _chunks_into(self, i: int, start: int, stop: int, buf: torch.Tensor) -> torch.Tensor | None:
+        """Elements ``[start, stop)`` of tensor ``i`` (one contiguous piece of its blob),
+        read as the whole chunks that hold them into ``buf``; None where that is not
+        possible (the caller reads another way)."""
+        e = self.reader.m.tensors[i]
+        dtype, size = e.torch_dtype, e.torch_dtype.itemsize
+        if not self.reader.whole(i) or e.pieces[0].strides != contiguous_strides(e.shape):
+            return None
+        p = e.pieces[0]
+        lo, hi = p.byte_offset + start * size, p.byte_offset + stop * size
+        if hi == lo:
+            return torch.empty(0, dtype=dtype)
+        jobs: list[tuple[int, int, int]] = []  # (blob, chunk, position in the blob)
+        pos = 0
+        for j, c in enumerate(self.reader.m.blobs[p.blob].chunks):
+            if pos < hi and pos + c.raw_length > lo and c.raw_length:
+                jobs.append((p.blob, j, pos))
+            pos += c.raw_length
+        if not jobs or jobs[0][2] > lo or pos < hi:
+            return None  # chunks that do not hold the range: the manifest's checks say why
+        first = jobs[0][2]
+        last = self.reader.m.blobs[p.blob].chunks[jobs[-1][1]]
+        span = jobs[-1][2] + last.raw_length - first
+        if buf.dtype != torch.uint8 or buf.numel() < span or (lo - first) % size:
+            return None
+        base = buf.data_ptr()
+        self.reader.read_chunks([(b, j, base + at - first) for b, j, at in jobs])
+        return buf[lo - first : hi - first].view(dtype)
+
     def values(self) -> dict[str, Value]:
         return dict(self._values)
 
@@ -131,6 +213,7 @@ class SnapcoreSource:
         return {"source_format": "snapcore", "snapcore.step": str(m.step)}
 
     def close(self) -> None:
+        self._whole = None
         self.store.__exit__(None, None, None)
 
 

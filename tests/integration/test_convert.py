@@ -4,6 +4,7 @@ the safetensors library itself and by transformers' from_pretrained."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -226,11 +227,18 @@ def test_interrupted_leaves_no_target(
         def __getattr__(self, name: str) -> Any:
             return getattr(self.inner, name)
 
-        def read(self, info: Any) -> torch.Tensor:
+        def _count(self, info: Any) -> None:
             calls.append(info.name)
             if len(calls) == 3:
                 raise exc("boom")
+
+        def read(self, info: Any) -> torch.Tensor:
+            self._count(info)
             return self.inner.read(info)
+
+        def read_into(self, info: Any, start: Any, stop: Any, buf: Any) -> torch.Tensor:
+            self._count(info)  # a safetensors or snapcore target: reused buffers
+            return self.inner.read_into(info, start, stop, buf)
 
     monkeypatch.setitem(
         FORMATS,
@@ -381,3 +389,95 @@ def test_reads_reuse_two_buffers_where_the_sink_lets_go(
     used.clear()
     convert(tmp_path / "a.safetensors", tmp_path / "dcp", to="dcp")
     assert used and set(used) == {None}  # DCP keeps tensors until its plan writes them
+
+
+def _big_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any]]:
+    """A store of 1 MiB chunks: a 4 MiB tensor of 4 chunks, small ones of one chunk."""
+    monkeypatch.setenv("SNAPCORE_CHUNK_MB", "1")
+    g = torch.Generator().manual_seed(3)
+    src: dict[str, Any] = {
+        "big": torch.randn(1024, 1024, generator=g),
+        "bf": torch.randn(700, generator=g).bfloat16(),
+        "ints": torch.arange(999, dtype=torch.int32),
+        "view": torch.randn(8, 6, generator=g)[2:5],  # a view of a larger tensor
+    }
+    snapcore.save(src, tmp_path / "store", step=1)
+    monkeypatch.delenv("SNAPCORE_CHUNK_MB")
+    return tmp_path / "store", src
+
+
+def test_snapcore_source_reads_chunks_into_the_reused_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Into a safetensors target a snapcore source reads the chunks of each tensor (or
+    range of one) into the converter's two buffers; a range that does not cover whole
+    chunks (a window smaller than a chunk) is cut from the tensor read whole. The
+    output is the same file every way."""
+    from snapcore.convert import snapcore_fmt as scf
+
+    store, src = _big_store(tmp_path, monkeypatch)
+    into: list[int] = []  # the buffer each result lies in, or 0: new memory
+    real = scf.SnapcoreSource.read_into
+
+    def spy(self: Any, info: Any, start: Any, stop: Any, buf: Any) -> torch.Tensor:
+        t = real(self, info, start, stop, buf)
+        lo = buf.data_ptr() if buf is not None else -1
+        inside = buf is not None and lo <= t.data_ptr() < lo + buf.numel()
+        into.append(lo if inside else 0)
+        return t
+
+    monkeypatch.setattr(scf.SnapcoreSource, "read_into", spy)
+    outs = {}
+    for window in (None, 2 << 20, 300_000):
+        into.clear()
+        out = tmp_path / f"out-{window}.safetensors"
+        convert(store, out, to="safetensors", window=window)
+        outs[window] = out.read_bytes()
+        back = load_file(out)
+        assert all(_same(v, back[k]) for k, v in src.items())
+        if window == 300_000:  # big in 14 ranges, from the tensor read whole
+            assert into.count(0) >= 14, into
+        else:  # every tensor, or 2 MiB range of big (2 chunks), into the two buffers
+            assert 0 not in into and len(set(into)) == 2, (window, into)
+    assert outs[None] == outs[2 << 20] == outs[300_000]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "truncate-after-open"])
+def test_snapcore_source_damage_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """A damaged store read into the buffers fails the conversion with the file named
+    (a byte flipped: the tensor, the chunk and its xxh3; a data file cut short before
+    the conversion: its size; cut short once the source is open: the tensor whose read
+    found it), and leaves no target."""
+    from snapcore.convert import snapcore_fmt as scf
+    from snapcore.errors import CorruptSnapshot
+
+    store, src = _big_store(tmp_path, monkeypatch)
+    (data,) = store.glob("step-*/data-*.bin")
+    raw = data.read_bytes()
+    big = raw.find(src["big"].view(-1).view(torch.uint8).numpy().tobytes())
+    assert big >= 0
+    if damage == "flip":
+        at = big + (3 << 20) + 5  # in the 4th of big's 1 MiB chunks
+        data.write_bytes(raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1 :])
+    elif damage == "truncate":
+        data.write_bytes(raw[: big + (3 << 20)])
+    else:
+        real = scf.SnapcoreSource.__init__
+
+        def cut(self: Any, path: Any, options: dict[str, Any]) -> None:
+            real(self, path, options)  # sizes checked against the manifest here
+            os.truncate(data, big + (3 << 20))
+
+        monkeypatch.setattr(scf.SnapcoreSource, "__init__", cut)
+    out = tmp_path / "out"
+    with pytest.raises(CorruptSnapshot) as e:
+        convert(store, out, to="safetensors", window=2 << 20)
+    assert data.name in str(e.value)
+    if damage == "flip":
+        assert "'big' chunk 3" in str(e.value) and "xxh3" in str(e.value)
+    elif damage == "truncate-after-open":
+        assert "'big' chunk" in str(e.value)
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # no temporary left

@@ -98,8 +98,9 @@ def test_ranges_bound_memory_by_the_window(tmp_path: Path) -> None:
     # two reads of at most 8 MiB in flight; the 64 MiB tensor goes in ranges
     assert peaks["safetensors->snapcore"] <= 4 * window, peaks
     assert peaks["safetensors->safetensors"] <= 4 * window, peaks
-    # a snapcore source reads whole tensors, and DCP's writer takes whole ones: the
-    # 64 MiB one and the read ahead
+    # a snapcore source reads whole chunks (the 64 MiB tensor is one, larger than the
+    # window: read whole), and DCP's writer takes whole tensors: the 64 MiB one and the
+    # read ahead
     assert peaks["snapcore->safetensors"] <= 64 * MIB + 4 * window, peaks
     assert peaks["safetensors->dcp"] <= 64 * MIB + 4 * window, peaks
     _check_output(tmp_path, infos)
