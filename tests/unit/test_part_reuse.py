@@ -202,3 +202,33 @@ def test_a_reused_part_is_refused_or_the_fresh_plan(name: str, local: bool) -> N
         after = reused[0].reuse(flat_of(), 4)
         assert after is not None
         _same(after[1], _fresh(kept[-1], 4))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_chain_of_saves_reuses_only_what_a_fresh_plan_would_give(seed: int) -> None:
+    """Saves in a row with random changes between them, each part reused from the last
+    (or planned afresh when refused, as ``Sharder.part`` does): every part is the fresh
+    plan's, whatever the changes before it left behind."""
+    gen = torch.Generator().manual_seed(seed)
+    state = _base()
+    names = sorted(CHANGES) + ["none"] * 6
+    flat = flatten(state)
+    last = _Last.of(flat, _fresh(flat, 1))
+    reused = 0
+    for seq in range(2, 80):
+        name = names[int(torch.randint(len(names), (1,), generator=gen))]
+        if name in ("resize", "half", "tie", "new_key"):
+            state = _base()  # another structure: start again, as a replan would
+        elif name != "none":
+            CHANGES[name](state)
+        state["rng"] = torch.get_rng_state() if seq % 3 else state["rng"]
+        flat = flatten(state)
+        fresh = _fresh(flat, seq)
+        again = last.reuse(flat, seq) if last is not None else None
+        if again is not None:
+            _same(again[1], fresh)
+            last = again[0]
+            reused += 1
+        else:
+            last = _Last.of(flat, fresh)
+    assert reused > 20  # the chain did exercise reuse
