@@ -408,3 +408,39 @@ def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
     finally:
         drop_mappings()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("how", ["area_removed", "file_replaced"])
+def test_a_held_mapping_of_a_file_since_replaced_is_not_received_into(
+    host_name: str, how: str
+) -> None:
+    """``prepare()`` holds the mapping of the file it faulted in; if that file is removed
+    (the area cleared) or replaced by another at the same path before the restore, the
+    fetch must receive into the file it commits, not into the old file's orphaned memory:
+    the committed copy holds the bytes that arrived (failed before: it held zeros)."""
+    from snapcore.peer.area import drop_mappings, holds_mapping
+    from snapcore.peer.restore import reserve, reserved
+    from snapcore.tiers import HostTier
+
+    store = snapcore.Store(host=host_name, peer=True)
+    root = HostTier(host_name).root
+    try:
+        path = reserve(store, 1, 4096)
+        assert path == root / "slot-r1-0.bin" and holds_mapping(path)
+        if how == "area_removed":
+            shutil.rmtree(root)
+            root.mkdir(parents=True)
+        else:
+            path.unlink()
+            path.write_bytes(b"\0" * 4096)  # another file at the same path
+        copy, data = make_copy(4)  # names slot-r1-0.bin, the path the mapping was held for
+        dest = Destination(root, step=4, rank=1, commit_index=False, reserved=reserved(store, 1))
+        dest.prepare(copy.meta())
+        dest.write(0, 0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dest.finish()
+        dest.release()
+        assert not holds_mapping(path)
+        assert path.read_bytes() == data
+    finally:
+        drop_mappings()
+        shutil.rmtree(root, ignore_errors=True)
