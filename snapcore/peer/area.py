@@ -78,10 +78,15 @@ def hold_mapping(path: Path, arena: Any) -> None:
         old[0].close()
 
 
-def drop_mappings(paths: list[Path] | None = None) -> None:
-    """Unmap the held mappings of ``paths`` (None: all of them); the files stay."""
+def drop_mappings(paths: list[Path] | None = None, *, under: Path | None = None) -> None:
+    """Unmap the held mappings of ``paths`` (None: all of them), or those of the files
+    under ``under``; the files stay."""
     with _held_lock:
-        gone = [_held.pop(p)[0] for p in list(_held) if paths is None or p in paths]
+        gone = [
+            _held.pop(p)[0]
+            for p in list(_held)
+            if (under is None or p.is_relative_to(under)) and (paths is None or p in paths)
+        ]
     for arena in gone:
         with contextlib.suppress(Exception):
             arena.close()

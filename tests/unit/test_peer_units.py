@@ -444,3 +444,35 @@ def test_a_held_mapping_of_a_file_since_replaced_is_not_received_into(
     finally:
         drop_mappings()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_held_mapping_no_fetch_took_is_given_back_when_the_store_closes(
+    host_name: str,
+) -> None:
+    """A mapping ``prepare()`` held for a fetch that never came (no restore) is unmapped
+    when the store's engine closes: else the reserved memory would stay taken by this
+    process even once the area is freed (failed before: held until the process ends)."""
+    from snapcore.peer.area import drop_mappings, holds_mapping
+    from snapcore.peer.restore import reserve
+    from snapcore.tiers import HostTier
+    from snapcore.write.engine import engine_for
+
+    store = snapcore.Store(host=host_name, peer=True)
+    root = HostTier(host_name).root
+    try:
+        engine_for(store)
+        path = reserve(store, 1, 4096)
+        assert path is not None and holds_mapping(path)
+        snapcore.close()
+        assert not holds_mapping(path) and path.exists()  # the file stays
+        # nor is it kept once the area is saved into (the first save gives it back)
+        path.unlink()
+        path = reserve(store, 1, 4096)
+        assert path is not None and holds_mapping(path)
+        snapcore.async_save({"w": torch.ones(4)}, store, step=1, tiers=["host"]).wait()
+        assert not holds_mapping(path)
+        assert snapcore.load(store, step=1)["w"].tolist() == [1.0] * 4
+        snapcore.close()
+    finally:
+        drop_mappings()
+        shutil.rmtree(root, ignore_errors=True)
