@@ -61,24 +61,32 @@ _libc.madvise.restype = ctypes.c_int
 # Mappings of files faulted in ahead of a fetch (peer/restore.py, ``reserve``), kept open
 # so that the fetch receives into the very page tables that faulting filled: mapped
 # again, 512 MiB would take its page table entries anew (about 0.07 s here), on the
-# fetch's path. Keyed by the file's path (moved along when a fetch renames the file).
-_held: dict[Path, Any] = {}
+# fetch's path. Keyed by the file's path (moved along when a fetch renames the file),
+# with the file's (device, inode): a file removed or replaced at that path since (the
+# area cleared) is not the mapped one, whose memory no longer reaches any file.
+_held: dict[Path, tuple[Any, tuple[int, int]]] = {}
 _held_lock = threading.Lock()
 
 
 def hold_mapping(path: Path, arena: Any) -> None:
     """Keep ``arena`` (a native Arena of ``path``, faulted in) for a fetch into ``path``."""
+    st = os.stat(path)
     with _held_lock:
         old = _held.pop(path, None)
-        _held[path] = arena
+        _held[path] = (arena, (st.st_dev, st.st_ino))
     if old is not None:
-        old.close()
+        old[0].close()
 
 
-def drop_mappings(paths: list[Path] | None = None) -> None:
-    """Unmap the held mappings of ``paths`` (None: all of them); the files stay."""
+def drop_mappings(paths: list[Path] | None = None, *, under: Path | None = None) -> None:
+    """Unmap the held mappings of ``paths`` (None: all of them), or those of the files
+    under ``under``; the files stay."""
     with _held_lock:
-        gone = [_held.pop(p) for p in list(_held) if paths is None or p in paths]
+        gone = [
+            _held.pop(p)[0]
+            for p in list(_held)
+            if (under is None or p.is_relative_to(under)) and (paths is None or p in paths)
+        ]
     for arena in gone:
         with contextlib.suppress(Exception):
             arena.close()
@@ -90,11 +98,16 @@ def holds_mapping(path: Path) -> bool:
         return path in _held
 
 
-def _take_mapping(path: Path, size: int) -> Any:
-    """The held mapping of ``path`` when it covers ``size`` bytes, else None."""
+def _take_mapping(path: Path, size: int, fd: int) -> Any:
+    """The held mapping of ``path`` when it is of the file open as ``fd`` (not one removed
+    or replaced since) and covers ``size`` bytes, else None."""
     with _held_lock:
-        arena = _held.pop(path, None)
-    if arena is not None and arena.size < size:
+        held = _held.pop(path, None)
+    if held is None:
+        return None
+    arena, inode = held
+    st = os.fstat(fd)
+    if arena.size < size or inode != (st.st_dev, st.st_ino):
         arena.close()
         return None
     return arena
@@ -372,12 +385,12 @@ class Destination:
         MADV_POPULATE_WRITE reports a full /dev/shm as an error where a store into the
         mapping would be a SIGBUS: a piece is received into the mapping only once its
         range is populated."""
-        for name, size in copy.files:
+        for f, (name, size) in enumerate(copy.files):
             if size == 0:
                 self._maps.append(None)
                 self._views.append(None)
                 continue
-            arena = _take_mapping(self.root / name, size) or _native.Arena(
+            arena = _take_mapping(self.root / name, size, self.fds[f]) or _native.Arena(
                 size,
                 shm_path=str(self.root / name),
                 huge_pages=False,

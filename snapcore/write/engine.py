@@ -33,6 +33,7 @@ from ..distributed.job import forget as forget_job
 from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, WindowItem
 from ..peer import PeerLink, open_link
+from ..peer.area import drop_mappings
 from ..peer.link import warm_parser
 from ..peer.restore import reserve as reserve_peer_fetch
 from ..planning.layout import Layout, align_up, plan
@@ -141,6 +142,12 @@ class Engine:
             # Before anything is touched: a second writer fails.
             if self.local is not None and first:
                 self._hold_writer_lock(self.local.root)
+            if self.host is not None and not self._claimed:
+                # prepare()'s reservation for a peer fetch (a replaced node's) is not
+                # wanted once the area is saved into: finished first (it sizes the slot
+                # file the first save maps), then its mapping is given back.
+                self.settle_reserve()
+                drop_mappings(under=self.host.root)
             if self.host is not None and not self._claimed and first:
                 # Before the first sharded save's exchange, which the node's other ranks
                 # leave only once this one has entered it: they see the area claimed.
@@ -317,6 +324,8 @@ class Engine:
         for pool in (self._persist, self.hasher, self.uploader, self._encoder, self._preparer):
             if pool is not None:
                 pool.shutdown(wait=True)
+        if self.host is not None:  # prepare()'s mapping for a fetch that never came
+            drop_mappings(under=self.host.root)
         if self.peer is not None:
             self.peer.close()
         self.stager.close()

@@ -444,7 +444,14 @@ class _Last:
         if not changed and storages is self.storages:
             return self, spec
         new_refs = [weakref.ref(t) for t in tensors] + refs[n:]
-        return dataclasses.replace(self, keys=keys, refs=new_refs, storages=storages), spec
+        # The next save compares its tensors with these: its blobs' sources are at the
+        # new addresses (keeping the old ones would copy a freed predecessor's memory).
+        moved = [
+            (off, size, i, raw, ptrs.get(b, ptr), members, es)
+            for b, (off, size, i, raw, ptr, members, es) in enumerate(self.blobs)
+        ]
+        last = dataclasses.replace(self, keys=keys, refs=new_refs, storages=storages, blobs=moved)
+        return last, spec
 
 
 def _signature(flat: Flattened, glob: list[int]) -> tuple[Any, ...]:

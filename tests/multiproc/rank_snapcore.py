@@ -355,6 +355,43 @@ def steady(a: dict[str, Any]) -> dict[str, Any]:
     return {"steps": out}
 
 
+def moved(a: dict[str, Any]) -> dict[str, Any]:
+    """Save steps 1-4 of plain tensors: a global "buf" and a rank-local "extra", each
+    replaced at step 2 by a new tensor alike (the part is reused, its blobs' sources
+    moved), changed in place at step 3 (the same objects: reused again, from the new
+    addresses, not the step-1 tensors' freed ones), kept at step 4. Reports per step
+    the values saved and how many saves reused the last part."""
+    from snapcore.write.engine import engine_for
+
+    models.init_gloo()
+    rank = dist.get_rank()
+    state: dict[str, Any] = {
+        "buf": torch.arange(64, dtype=torch.float32),
+        "extra": RankLocal(torch.arange(64, dtype=torch.float32) + 1000 * rank),
+    }
+    store = store_of(a)
+    out = []
+    for step in (1, 2, 3, 4):
+        if step == 2:
+            state["buf"] = torch.arange(64, dtype=torch.float32) * 2
+            state["extra"] = RankLocal(torch.arange(64, dtype=torch.float32) * 3 + rank)
+        elif step == 3:
+            state["buf"].add_(0.5)
+            state["extra"].value.add_(0.25)
+        state["step"] = step
+        snapcore.async_save(state, store, step=step).wait()
+        sharder = engine_for(store).sharder
+        assert sharder is not None
+        out.append(
+            {
+                "buf": state["buf"].tolist(),
+                "extra": state["extra"].value.tolist(),
+                "reused": sharder.reused,
+            }
+        )
+    return {"steps": out}
+
+
 def checkpointer(a: dict[str, Any]) -> dict[str, Any]:
     """A training loop of ``a["steps"]`` steps (an all_reduce each, as training has) with
     a Checkpointer whose interval is bounded by ``a["max_interval_s"]``."""
@@ -455,6 +492,7 @@ OPS = {
     "kill-save": kill_save,
     "replan": replan,
     "steady": steady,
+    "moved": moved,
     "checkpointer": checkpointer,
     "dcp-vs-snapcore": dcp_vs_snapcore,
 }

@@ -338,6 +338,24 @@ def test_steady_state_saves_reuse_the_part_and_each_step_holds_its_own_values(
     assert snapcore.load(store, step=3, rank=0)["extra"]["value"].dtype == torch.float64
 
 
+def test_a_reused_part_stages_from_where_its_moved_tensors_are_now(tmp_path: Path) -> None:
+    """A tensor replaced by a new one alike moves its blob's source (the part is
+    reused); the saves after it, of the same tensors, stage from the new address, not
+    the freed predecessor's: each step restores the values saved at it (failed before
+    the fix: step 3 held the step-1 tensors' freed memory)."""
+    store = tmp_path / "store"
+    spec = {"local": str(store), "retention": {"local": 4}}
+    res = run(2, [{"op": "moved", "store": spec}])
+    for rank, (r,) in enumerate(res):
+        steps = r["steps"]
+        assert [s["reused"] for s in steps] == [0, 1, 2, 3], rank
+        for step, s in enumerate(steps, 1):
+            tree = snapcore.load(store, step=step, rank=rank)
+            assert tree["buf"].tolist() == s["buf"], (rank, step)
+            assert tree["extra"]["value"].tolist() == s["extra"], (rank, step)
+        assert steps[2]["buf"][1] == 2.5 and steps[2]["extra"][1] == 3.25 + rank
+
+
 def models_digest(t: Any) -> str:
     import models
 

@@ -408,3 +408,108 @@ def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
     finally:
         drop_mappings()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("how", ["area_removed", "file_replaced", "file_truncated"])
+def test_a_held_mapping_of_a_file_since_replaced_is_not_received_into(
+    host_name: str, how: str
+) -> None:
+    """``prepare()`` holds the mapping of the file it faulted in; if that file is removed
+    (the area cleared) or replaced by another at the same path before the restore, the
+    fetch must receive into the file it commits, not into the old file's orphaned memory:
+    the committed copy holds the bytes that arrived (failed before: it held zeros). The
+    same file cut to nothing meanwhile is extended again before the mapping is touched
+    (no SIGBUS)."""
+    from snapcore.peer.area import drop_mappings, holds_mapping
+    from snapcore.peer.restore import reserve, reserved
+    from snapcore.tiers import HostTier
+
+    store = snapcore.Store(host=host_name, peer=True)
+    root = HostTier(host_name).root
+    try:
+        path = reserve(store, 1, 4096)
+        assert path == root / "slot-r1-0.bin" and holds_mapping(path)
+        if how == "area_removed":
+            shutil.rmtree(root)
+            root.mkdir(parents=True)
+        elif how == "file_replaced":
+            path.unlink()
+            path.write_bytes(b"\0" * 4096)  # another file at the same path
+        else:  # the same file, cut under the mapping: taken, and no access past its end
+            os.truncate(path, 0)
+        copy, data = make_copy(4)  # names slot-r1-0.bin, the path the mapping was held for
+        dest = Destination(root, step=4, rank=1, commit_index=False, reserved=reserved(store, 1))
+        dest.prepare(copy.meta())
+        dest.write(0, 0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dest.finish()
+        dest.release()
+        assert not holds_mapping(path)
+        assert path.read_bytes() == data
+    finally:
+        drop_mappings()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_held_mapping_no_fetch_took_is_given_back_when_the_store_closes(
+    host_name: str,
+) -> None:
+    """A mapping ``prepare()`` held for a fetch that never came (no restore) is unmapped
+    when the store's engine closes: else the reserved memory would stay taken by this
+    process even once the area is freed (failed before: held until the process ends)."""
+    from snapcore.peer.area import drop_mappings, holds_mapping
+    from snapcore.peer.restore import reserve
+    from snapcore.tiers import HostTier
+    from snapcore.write.engine import engine_for
+
+    store = snapcore.Store(host=host_name, peer=True)
+    root = HostTier(host_name).root
+    try:
+        engine_for(store)
+        path = reserve(store, 1, 4096)
+        assert path is not None and holds_mapping(path)
+        snapcore.close()
+        assert not holds_mapping(path) and path.exists()  # the file stays
+        # nor is it kept once the area is saved into (the first save gives it back)
+        path.unlink()
+        path = reserve(store, 1, 4096)
+        assert path is not None and holds_mapping(path)
+        snapcore.async_save({"w": torch.ones(4)}, store, step=1, tiers=["host"]).wait()
+        assert not holds_mapping(path)
+        assert snapcore.load(store, step=1)["w"].tolist() == [1.0] * 4
+        snapcore.close()
+    finally:
+        drop_mappings()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_fetch_cut_short_into_a_held_mapping_commits_nothing_and_unmaps_it(
+    host_name: str,
+) -> None:
+    """A fetch that took ``prepare()``'s mapping and fails midway commits no part (its
+    file is left to be overwritten) and unmaps that mapping; a later fetch maps anew."""
+    from snapcore.peer.area import drop_mappings, holds_mapping
+    from snapcore.peer.restore import reserve, reserved
+    from snapcore.tiers import HostTier
+
+    store = snapcore.Store(host=host_name, peer=True)
+    root = HostTier(host_name).root
+    try:
+        path = reserve(store, 1, 4096)
+        assert path is not None and holds_mapping(path)
+        copy, data = make_copy(4)  # names the reserved file
+        dest = Destination(root, step=4, rank=1, commit_index=False, reserved=reserved(store, 1))
+        dest.prepare(copy.meta())
+        assert not holds_mapping(path) and dest._maps[0] is not None  # taken
+        dest.write(0, 0, torch.frombuffer(bytearray(data[:40]), dtype=torch.uint8))
+        with pytest.raises(InvalidManifest, match="did not arrive whole"):
+            dest.finish()
+        assert dest._maps == [] and not (root / copy.part_name).exists()
+        again = Destination(root, step=4, rank=1, commit_index=False, reserved=reserved(store, 1))
+        again.prepare(copy.meta())
+        again.write(0, 0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        again.finish()
+        again.release()
+        assert (root / copy.part_name).exists() and path.read_bytes() == data
+    finally:
+        drop_mappings()
+        shutil.rmtree(root, ignore_errors=True)
