@@ -186,15 +186,17 @@ def _send_once(port: int, nbytes: int) -> None:
     return None
 
 
-MODES = ("none", "host", "host+peer", "host+peer paced")
+MODES = ("none", "host", "host+peer", "host+peer paced", "host+peer nice=None")
 
 
 def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """A training-like loop (a 384x384 matmul and an all_reduce of its corner per step,
-    on both ranks) of ``--train-steps`` steps, in four modes: ``none`` (no snapshots),
+    on both ranks) of ``--train-steps`` steps, in five modes: ``none`` (no snapshots),
     ``host`` (an ``async_save`` of ``--train-mb`` MiB per rank every ``--every`` steps
     to a store with a host tier only), ``host+peer`` (the same with a peer tier, sent as
-    fast as gloo goes) and ``host+peer paced`` (with ``max_bytes_per_s`` of ``--pace-mbps``).
+    fast as gloo goes; its background transfer's threads at ``PeerSpec.nice``, 19),
+    ``host+peer paced`` (with ``max_bytes_per_s`` of ``--pace-mbps``) and ``host+peer
+    nice=None`` (unpaced, the transfer's threads at training's priority).
     ``TRAIN_ROUNDS`` rounds, each running every mode once, the order rotated by one mode
     each round (as benchmarks/bench_training.py does), after a round of warm-up; the
     loop's time per step for each, and its ratio to the adjacent ``none`` loop of the
@@ -218,6 +220,7 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         "host": snapcore.Store(host=f"{area}-t"),
         "host+peer": snapcore.Store(host=f"{area}-p", peer=True),
         "host+peer paced": snapcore.Store(host=f"{area}-q", peer=paced),
+        "host+peer nice=None": snapcore.Store(host=f"{area}-n", peer=snapcore.PeerSpec(nice=None)),
     }
     times: dict[str, list[float]] = {k: [] for k in MODES}
     ratios: dict[str, list[float]] = {k: [] for k in MODES if k != "none"}
@@ -384,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=1000, help="steps per timed loop")
     p.add_argument("--every", type=int, default=250, help="a snapshot every N steps")
     p.add_argument("--pace-mbps", type=float, default=200.0, help="the paced mode's MB/s")
+    p.add_argument("--train-only", action="store_true", help="only the training loop's modes")
     p.add_argument("--role", choices=["save", "restore", "train"], help=argparse.SUPPRESS)
     p.add_argument("--probe-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -395,9 +399,14 @@ def main(argv: list[str] | None = None) -> int:
         args.size_mb, args.train_mb, args.train_steps, args.every = 8.0, 4.0, 20, 10
         args.fetch_runs = 1
     areas = [f"bench-peer-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
-    shm = [Path("/dev/shm") / f"snapcore-{a}{x}" for a in areas for x in ("", "-t", "-p", "-q")]
+    shm = [
+        Path("/dev/shm") / f"snapcore-{a}{x}" for a in areas for x in ("", "-t", "-p", "-q", "-n")
+    ]
     try:
         with work_dir(args.dir) as work:
+            if args.train_only:
+                trained = run_job("train", args, work, areas)
+                return _train_only(args, trained)
             saved = run_job("save", args, work, areas)
             shutil.rmtree(Path("/dev/shm") / f"snapcore-{areas[1]}")  # node 1 is replaced
             restored = run_job("restore", args, work, areas)
@@ -425,17 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # the run whose ratio is the median of the runs after prepare stands for them
     typical = sorted(ready, key=ratio_of)[(len(ready) - 1) // 2]
-    step_s = {k: statistics.median(x for t in trained for x in t["step_s"][k]) for k in MODES}
-    slowdown = {k: statistics.median(x for t in trained for x in t["ratio"][k]) for k in MODES[1:]}
-    # what each snapshot cost the loop, in training time: comparable across intervals
-    snaps = sum(
-        1
-        for s in range(args.train_steps)
-        if s % args.every == 0 and s + args.every <= args.train_steps
-    )
-    cost = {
-        k: (slowdown[k] - 1) * step_s["none"] * args.train_steps / max(snaps, 1) for k in MODES[1:]
-    }
+    figures, train_lines = _training(args, trained)
 
     def row(what: str, r: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
         fetch, probe_ = fetch_of(r), r["probe_bps"]
@@ -479,9 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         "fault_bps": lost["fault_bps"],
         "fresh_probe_bps": lost["fresh_probe_bps"],
         "trained": trained,
-        "step_s": step_s,
-        "slowdown": slowdown,
-        "lost_per_snapshot_s": cost,
+        **figures,
         "targets": targets,
     }
 
@@ -525,24 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         + " / ".join(stages(r) for r in ready),
         f"- the save's peer tier durable after {saved[1]['peer_s']:.3f} s (rank 1)",
         "",
-        f"Training: {args.train_steps} steps of a 384x384 matmul and an all_reduce per "
-        f"loop, an async_save of {args.train_mb:g} MiB per rank every {args.every} steps "
-        f"(none in mode none), {snaps} per loop, one every {args.every * step_s['none']:.2f} s "
-        f"of training; {TRAIN_ROUNDS} rounds of the modes, rotated; the ratio to the "
-        "adjacent none loop of the same round, median over rounds and ranks; the training "
-        "time each snapshot cost (the ratio's excess over the loop, per snapshot):",
-        "",
-        "| mode | ms per step (median) | x none | lost per snapshot (s) |",
-        "| --- | --- | --- | --- |",
-        *(
-            f"| {k} | {step_s[k] * 1e3:.2f} | {slowdown[k]:.2f} | {cost[k]:.3f} |"
-            if k != "none"
-            else f"| none | {step_s[k] * 1e3:.2f} | 1 | |"
-            for k in MODES
-        ),
-        "",
-        f"(paced: max_bytes_per_s = {args.pace_mbps:g} MB/s; failures: "
-        f"{[f for t in trained for f in t['train_failures']]})",
+        *train_lines,
         "",
         *targets_table(targets, "memory"),
     ]
@@ -550,6 +530,54 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     write_figures(args.json, doc, args.markdown, text)
     return 0 if exact else 1
+
+
+def _training(args: argparse.Namespace, trained: list[Any]) -> tuple[dict[str, Any], list[str]]:
+    step_s = {k: statistics.median(x for t in trained for x in t["step_s"][k]) for k in MODES}
+    slowdown = {k: statistics.median(x for t in trained for x in t["ratio"][k]) for k in MODES[1:]}
+    # what each snapshot cost the loop, in training time: comparable across intervals
+    snaps = sum(
+        1
+        for s in range(args.train_steps)
+        if s % args.every == 0 and s + args.every <= args.train_steps
+    )
+    cost = {
+        k: (slowdown[k] - 1) * step_s["none"] * args.train_steps / max(snaps, 1) for k in MODES[1:]
+    }
+    lines = [
+        f"Training: {args.train_steps} steps of a 384x384 matmul and an all_reduce per "
+        f"loop, an async_save of {args.train_mb:g} MiB per rank every {args.every} steps "
+        f"(none in mode none), {snaps} per loop, one every {args.every * step_s['none']:.2f} s "
+        f"of training; {TRAIN_ROUNDS} rounds of the modes, rotated; the ratio to the "
+        "adjacent none loop of the same round, median over rounds and ranks; the training "
+        "time each snapshot cost (the ratio's excess over the loop, per snapshot):",
+        "",
+        "| mode | ms per step (median) | x none | x none per round and rank "
+        "| lost per snapshot (s) |",
+        "| --- | --- | --- | --- | --- |",
+        *(
+            f"| {k} | {step_s[k] * 1e3:.2f} | {slowdown[k]:.2f} | "
+            + " ".join(f"{x:.2f}" for t in trained for x in t["ratio"][k])
+            + f" | {cost[k]:.3f} |"
+            if k != "none"
+            else f"| none | {step_s[k] * 1e3:.2f} | 1 | | |"
+            for k in MODES
+        ),
+        "",
+        f"(paced: max_bytes_per_s = {args.pace_mbps:g} MB/s; the peer modes but the last at "
+        f"PeerSpec.nice 19; failures: {[f for t in trained for f in t['train_failures']]})",
+    ]
+    return {"step_s": step_s, "slowdown": slowdown, "lost_per_snapshot_s": cost}, lines
+
+
+def _train_only(args: argparse.Namespace, trained: list[Any]) -> int:
+    figures, lines = _training(args, trained)
+    text = (
+        "\n".join(["# bench_peer --train-only: 2 nodes x 1 rank on 127.0.0.1", "", *lines]) + "\n"
+    )
+    print(text)
+    write_figures(args.json, {"trained": trained, **figures}, args.markdown, text)
+    return 0
 
 
 if __name__ == "__main__":
