@@ -51,7 +51,6 @@ from common import cpu_model, free_port, targets_table, work_dir, write_figures
 
 TENSORS = 8  # the state: this many rank-local tensors per rank
 TARGET = 0.8  # fetch rate >= TARGET x the loopback TCP probe's
-TRAIN_ROUNDS = 3  # rounds of the training loop's modes, rotated
 PIECE = 16 << 20  # the probe's send and receive size
 PROBE_RUNS = 2  # the probe's runs before the fetch, and as many after it
 
@@ -189,6 +188,14 @@ def _send_once(port: int, nbytes: int) -> None:
 MODES = ("none", "host", "host+peer", "host+peer paced", "host+peer nice=None")
 
 
+def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The training loop's modes ``--modes`` names, ``none`` first (the reference)."""
+    named = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if unknown := set(named) - set(MODES):
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; the modes are {MODES}")
+    return ("none", *[m for m in MODES[1:] if m in named])
+
+
 def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """A training-like loop (a 384x384 matmul and an all_reduce of its corner per step,
     on both ranks) of ``--train-steps`` steps, in five modes: ``none`` (no snapshots),
@@ -197,14 +204,14 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     fast as gloo goes; its background transfer's threads at ``PeerSpec.nice``, 19),
     ``host+peer paced`` (with ``max_bytes_per_s`` of ``--pace-mbps``) and ``host+peer
     nice=None`` (unpaced, the transfer's threads at training's priority).
-    ``TRAIN_ROUNDS`` rounds, each running every mode once, the order rotated by one mode
-    each round (as benchmarks/bench_training.py does), after a round of warm-up; the
-    loop's time per step for each, and its ratio to the adjacent ``none`` loop of the
-    same round. A snapshot is taken at every ``--every``-th step that leaves ``--every``
-    steps after it in the loop (so each one's transfer overlaps the loop's training,
-    none runs past its end uncounted). The loop does not wait for its snapshots (as
-    training does not); a save that finds both of its slots still busy waits for one,
-    and that wait is in the step times."""
+    ``--train-rounds`` rounds (of the modes ``--modes`` names), each running every mode
+    once, the order rotated by one mode each round (as benchmarks/bench_training.py
+    does), after a round of warm-up; the loop's time per step for each, and its ratio
+    to the adjacent ``none`` loop of the same round. A snapshot is taken at every
+    ``--every``-th step that leaves ``--every`` steps after it in the loop (so each
+    one's transfer overlaps the loop's training, none runs past its end uncounted). The
+    loop does not wait for its snapshots (as training does not); a save that finds both
+    of its slots still busy waits for one, and that wait is in the step times."""
     import torch
     import torch.distributed as dist
 
@@ -222,12 +229,13 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         "host+peer paced": snapcore.Store(host=f"{area}-q", peer=paced),
         "host+peer nice=None": snapcore.Store(host=f"{area}-n", peer=snapcore.PeerSpec(nice=None)),
     }
-    times: dict[str, list[float]] = {k: [] for k in MODES}
-    ratios: dict[str, list[float]] = {k: [] for k in MODES if k != "none"}
+    modes = modes_of(args)
+    times: dict[str, list[float]] = {k: [] for k in modes}
+    ratios: dict[str, list[float]] = {k: [] for k in modes if k != "none"}
     failures: list[str] = []
     step = 0
-    for r in range(TRAIN_ROUNDS + 1):  # the first round warms up (arenas, the peer group)
-        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+    for r in range(args.train_rounds + 1):  # the first round warms up (arenas, peer group)
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]
         took: dict[str, float] = {}
         for label in order:
             store = stores[label]
@@ -248,7 +256,7 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
                 except snapcore.SnapcoreError as e:
                     failures.append(f"{label}: {e}")
         if r:
-            for label in MODES:
+            for label in modes:
                 times[label].append(took[label])
                 if label != "none":
                     ratios[label].append(took[label] / took["none"])
@@ -359,6 +367,10 @@ def run_job(
             str(args.every),
             "--pace-mbps",
             str(args.pace_mbps),
+            "--train-rounds",
+            str(args.train_rounds),
+            "--modes",
+            args.modes,
             "--out",
             str(work / f"{role}{rank}{tag}.json"),
         ]
@@ -387,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=1000, help="steps per timed loop")
     p.add_argument("--every", type=int, default=250, help="a snapshot every N steps")
     p.add_argument("--pace-mbps", type=float, default=200.0, help="the paced mode's MB/s")
+    p.add_argument("--train-rounds", type=int, default=3, help="rounds of the modes (3)")
+    p.add_argument("--modes", default=",".join(MODES), help="the loop's modes, commas")
     p.add_argument("--train-only", action="store_true", help="only the training loop's modes")
     p.add_argument("--role", choices=["save", "restore", "train"], help=argparse.SUPPRESS)
     p.add_argument("--probe-port", type=int, help=argparse.SUPPRESS)
@@ -533,8 +547,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _training(args: argparse.Namespace, trained: list[Any]) -> tuple[dict[str, Any], list[str]]:
-    step_s = {k: statistics.median(x for t in trained for x in t["step_s"][k]) for k in MODES}
-    slowdown = {k: statistics.median(x for t in trained for x in t["ratio"][k]) for k in MODES[1:]}
+    modes = modes_of(args)
+    step_s = {k: statistics.median(x for t in trained for x in t["step_s"][k]) for k in modes}
+    slowdown = {k: statistics.median(x for t in trained for x in t["ratio"][k]) for k in modes[1:]}
     # what each snapshot cost the loop, in training time: comparable across intervals
     snaps = sum(
         1
@@ -542,13 +557,13 @@ def _training(args: argparse.Namespace, trained: list[Any]) -> tuple[dict[str, A
         if s % args.every == 0 and s + args.every <= args.train_steps
     )
     cost = {
-        k: (slowdown[k] - 1) * step_s["none"] * args.train_steps / max(snaps, 1) for k in MODES[1:]
+        k: (slowdown[k] - 1) * step_s["none"] * args.train_steps / max(snaps, 1) for k in modes[1:]
     }
     lines = [
         f"Training: {args.train_steps} steps of a 384x384 matmul and an all_reduce per "
         f"loop, an async_save of {args.train_mb:g} MiB per rank every {args.every} steps "
         f"(none in mode none), {snaps} per loop, one every {args.every * step_s['none']:.2f} s "
-        f"of training; {TRAIN_ROUNDS} rounds of the modes, rotated; the ratio to the "
+        f"of training; {args.train_rounds} rounds of the modes, rotated; the ratio to the "
         "adjacent none loop of the same round, median over rounds and ranks; the training "
         "time each snapshot cost (the ratio's excess over the loop, per snapshot):",
         "",
@@ -561,7 +576,7 @@ def _training(args: argparse.Namespace, trained: list[Any]) -> tuple[dict[str, A
             + f" | {cost[k]:.3f} |"
             if k != "none"
             else f"| none | {step_s[k] * 1e3:.2f} | 1 | | |"
-            for k in MODES
+            for k in modes
         ),
         "",
         f"(paced: max_bytes_per_s = {args.pace_mbps:g} MB/s; the peer modes but the last at "
