@@ -28,6 +28,7 @@ snapshots, with host snapshots, with host and peer snapshots (unpaced, and paced
     python benchmarks/bench_peer.py                 # 512 MiB per rank
     python benchmarks/bench_peer.py --size-mb 2048
     python benchmarks/bench_peer.py --smoke         # 8 MiB, does it run?
+    python benchmarks/bench_peer.py --train-only --modes host,host+peer --train-rounds 8
     python benchmarks/bench_peer.py --json out.json --markdown out.md
 """
 
@@ -185,7 +186,7 @@ def _send_once(port: int, nbytes: int) -> None:
     return None
 
 
-MODES = ("none", "host", "host+peer", "host+peer paced", "host+peer nice=None")
+MODES = ("none", "host", "host+peer", "host+peer paced")
 
 
 def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
@@ -198,12 +199,11 @@ def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
 
 def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """A training-like loop (a 384x384 matmul and an all_reduce of its corner per step,
-    on both ranks) of ``--train-steps`` steps, in five modes: ``none`` (no snapshots),
+    on both ranks) of ``--train-steps`` steps, in four modes: ``none`` (no snapshots),
     ``host`` (an ``async_save`` of ``--train-mb`` MiB per rank every ``--every`` steps
     to a store with a host tier only), ``host+peer`` (the same with a peer tier, sent as
-    fast as gloo goes; its background transfer's threads at ``PeerSpec.nice``, 19),
-    ``host+peer paced`` (with ``max_bytes_per_s`` of ``--pace-mbps``) and ``host+peer
-    nice=None`` (unpaced, the transfer's threads at training's priority).
+    fast as gloo goes) and ``host+peer paced`` (with ``max_bytes_per_s`` of
+    ``--pace-mbps``).
     ``--train-rounds`` rounds (of the modes ``--modes`` names), each running every mode
     once, the order rotated by one mode each round (as benchmarks/bench_training.py
     does), after a round of warm-up; the loop's time per step for each, and its ratio
@@ -227,7 +227,6 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         "host": snapcore.Store(host=f"{area}-t"),
         "host+peer": snapcore.Store(host=f"{area}-p", peer=True),
         "host+peer paced": snapcore.Store(host=f"{area}-q", peer=paced),
-        "host+peer nice=None": snapcore.Store(host=f"{area}-n", peer=snapcore.PeerSpec(nice=None)),
     }
     modes = modes_of(args)
     times: dict[str, list[float]] = {k: [] for k in modes}
@@ -579,8 +578,8 @@ def _training(args: argparse.Namespace, trained: list[Any]) -> tuple[dict[str, A
             for k in modes
         ),
         "",
-        f"(paced: max_bytes_per_s = {args.pace_mbps:g} MB/s; the peer modes but the last at "
-        f"PeerSpec.nice 19; failures: {[f for t in trained for f in t['train_failures']]})",
+        f"(paced: max_bytes_per_s = {args.pace_mbps:g} MB/s; failures: "
+        f"{[f for t in trained for f in t['train_failures']]})",
     ]
     return {"step_s": step_s, "slowdown": slowdown, "lost_per_snapshot_s": cost}, lines
 

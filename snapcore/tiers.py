@@ -368,16 +368,12 @@ class PeerSpec:
     ``max_bytes``: the most host memory the copies one rank receives may take (its
     partner copies, both files of each source rank); ``None``: only /dev/shm's free space
     bounds them. ``max_bytes_per_s``: the sending rate of each rank (``None``: as fast
-    as the network goes); ``piece_bytes``: the size of each send (the unit of pacing).
-    ``nice``: the niceness (Linux, 0 to 19) the threads of the background transfer after
-    a save run at, so that they yield the CPU to training; ``None``: the priority of the
-    process. A restore's fetch runs at the process's priority either way."""
+    as the network goes); ``piece_bytes``: the size of each send (the unit of pacing)."""
 
     k: int = 1
     max_bytes: int | None = None
     max_bytes_per_s: float | None = None
     piece_bytes: int = 16 << 20
-    nice: int | None = 19
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -388,14 +384,6 @@ class PeerSpec:
             raise ValueError("PeerSpec.max_bytes_per_s must be > 0")
         if self.piece_bytes < 4096:
             raise ValueError("PeerSpec.piece_bytes must be at least 4096")
-        if self.nice is not None and (
-            not isinstance(self.nice, int)
-            or isinstance(self.nice, bool)
-            or not 0 <= self.nice <= 19
-        ):
-            raise ValueError(
-                f"PeerSpec.nice must be an int from 0 to 19 or None, not {self.nice!r}"
-            )
 
     @classmethod
     def parse(cls, value: PeerSpec | bool | int | None) -> PeerSpec | None:

@@ -21,8 +21,6 @@ import contextlib
 import datetime
 import json
 import logging
-import os
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -139,18 +137,7 @@ class PeerLink:
         self.area = HostTier(store.host).root
         self.rank = conn.job.rank
         self.identity = peer_identity(store, conn.job.world_size)
-        # Two threads, one user of the peer group at a time (``_turn``): the background
-        # transfers after saves on one that yields the CPU to training (``PeerSpec.nice``;
-        # a thread cannot take back a priority it gave up without privilege), a restore's
-        # fetch, which the training waits for, on one at the process's priority.
-        self._turn = threading.Lock()
-        self.pool = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="snapcore-peer",
-            initializer=lower_priority,
-            initargs=(self.spec.nice,),
-        )
-        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="snapcore-peer-fetch")
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapcore-peer")
         self._notes: list[str] = []  # failures of background rounds, for the next handle
         self._notes_lock = threading.Lock()
         # Why the peer tier is off until the job restarts (a partner lost: gloo does not
@@ -184,23 +171,8 @@ class PeerLink:
         return None
 
     def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (a restore's fetch) on the fetch thread, at the process's priority,
-        after what is queued on the peer thread, and wait; the peer group has one user
-        at a time."""
-        self.drain()
-
-        def call() -> T:
-            with self._turn:
-                return fn()
-
-        return self._fetcher.submit(call).result()
-
-    def _queue(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        def call() -> T:
-            with self._turn:
-                return fn(*args)
-
-        return self.pool.submit(call)
+        """Run ``fn`` on the peer thread (the one user of the peer group) and wait."""
+        return self.pool.submit(fn).result()
 
     def background(self, fn: Callable[[], list[str]]) -> None:
         """Queue ``fn`` on the peer thread; the failures it returns are logged and
@@ -216,7 +188,7 @@ class PeerLink:
             with self._notes_lock:
                 self._notes.extend(notes)
 
-        self._queue(call)
+        self.pool.submit(call)
 
     def drain(self) -> None:
         """Wait for what is queued on the peer thread."""
@@ -226,11 +198,10 @@ class PeerLink:
     def submit(self, handle: SaveHandle, step: int, index_key: str) -> Future[None]:
         """Send this rank's part of ``step`` (committed in host memory) to its partners
         and receive its sources' parts; resolves ``handle``'s peer tier."""
-        return self._queue(self._run, handle, step, index_key)
+        return self.pool.submit(self._run, handle, step, index_key)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        self._fetcher.shutdown(wait=True)
 
     def _run(self, handle: SaveHandle, step: int, index_key: str) -> None:
         with self._notes_lock:
@@ -334,20 +305,6 @@ class PeerLink:
         held = PeerArea(self.area, source).committed_steps(self.identity)
         kept = f"the copy of step {held[-1]} stays" if held else "no older copy is held"
         return f"peer tier, step {step}: {what} ({kept})"
-
-
-def lower_priority(nice: int | None) -> None:
-    """Give the calling thread the niceness ``nice`` (Linux: a thread's own; the threads
-    it starts inherit it), unless it is already nicer. Elsewhere, or when the system
-    refuses, the thread keeps its priority (logged)."""
-    if nice is None or not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError as e:
-        log.warning("the peer thread keeps its priority (niceness %d refused: %s)", nice, e)
 
 
 def open_link(job: Job, store: Store) -> PeerLink:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -320,7 +319,7 @@ class FakeKV:
         return self.data[key]
 
 
-def fake_link(host: str, rank: int, kv: FakeKV, peer: Any = True) -> Any:
+def fake_link(host: str, rank: int, kv: FakeKV) -> Any:
     from types import SimpleNamespace
 
     from snapcore.peer.link import Connection, PeerLink
@@ -329,7 +328,7 @@ def fake_link(host: str, rank: int, kv: FakeKV, peer: Any = True) -> Any:
         rank=rank, world_size=2, kv=kv, key=lambda *p: "snapcore/" + "/".join(map(str, p))
     )
     conn = Connection(job, None, Topology(homes(2, 1), 1), 1.0)  # type: ignore[arg-type]
-    return PeerLink(conn, snapcore.Store(host=host, peer=peer))
+    return PeerLink(conn, snapcore.Store(host=host, peer=True))
 
 
 def test_a_lost_partner_disables_the_peer_tier_once_and_later_saves_leave_it_out(
@@ -375,52 +374,6 @@ def test_a_lost_partner_disables_the_peer_tier_once_and_later_saves_leave_it_out
         for link in links:
             link.close()
         close_all()
-
-
-def niceness() -> int:
-    """The calling thread's own niceness (Linux: per thread)."""
-    import threading
-
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's niceness: Linux")
-@pytest.mark.parametrize("nice", [19, 7, None])
-def test_the_background_transfer_runs_at_the_lowered_priority_and_a_fetch_at_the_processs(
-    host_name: str, monkeypatch: pytest.MonkeyPatch, nice: int | None
-) -> None:
-    import threading
-
-    from snapcore.peer import link as link_mod
-    from snapcore.peer.wire import Outgoing
-    from snapcore.staging.handle import SaveHandle, SaveStats
-
-    seen: dict[str, int] = {}
-
-    def exchange(*a: Any, **k: Any) -> Any:
-        seen["peer"] = niceness()
-        t = threading.Thread(target=lambda: seen.__setitem__("started", niceness()))
-        t.start()  # the threads a round starts (the sender's mapper) inherit it
-        t.join()
-        return {1: None}, {1: None}
-
-    monkeypatch.setattr(link_mod, "exchange", exchange)
-    monkeypatch.setattr(link_mod.PeerLink, "_outgoing", lambda self, d, s, k: Outgoing(d, None, []))
-    mine = niceness()
-    assert mine < 7, "the test needs a process below niceness 7"
-    link = fake_link(host_name, 0, FakeKV(), snapcore.PeerSpec(nice=nice))
-    try:
-        h = SaveHandle(7, SaveStats(7, 0, 0), ("host", "peer"))
-        link.submit(h, 7, "index").result()
-        h.wait(tier="peer")
-        want = mine if nice is None else nice
-        assert seen == {"peer": want, "started": want}
-        assert link.run(niceness) == mine  # a restore's fetch: the process's priority
-        assert niceness() == mine  # the caller's own is untouched
-    finally:
-        link.close()
-    with pytest.raises(ValueError, match=r"PeerSpec\.nice"):
-        snapcore.PeerSpec(nice=20)
 
 
 def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
