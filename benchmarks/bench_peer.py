@@ -28,6 +28,7 @@ snapshots, with host snapshots, with host and peer snapshots (unpaced, and paced
     python benchmarks/bench_peer.py                 # 512 MiB per rank
     python benchmarks/bench_peer.py --size-mb 2048
     python benchmarks/bench_peer.py --smoke         # 8 MiB, does it run?
+    python benchmarks/bench_peer.py --train-only --modes host,host+peer --train-rounds 8
     python benchmarks/bench_peer.py --json out.json --markdown out.md
 """
 
@@ -51,7 +52,6 @@ from common import cpu_model, free_port, targets_table, work_dir, write_figures
 
 TENSORS = 8  # the state: this many rank-local tensors per rank
 TARGET = 0.8  # fetch rate >= TARGET x the loopback TCP probe's
-TRAIN_ROUNDS = 3  # rounds of the training loop's modes, rotated
 PIECE = 16 << 20  # the probe's send and receive size
 PROBE_RUNS = 2  # the probe's runs before the fetch, and as many after it
 
@@ -189,20 +189,29 @@ def _send_once(port: int, nbytes: int) -> None:
 MODES = ("none", "host", "host+peer", "host+peer paced")
 
 
+def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The training loop's modes ``--modes`` names, ``none`` first (the reference)."""
+    named = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if unknown := set(named) - set(MODES):
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; the modes are {MODES}")
+    return ("none", *[m for m in MODES[1:] if m in named])
+
+
 def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """A training-like loop (a 384x384 matmul and an all_reduce of its corner per step,
     on both ranks) of ``--train-steps`` steps, in four modes: ``none`` (no snapshots),
     ``host`` (an ``async_save`` of ``--train-mb`` MiB per rank every ``--every`` steps
     to a store with a host tier only), ``host+peer`` (the same with a peer tier, sent as
-    fast as gloo goes) and ``host+peer paced`` (with ``max_bytes_per_s`` of ``--pace-mbps``).
-    ``TRAIN_ROUNDS`` rounds, each running every mode once, the order rotated by one mode
-    each round (as benchmarks/bench_training.py does), after a round of warm-up; the
-    loop's time per step for each, and its ratio to the adjacent ``none`` loop of the
-    same round. A snapshot is taken at every ``--every``-th step that leaves ``--every``
-    steps after it in the loop (so each one's transfer overlaps the loop's training,
-    none runs past its end uncounted). The loop does not wait for its snapshots (as
-    training does not); a save that finds both of its slots still busy waits for one,
-    and that wait is in the step times."""
+    fast as gloo goes) and ``host+peer paced`` (with ``max_bytes_per_s`` of
+    ``--pace-mbps``).
+    ``--train-rounds`` rounds (of the modes ``--modes`` names), each running every mode
+    once, the order rotated by one mode each round (as benchmarks/bench_training.py
+    does), after a round of warm-up; the loop's time per step for each, and its ratio
+    to the adjacent ``none`` loop of the same round. A snapshot is taken at every
+    ``--every``-th step that leaves ``--every`` steps after it in the loop (so each
+    one's transfer overlaps the loop's training, none runs past its end uncounted). The
+    loop does not wait for its snapshots (as training does not); a save that finds both
+    of its slots still busy waits for one, and that wait is in the step times."""
     import torch
     import torch.distributed as dist
 
@@ -219,12 +228,13 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         "host+peer": snapcore.Store(host=f"{area}-p", peer=True),
         "host+peer paced": snapcore.Store(host=f"{area}-q", peer=paced),
     }
-    times: dict[str, list[float]] = {k: [] for k in MODES}
-    ratios: dict[str, list[float]] = {k: [] for k in MODES if k != "none"}
+    modes = modes_of(args)
+    times: dict[str, list[float]] = {k: [] for k in modes}
+    ratios: dict[str, list[float]] = {k: [] for k in modes if k != "none"}
     failures: list[str] = []
     step = 0
-    for r in range(TRAIN_ROUNDS + 1):  # the first round warms up (arenas, the peer group)
-        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+    for r in range(args.train_rounds + 1):  # the first round warms up (arenas, peer group)
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]
         took: dict[str, float] = {}
         for label in order:
             store = stores[label]
@@ -245,7 +255,7 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
                 except snapcore.SnapcoreError as e:
                     failures.append(f"{label}: {e}")
         if r:
-            for label in MODES:
+            for label in modes:
                 times[label].append(took[label])
                 if label != "none":
                     ratios[label].append(took[label] / took["none"])
@@ -356,6 +366,10 @@ def run_job(
             str(args.every),
             "--pace-mbps",
             str(args.pace_mbps),
+            "--train-rounds",
+            str(args.train_rounds),
+            "--modes",
+            args.modes,
             "--out",
             str(work / f"{role}{rank}{tag}.json"),
         ]
@@ -384,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=1000, help="steps per timed loop")
     p.add_argument("--every", type=int, default=250, help="a snapshot every N steps")
     p.add_argument("--pace-mbps", type=float, default=200.0, help="the paced mode's MB/s")
+    p.add_argument("--train-rounds", type=int, default=3, help="rounds of the modes (3)")
+    p.add_argument("--modes", default=",".join(MODES), help="the loop's modes, commas")
+    p.add_argument("--train-only", action="store_true", help="only the training loop's modes")
     p.add_argument("--role", choices=["save", "restore", "train"], help=argparse.SUPPRESS)
     p.add_argument("--probe-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -395,9 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         args.size_mb, args.train_mb, args.train_steps, args.every = 8.0, 4.0, 20, 10
         args.fetch_runs = 1
     areas = [f"bench-peer-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
-    shm = [Path("/dev/shm") / f"snapcore-{a}{x}" for a in areas for x in ("", "-t", "-p", "-q")]
+    shm = [
+        Path("/dev/shm") / f"snapcore-{a}{x}" for a in areas for x in ("", "-t", "-p", "-q", "-n")
+    ]
     try:
         with work_dir(args.dir) as work:
+            if args.train_only:
+                trained = run_job("train", args, work, areas)
+                return _train_only(args, trained)
             saved = run_job("save", args, work, areas)
             shutil.rmtree(Path("/dev/shm") / f"snapcore-{areas[1]}")  # node 1 is replaced
             restored = run_job("restore", args, work, areas)
@@ -425,17 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # the run whose ratio is the median of the runs after prepare stands for them
     typical = sorted(ready, key=ratio_of)[(len(ready) - 1) // 2]
-    step_s = {k: statistics.median(x for t in trained for x in t["step_s"][k]) for k in MODES}
-    slowdown = {k: statistics.median(x for t in trained for x in t["ratio"][k]) for k in MODES[1:]}
-    # what each snapshot cost the loop, in training time: comparable across intervals
-    snaps = sum(
-        1
-        for s in range(args.train_steps)
-        if s % args.every == 0 and s + args.every <= args.train_steps
-    )
-    cost = {
-        k: (slowdown[k] - 1) * step_s["none"] * args.train_steps / max(snaps, 1) for k in MODES[1:]
-    }
+    figures, train_lines = _training(args, trained)
 
     def row(what: str, r: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
         fetch, probe_ = fetch_of(r), r["probe_bps"]
@@ -479,9 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         "fault_bps": lost["fault_bps"],
         "fresh_probe_bps": lost["fresh_probe_bps"],
         "trained": trained,
-        "step_s": step_s,
-        "slowdown": slowdown,
-        "lost_per_snapshot_s": cost,
+        **figures,
         "targets": targets,
     }
 
@@ -525,24 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         + " / ".join(stages(r) for r in ready),
         f"- the save's peer tier durable after {saved[1]['peer_s']:.3f} s (rank 1)",
         "",
-        f"Training: {args.train_steps} steps of a 384x384 matmul and an all_reduce per "
-        f"loop, an async_save of {args.train_mb:g} MiB per rank every {args.every} steps "
-        f"(none in mode none), {snaps} per loop, one every {args.every * step_s['none']:.2f} s "
-        f"of training; {TRAIN_ROUNDS} rounds of the modes, rotated; the ratio to the "
-        "adjacent none loop of the same round, median over rounds and ranks; the training "
-        "time each snapshot cost (the ratio's excess over the loop, per snapshot):",
-        "",
-        "| mode | ms per step (median) | x none | lost per snapshot (s) |",
-        "| --- | --- | --- | --- |",
-        *(
-            f"| {k} | {step_s[k] * 1e3:.2f} | {slowdown[k]:.2f} | {cost[k]:.3f} |"
-            if k != "none"
-            else f"| none | {step_s[k] * 1e3:.2f} | 1 | |"
-            for k in MODES
-        ),
-        "",
-        f"(paced: max_bytes_per_s = {args.pace_mbps:g} MB/s; failures: "
-        f"{[f for t in trained for f in t['train_failures']]})",
+        *train_lines,
         "",
         *targets_table(targets, "memory"),
     ]
@@ -550,6 +543,55 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     write_figures(args.json, doc, args.markdown, text)
     return 0 if exact else 1
+
+
+def _training(args: argparse.Namespace, trained: list[Any]) -> tuple[dict[str, Any], list[str]]:
+    modes = modes_of(args)
+    step_s = {k: statistics.median(x for t in trained for x in t["step_s"][k]) for k in modes}
+    slowdown = {k: statistics.median(x for t in trained for x in t["ratio"][k]) for k in modes[1:]}
+    # what each snapshot cost the loop, in training time: comparable across intervals
+    snaps = sum(
+        1
+        for s in range(args.train_steps)
+        if s % args.every == 0 and s + args.every <= args.train_steps
+    )
+    cost = {
+        k: (slowdown[k] - 1) * step_s["none"] * args.train_steps / max(snaps, 1) for k in modes[1:]
+    }
+    lines = [
+        f"Training: {args.train_steps} steps of a 384x384 matmul and an all_reduce per "
+        f"loop, an async_save of {args.train_mb:g} MiB per rank every {args.every} steps "
+        f"(none in mode none), {snaps} per loop, one every {args.every * step_s['none']:.2f} s "
+        f"of training; {args.train_rounds} rounds of the modes, rotated; the ratio to the "
+        "adjacent none loop of the same round, median over rounds and ranks; the training "
+        "time each snapshot cost (the ratio's excess over the loop, per snapshot):",
+        "",
+        "| mode | ms per step (median) | x none | x none per round and rank "
+        "| lost per snapshot (s) |",
+        "| --- | --- | --- | --- | --- |",
+        *(
+            f"| {k} | {step_s[k] * 1e3:.2f} | {slowdown[k]:.2f} | "
+            + " ".join(f"{x:.2f}" for t in trained for x in t["ratio"][k])
+            + f" | {cost[k]:.3f} |"
+            if k != "none"
+            else f"| none | {step_s[k] * 1e3:.2f} | 1 | | |"
+            for k in modes
+        ),
+        "",
+        f"(paced: max_bytes_per_s = {args.pace_mbps:g} MB/s; failures: "
+        f"{[f for t in trained for f in t['train_failures']]})",
+    ]
+    return {"step_s": step_s, "slowdown": slowdown, "lost_per_snapshot_s": cost}, lines
+
+
+def _train_only(args: argparse.Namespace, trained: list[Any]) -> int:
+    figures, lines = _training(args, trained)
+    text = (
+        "\n".join(["# bench_peer --train-only: 2 nodes x 1 rank on 127.0.0.1", "", *lines]) + "\n"
+    )
+    print(text)
+    write_figures(args.json, {"trained": trained, **figures}, args.markdown, text)
+    return 0
 
 
 if __name__ == "__main__":
