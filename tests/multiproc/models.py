@@ -27,7 +27,9 @@ Quirks of torch 2.13 (CPU, gloo) found while writing this:
   shard (`scale` on 4 ranks), which it handles.
 - A rank that exits without destroy_process_group() sometimes aborts at interpreter
   exit (SIGABRT, "terminate called without an active exception"; 2 of 6 tries of a
-  bare init + all_reduce on 2 ranks), so rank scripts end with `shutdown()`.
+  bare init + all_reduce on 2 ranks), so rank scripts end with `shutdown()`. It still
+  happened once after `shutdown()` (rank_models.py in CI, 2026-11-23), so the script that
+  runs torch alone also leaves with `os._exit(0)` once its report is written.
 - get_state_dict gives FQN keys without DDP's "module." prefix; AdamW's `step` is a
   plain tensor even where exp_avg/exp_avg_sq are DTensors.
 """
