@@ -503,12 +503,14 @@ def main(actions: list[dict[str, Any]]) -> None:
     for a in actions:
         out.append(OPS[a["op"]](a))
         launch.report(out)
-    snapcore.close()
+    snapcore.close()  # every snapshot waited for, its failures raised here
     if not any(a["op"] in ("kill-save", "sigterm") or a.get("no_barrier") for a in actions):
-        models.shutdown()
-    else:  # the dead rank cannot join a barrier: leave without one
-        sys.stdout.flush()
-        os._exit(0)
+        models.shutdown()  # (else the dead rank cannot join a barrier: leave without one)
+    # Nothing of snapcore's is left to run: skip the interpreter's teardown, where gloo's
+    # threads sometimes abort a process (models.py, quirks).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
