@@ -438,30 +438,16 @@ def phase_torch_save(args: argparse.Namespace, work: Path) -> Result:
     import torch
 
     model, opt, info = build_state(args.size_gb)
-    runs: list[Result] = []
     tensors = state_tensors(model, opt)
     path = work / "torch-save.pt"
-    for i in range(2):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        perturb(tensors)
-        with Peak(info["baseline_rss"]) as peak:
-            t0 = time.perf_counter()
-            with open(path, "wb") as f:
-                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            durable = time.perf_counter() - t0
-        runs.append(
-            {
-                "run": i,
-                "blocked_s": durable,
-                "durable_s": durable,
-                "peak_extra": peak.extra,
-                "others": peak.others,
-            }
-        )
-        common.drop_page_cache([str(path)])  # leave no cached pages behind for the next measurement
+
+    def save() -> None:
+        with open(path, "wb") as f:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    runs = _blocking_runs(save, path, tensors, info)
     out = {**info, "runs": runs, "file": str(path), "file_bytes": path.stat().st_size}
     out["safetensors"] = _safetensors_runs(model, opt, tensors, info, work)
     return out
@@ -489,6 +475,21 @@ def _safetensors_runs(model: Any, opt: Any, tensors: list[Any], info: Result, wo
     except ImportError as e:
         return {"error": f"safetensors is not installed ({e})"}
     path = work / "state.safetensors"
+
+    def save() -> None:
+        save_file(flat_tensors(model, opt), str(path))
+        _fsync_path(path)
+
+    runs = _blocking_runs(save, path, tensors, info)
+    return {"runs": runs, "file": str(path), "file_bytes": path.stat().st_size}
+
+
+def _blocking_runs(
+    save: Callable[[], None], path: Path, tensors: list[Any], info: Result
+) -> list[Result]:
+    """Two timed runs of a peer whose call returns once its file is durable (``save``
+    writes and fsyncs ``path``): the state changed before each, the old file removed
+    first and its pages dropped after (no cached pages left for the next measurement)."""
     runs: list[Result] = []
     for i in range(2):
         with contextlib.suppress(FileNotFoundError):
@@ -496,8 +497,7 @@ def _safetensors_runs(model: Any, opt: Any, tensors: list[Any], info: Result, wo
         perturb(tensors)
         with Peak(info["baseline_rss"]) as peak:
             t0 = time.perf_counter()
-            save_file(flat_tensors(model, opt), str(path))
-            _fsync_path(path)
+            save()
             durable = time.perf_counter() - t0
         runs.append(
             {
@@ -509,7 +509,7 @@ def _safetensors_runs(model: Any, opt: Any, tensors: list[Any], info: Result, wo
             }
         )
         common.drop_page_cache([str(path)])
-    return {"runs": runs, "file": str(path), "file_bytes": path.stat().st_size}
+    return runs
 
 
 # -- phase: DCP -------------------------------------------------------------------------------
