@@ -776,8 +776,10 @@ class Reader:
                     copies.append((i, t))
         on_gpu: list[tuple[int, torch.Tensor]] = []
         if _native.cuda_available():
-            on_gpu = [(i, t) for i, t in copies if self._h2d_ok(i, t)]
-            copies = [(i, t) for i, t in copies if not self._h2d_ok(i, t)]
+            rest: list[tuple[int, torch.Tensor]] = []
+            for i, t in copies:  # one check per tensor: through the H2D ring, or copy_
+                (on_gpu if self._h2d_ok(i, t) else rest).append((i, t))
+            copies = rest
             native += [t for _, t in on_gpu]
         try:
             self.read_blobs(direct)
