@@ -12,10 +12,25 @@ Nested dicts, lists and tuples are flattened into dotted names (``optim.param_gr
 tensors are tensors, int/float/str/bool/None are values, anything else (a ``torch.Size``,
 ``bytes``...) is skipped with a warning naming it.
 
-Writing holds every tensor until ``commit``: ``torch.save`` takes the whole nested dict at
-once, so the sink's memory is the checkpoint's size (not bounded, unlike the other
-formats). The file is written under a temporary name beside the target, fsynced and
-renamed. The provenance metadata has no place in a ``torch.save`` file and is dropped.
+Writing streams, in torch's own format (``torch.save`` pickles the whole nested dict at
+once, so it does not write the file itself). At ``begin`` the sink knows every tensor
+(name, dtype, shape) and the values. It runs ``torch.save`` of the nested state under
+``torch.serialization.skip_data`` with placeholder tensors (storages cut from one
+read-only anonymous mapping, never touched: no RSS, no commit charge), into ``_Sparse``,
+a file object in memory that keeps what torch writes and not the holes it seeks over
+where the bytes would go. Read back with ``zipfile``, that gives torch's records: the
+pickle (``data.pkl``: storage keys, dtypes, shapes, strides, tied tensors as one
+storage), ``.format_version``, ``.storage_alignment``, ``byteorder``, ``version`` and
+``.data/serialization_id``. The file is then written with ``zipfile`` (stored, ZIP64):
+the small records copied in torch's order, and each storage's record
+(``archive/data/N``) streamed from the tensor, or its ranges, as it arrives (``order``
+asks for the tensors in torch's storage order, so the layout is torch's). ``zipfile``
+computes each record's CRC-32 as it writes; each record's bytes start at a multiple of
+the storage alignment (64), padded as torch pads, with an extra field in the local
+header, so ``torch.load`` maps them (``mmap=True``). Memory: the tensor (or range)
+being written; the sink keeps none. The file is written under a temporary name beside
+the target, fsynced and renamed at ``commit``. The provenance metadata has no place in a
+``torch.save`` file and is dropped.
 """
 
 from __future__ import annotations

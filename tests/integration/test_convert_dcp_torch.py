@@ -652,3 +652,27 @@ def test_torch_sink_checks_and_leaves_nothing_on_failure(tmp_path: Path) -> None
     with pytest.raises(KeyboardInterrupt):
         convert(src, target, to="torch", progress=stop)
     assert [p.name for p in tmp_path.iterdir()] == ["src.pt"]
+
+
+def test_torch_sink_numbers_storages_as_torch_does(tmp_path: Path) -> None:
+    """An alias met before its tensor (``a.head``, tied to ``z.embed``) gives that tensor
+    its storage key there, as torch.save's pickler does: the sink asks for the tensors in
+    that order, and every tensor lands in its own record (same sizes would hide a mix-up:
+    the dtypes and values tell them apart)."""
+    target = tmp_path / "o.pt"
+    sink = torch_file.TorchSink(target, {})
+    w = TensorInfo("a.w", torch.float32, (3,))
+    m = TensorInfo("m", torch.int32, (3,))
+    e = TensorInfo("z.embed", torch.float32, (3,))
+    aliases = {"a.head": "z.embed"}
+    sink.write_values({"lr": 1.0})
+    order = sink.order([w, m, e], aliases)
+    assert [i.name for i in order] == ["a.w", "z.embed", "m"]
+    sink.begin(order, aliases, {})
+    given = {"a.w": torch.ones(3), "z.embed": torch.full((3,), 7.0), "m": torch.arange(3).int()}
+    for info in order:
+        sink.write(info, given[info.name])
+    sink.commit({})
+    back = torch.load(target, weights_only=True, mmap=True)
+    assert_same({"a.w": back["a"]["w"], "z.embed": back["z"]["embed"], "m": back["m"]}, given)
+    assert back["a"]["head"] is back["z"]["embed"] and back["lr"] == 1.0
