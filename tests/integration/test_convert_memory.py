@@ -11,7 +11,7 @@ heap keeps freed tensors' memory and the figure wanders by tens of MB). Nothing 
 timed. The state is 256 MiB: 24 tensors of 8 MiB and one of 64 MiB; a sink that gathered
 the checkpoint (the snapcore, DCP and torch sinks did, before they streamed) shows 256 MiB
 or more (the snapcore sink showed 512 MiB: the tensors and the engine's staging copy; the
-torch sink 256 MiB and up: its copies, then ``torch.save``'s).
+torch sink 320 MiB, with either window).
 """
 
 from __future__ import annotations
