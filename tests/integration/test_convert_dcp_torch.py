@@ -676,3 +676,26 @@ def test_torch_sink_numbers_storages_as_torch_does(tmp_path: Path) -> None:
     back = torch.load(target, weights_only=True, mmap=True)
     assert_same({"a.w": back["a"]["w"], "z.embed": back["z"]["embed"], "m": back["m"]}, given)
     assert back["a"]["head"] is back["z"]["embed"] and back["lr"] == 1.0
+
+
+def test_torch_sink_plans_any_size_without_memory(tmp_path: Path) -> None:
+    """begin() of a 1 TiB tensor (more than this machine's memory): torch.save's skeleton
+    is made from placeholders that are never touched, and kept in memory without the
+    holes, so the process's RSS barely moves and the temporary file holds only the
+    records before the first storage's; abort() removes it."""
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    sink = torch_file.TorchSink(tmp_path / "huge.pt", {})
+    huge = TensorInfo("huge", torch.float32, (1 << 38,))  # 1 TiB
+    small = TensorInfo("small", torch.int64, (3,))
+    sink.write_values({"step": 1})
+    before = rss()
+    sink.begin(sink.order([huge, small], {}), {}, {})
+    assert rss() - before < 64 << 20
+    (tmp,) = tmp_path.iterdir()
+    assert tmp.name.startswith(".huge.pt.tmp") and tmp.stat().st_size < 1 << 20
+    sink.abort()
+    assert list(tmp_path.iterdir()) == []
