@@ -232,8 +232,10 @@ def _placeholders(infos: list[TensorInfo]) -> dict[str, torch.Tensor]:
     """A tensor of each ``info``'s dtype and shape whose memory is never touched: each
     is a storage of its own (one storage key each in ``torch.save``) cut from one
     read-only anonymous mapping, reserved and never committed, so that neither RSS nor
-    the kernel's commit charge grows with the checkpoint's size (a ``torch.empty`` per
-    tensor costs a page or two of RSS for each small one, malloc's headers)."""
+    the kernel's commit charge grows with the checkpoint's size. (A ``torch.empty`` per
+    tensor would cost about a page of RSS for each one below malloc's mmap threshold,
+    measured 430 MiB for 100,000 tensors of 16 KiB, and fails for a tensor larger than
+    the memory the kernel commits; ``torch.save`` under ``skip_data`` reads neither.)"""
     offsets: list[int] = []
     total = 0
     for info in infos:
