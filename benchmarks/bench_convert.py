@@ -18,6 +18,8 @@ dropped from the page cache first, and every output fsynced before the clock sto
   ``save_distributed=True``); ``format_utils.dcp_to_torch_save`` from a DCP copy of the
   state (made by ``convert``); ``safetensors.torch.load_file`` of every shard then
   ``snapcore.save``;
+- ``convert(store, file, to="torch")``: a ``torch.save`` file, beside ``snapcore.load``
+  then ``torch.save`` (and ``dcp_to_torch_save``, above);
 - the machine's limits in the same run: a plain copy of the store's data files
   (``shutil.copyfile`` + fsync, page cache dropped first: the disk's copy speed) before,
   between and after the conversions, and O_DIRECT write / cold read probes
@@ -75,6 +77,7 @@ PRESETS = (
 # The timed jobs, in the order they run (the copies are the machine's reference).
 TO_SAFETENSORS = ("save_file", "hf_hub", "consolidate", "dcp_to_torch_save")
 TO_SNAPCORE = ("load_file_save",)
+TO_TORCH = ("load_torch_save",)  # and dcp_to_torch_save, run with TO_SAFETENSORS
 LABELS = {
     "copy": "plain copy of the store's data files (copyfile + fsync)",
     "convert_to_safetensors": "snapcore convert: snapcore -> safetensors (HF sharded)",
@@ -84,6 +87,8 @@ LABELS = {
     "dcp_to_torch_save": "torch dcp_to_torch_save: DCP -> torch.save file",
     "convert_to_snapcore": "snapcore convert: safetensors -> snapcore",
     "load_file_save": "safetensors load_file of every shard + snapcore.save",
+    "convert_to_torch": "snapcore convert: snapcore -> torch.save file",
+    "load_torch_save": "snapcore.load + torch.save",
 }
 
 
@@ -326,6 +331,28 @@ def job_body(name: str, args: argparse.Namespace, work: Path, out: Path) -> tupl
         from snapcore.convert import convert
 
         return lambda: convert(work / "in_safetensors", out, to="snapcore"), "snapcore"
+    if name == "convert_to_torch":
+        from snapcore.convert import convert
+
+        def to_torch_file() -> None:
+            out.mkdir()
+            convert(store, out / "model.pt", to="torch")
+
+        return to_torch_file, "torch"
+    if name == "load_torch_save":
+        import torch
+
+        import snapcore
+
+        def load_torch_save() -> None:
+            out.mkdir()
+            sd = snapcore.load(store)
+            torch.save(sd, out / "model.pt")
+            del sd
+            snapcore.close()
+            fsync_tree(out)
+
+        return load_torch_save, "torch"
     if name == "save_file":
         from safetensors.torch import save_file
 
@@ -416,6 +443,8 @@ SOURCES = {
     "dcp_to_torch_save": "in_dcp",
     "convert_to_snapcore": "in_safetensors",
     "load_file_save": "in_safetensors",
+    "convert_to_torch": "store",
+    "load_torch_save": "store",
 }
 
 
@@ -600,6 +629,7 @@ def check_targets(r: Result) -> list[Result]:
     for conv, (before, after), alts, short in (
         ("convert_to_safetensors", (0, 1), TO_SAFETENSORS, "snapcore -> safetensors"),
         ("convert_to_snapcore", (1, 2), TO_SNAPCORE, "safetensors -> snapcore"),
+        ("convert_to_torch", (2, 3), (*TO_TORCH, "dcp_to_torch_save"), "snapcore -> torch"),
     ):
         x = jobs.get(conv, {})
         near = [c for c in (copy_rate(before), copy_rate(after)) if c]
@@ -789,6 +819,10 @@ def main(argv: list[str] | None = None) -> int:
         for job in TO_SNAPCORE:
             run(job)
         run("copy", "copy#after")
+        run("convert_to_torch")
+        for job in TO_TORCH:
+            run(job)
+        run("copy", "copy#end")
         r["probes"].append(run_child("probes", args, work, "probes-end"))
         r["order"], r["copies"], r["jobs"] = order, copies, jobs
         r["targets"] = check_targets(r)

@@ -1,12 +1,10 @@
 """Dotted names to and from nested dicts, and the atomic file commit the torch and DCP
-formats share (and the torch format's whole-state sink)."""
+formats share."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,47 +89,3 @@ def commit_rename(tmp: Path, target: Path) -> None:
     replaces only an absent or empty one (rename(2) refuses a full one)."""
     os.replace(tmp, target)
     fsync_dir(target.parent)
-
-
-class WholeStateSink:
-    """A sink for a format written whole (``torch.save``): it keeps a copy
-    of every tensor until ``commit`` (memory: the whole checkpoint; the caller may reuse
-    its buffers), then ``_write``s the nested state to a temporary name beside the
-    target, fsynced, and renames it onto the target; anything that fails removes it."""
-
-    def __init__(self, path: Path, options: dict[str, Any] | None = None) -> None:
-        self.path = Path(path)
-        self._tmp = temp_name(self.path)
-        self._leaves: dict[str, Any] = {}
-
-    def write(self, info: Any, tensor: torch.Tensor) -> None:
-        self._leaves[info.name] = tensor.detach().clone()
-
-    def write_values(self, values: dict[str, Any]) -> None:
-        self._leaves.update(values)
-
-    def commit(self, metadata: dict[str, str]) -> None:
-        nested = unflatten(self._leaves)
-        try:
-            self._remove_tmp()
-            self._write(nested, self._tmp)
-            commit_rename(self._tmp, self.path)
-        except BaseException:
-            self.abort()
-            raise
-        self._leaves.clear()
-
-    def abort(self) -> None:
-        self._leaves.clear()
-        self._remove_tmp()
-
-    def _remove_tmp(self) -> None:
-        if self._tmp.is_dir() and not self._tmp.is_symlink():
-            shutil.rmtree(self._tmp, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._tmp)
-
-    def _write(self, state: dict[str, Any], tmp: Path) -> None:
-        """Write ``state`` at ``tmp``, durably (the format's own writer, then fsync)."""
-        raise NotImplementedError

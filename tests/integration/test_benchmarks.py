@@ -209,6 +209,9 @@ def test_bench_convert(tmp_path: Path) -> None:
         "convert_to_snapcore",
         "load_file_save",
         "copy#after",
+        "convert_to_torch",
+        "load_torch_save",
+        "copy#end",
     ]
     for tag, x in r["order"]:
         if "skipped" in x:  # only an optional peer, with its reason
@@ -222,7 +225,7 @@ def test_bench_convert(tmp_path: Path) -> None:
             assert x["check"]["equal"], (tag, x["check"])
             assert x["check"]["tensors"] == state["tensors"], (tag, x["check"])
     # every target was judged (PASS or FAIL: a smoke run's verdicts mean nothing)
-    assert len(r["targets"]) == 6
+    assert len(r["targets"]) == 9
     assert all(t["status"] in ("PASS", "FAIL") for t in r["targets"]), r["targets"]
     text = table.read_text()
     assert "| # | conversion | seconds | GB/s |" in text and "| target | measured |" in text

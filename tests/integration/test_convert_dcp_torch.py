@@ -514,3 +514,188 @@ def test_round_trip_torch_dcp_torch(tmp_path: Path) -> None:
     write_all("torch", tmp_path / "b.pt", t2, v2)
     t3, _ = read_all("torch", tmp_path / "b.pt")
     assert_same(t3, state)
+
+
+# ---------------------------------------------------------------------------------------
+# torch target: torch's own records, each storage's streamed into a zip by zipfile
+# ---------------------------------------------------------------------------------------
+
+
+def _data_offsets(path: Path) -> dict[str, int]:
+    """Where each record's bytes start in the zip (after its local header)."""
+    import struct
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+        for info in zf.infolist():
+            f.seek(info.header_offset)
+            head = f.read(30)
+            name_len, extra_len = struct.unpack("<HH", head[26:30])
+            out[info.filename] = info.header_offset + 30 + name_len + extra_len
+    return out
+
+
+def test_torch_target_ties_ranges_and_every_dtype(tmp_path: Path) -> None:
+    """A snapcore source (tied weights, a non-contiguous tensor, 0-d, empty, bf16, fp8...)
+    converted to torch whole and in ranges of 64 bytes: torch.load, with and without
+    mmap, gives every tensor bit-exact, the tied ones as one storage, and the values;
+    zipfile's integrity test passes (every record's CRC-32 is that of its bytes) and
+    every storage's bytes start at a multiple of torch's alignment (64)."""
+    import zipfile
+
+    import snapcore
+    from snapcore.convert import convert
+
+    tensors = dtype_state()
+    g = torch.Generator().manual_seed(2)
+    tensors["transposed"] = torch.randn(5, 7, generator=g).t()
+    tensors["big"] = torch.arange(1000, dtype=torch.float32)  # cut into 16-element ranges
+    tensors["c64"] = torch.randn(3, dtype=torch.complex64, generator=g)
+    tensors["u8"] = torch.arange(13, dtype=torch.uint8)
+    tensors["fp8"] = torch.randn(6, generator=g).to(torch.float8_e4m3fn)
+    shared = torch.randn(4, 3, generator=g)
+    state = {
+        "model": {**tensors, "embed": shared, "head": shared},
+        "step": 3,
+        "lr": 0.25,
+        "sched": {"name": "cos", "warm": [1, 2.5, None]},
+    }
+    snapcore.save(state, tmp_path / "s", step=3)
+    snapcore.close()
+    for window in (None, 64):
+        target = tmp_path / f"out-{window}.pt"
+        stats = convert(tmp_path / "s", target, to="torch", window=window)
+        assert stats.aliases == 1 and stats.tensors == len(tensors) + 1
+        with zipfile.ZipFile(target) as zf:
+            assert zf.testzip() is None
+            storages = [i.filename for i in zf.infolist() if "/data/" in i.filename]
+        assert storages == [f"archive/data/{k}" for k in range(len(tensors) + 1)]
+        offsets = _data_offsets(target)
+        assert all(offsets[name] % 64 == 0 for name in storages), offsets
+        for mmap in (False, True):
+            back = torch.load(target, weights_only=True, mmap=mmap)
+            model = back["model"]
+            assert_same({k: model[k] for k in tensors}, tensors)
+            assert_same({"embed": model["embed"]}, {"embed": shared})
+            assert model["embed"].untyped_storage().data_ptr() == (
+                model["head"].untyped_storage().data_ptr()
+            )
+            assert back["step"] == 3 and back["lr"] == 0.25
+            assert back["sched"] == {"name": "cos", "warm": {"0": 1, "1": 2.5, "2": None}}
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["out-64.pt", "out-None.pt", "s"]  # no temporary file
+
+
+def test_torch_target_records_are_torch_saves(tmp_path: Path) -> None:
+    """For a state of contiguous tensors and values, the file holds the records
+    torch.save writes, in its order, with the same bytes (the pickle included): only
+    the random ``.data/serialization_id`` differs."""
+    import zipfile
+
+    from snapcore.convert import convert
+
+    state = {"model": dtype_state(), "extra": {"w": torch.randn(300, 7)}, "lr": 0.5}
+    with open(tmp_path / "ref.pt", "wb") as f:  # a file object: records under archive/
+        torch.save(state, f)
+    convert(tmp_path / "ref.pt", tmp_path / "ours.pt", to="torch")
+    with zipfile.ZipFile(tmp_path / "ref.pt") as ref, zipfile.ZipFile(tmp_path / "ours.pt") as ours:
+        names = [i.filename for i in ref.infolist()]
+        assert [i.filename for i in ours.infolist()] == names
+        for name in names:
+            if not name.endswith("serialization_id"):
+                assert ours.read(name) == ref.read(name), name
+
+
+def test_torch_sink_checks_and_leaves_nothing_on_failure(tmp_path: Path) -> None:
+    target = tmp_path / "out.pt"
+    sink = torch_file.TorchSink(target, {})
+    a, b = TensorInfo("a", torch.float32, (4,)), TensorInfo("n.b", torch.int64, (2, 2))
+    sink.write_values({"n.v": 1})
+    # torch numbers the storages as its pickler meets them: n.b and n.x together
+    x = TensorInfo("n.x", torch.float32, (1,))
+    assert [i.name for i in sink.order([b, a, x], {})] == ["n.b", "n.x", "a"]
+    sink.begin([a, b], {"c": "a"}, {})
+    sink.write(a, torch.ones(4))
+    with pytest.raises(ValueError, match="written twice"):
+        sink.write(a, torch.ones(4))
+    with pytest.raises(ValueError, match="planned"):
+        sink.write(b, torch.ones(2, 2))  # float, not int64
+    sink.write_range(b, 0, torch.arange(2))
+    with pytest.raises(ValueError, match="out of order"):
+        sink.write_range(b, 3, torch.arange(1))  # a gap
+    with pytest.raises(ValueError, match=r"not written: n\.b"):
+        sink.commit({})  # b is half written
+    assert list(tmp_path.iterdir()) == []  # neither target nor temporary file
+
+    # tensors given in another order than torch's storages': their records follow it
+    sink = torch_file.TorchSink(target, {})
+    sink.write_values({"n.v": 1})
+    sink.begin([a, b], {"c": "a"}, {})
+    sink.write(a, torch.ones(4))
+    sink.write(b, torch.arange(4).reshape(2, 2))
+    sink.commit({})
+    back = torch.load(target, weights_only=True, mmap=True)
+    assert torch.equal(back["a"], torch.ones(4)) and back["c"] is back["a"]
+    assert torch.equal(back["n"]["b"], torch.arange(4).reshape(2, 2)) and back["n"]["v"] == 1
+    target.unlink()
+
+    # interrupted half-way through a conversion: no target, no temporary file
+    src = tmp_path / "src.pt"
+    torch.save({"a": torch.ones(8), "b": torch.zeros(8)}, src)
+
+    def stop(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    from snapcore.convert import convert
+
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, target, to="torch", progress=stop)
+    assert [p.name for p in tmp_path.iterdir()] == ["src.pt"]
+
+
+def test_torch_sink_numbers_storages_as_torch_does(tmp_path: Path) -> None:
+    """An alias met before its tensor (``a.head``, tied to ``z.embed``) gives that tensor
+    its storage key there, as torch.save's pickler does: the sink asks for the tensors in
+    that order, and every tensor lands in its own record (same sizes would hide a mix-up:
+    the dtypes and values tell them apart)."""
+    target = tmp_path / "o.pt"
+    sink = torch_file.TorchSink(target, {})
+    w = TensorInfo("a.w", torch.float32, (3,))
+    m = TensorInfo("m", torch.int32, (3,))
+    e = TensorInfo("z.embed", torch.float32, (3,))
+    aliases = {"a.head": "z.embed"}
+    sink.write_values({"lr": 1.0})
+    order = sink.order([w, m, e], aliases)
+    assert [i.name for i in order] == ["a.w", "z.embed", "m"]
+    sink.begin(order, aliases, {})
+    given = {"a.w": torch.ones(3), "z.embed": torch.full((3,), 7.0), "m": torch.arange(3).int()}
+    for info in order:
+        sink.write(info, given[info.name])
+    sink.commit({})
+    back = torch.load(target, weights_only=True, mmap=True)
+    assert_same({"a.w": back["a"]["w"], "z.embed": back["z"]["embed"], "m": back["m"]}, given)
+    assert back["a"]["head"] is back["z"]["embed"] and back["lr"] == 1.0
+
+
+def test_torch_sink_plans_any_size_without_memory(tmp_path: Path) -> None:
+    """begin() of a 1 TiB tensor (more than this machine's memory): torch.save's skeleton
+    is made from placeholders that are never touched, and kept in memory without the
+    holes, so the process's RSS barely moves and the temporary file holds only the
+    records before the first storage's; abort() removes it."""
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    sink = torch_file.TorchSink(tmp_path / "huge.pt", {})
+    huge = TensorInfo("huge", torch.float32, (1 << 38,))  # 1 TiB
+    small = TensorInfo("small", torch.int64, (3,))
+    sink.write_values({"step": 1})
+    before = rss()
+    sink.begin(sink.order([huge, small], {}), {}, {})
+    assert rss() - before < 64 << 20
+    (tmp,) = tmp_path.iterdir()
+    assert tmp.name.startswith(".huge.pt.tmp") and tmp.stat().st_size < 1 << 20
+    sink.abort()
+    assert list(tmp_path.iterdir()) == []

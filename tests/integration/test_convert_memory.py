@@ -1,6 +1,6 @@
 """snapcore convert holds at most two reads in flight, whatever the checkpoint's size
 (docs/cli.md, "convert"): a tensor larger than the window is converted in ranges, a
-smaller one whole, and the snapcore, safetensors and DCP targets keep none of them.
+smaller one whole, and the snapcore, safetensors, DCP and torch targets keep none of them.
 
 Measured in a child process as its peak RSS (``VmHWM``, reset with ``clear_refs`` just
 before the conversion) above its RSS at that point. The child runs with glibc's mmap
@@ -9,8 +9,9 @@ is a mapping of its own, returned to the kernel when freed: RSS then counts the 
 alive, not what the allocator keeps for reuse (with its default, dynamic threshold the
 heap keeps freed tensors' memory and the figure wanders by tens of MB). Nothing here is
 timed. The state is 256 MiB: 24 tensors of 8 MiB and one of 64 MiB; a sink that gathered
-the checkpoint (the snapcore and DCP sinks did, before they streamed) shows 256 MiB or
-more (the snapcore sink showed 512 MiB: the tensors and the engine's staging copy).
+the checkpoint (the snapcore, DCP and torch sinks did, before they streamed) shows 256 MiB
+or more (the snapcore sink showed 512 MiB: the tensors and the engine's staging copy; the
+torch sink 320 MiB, with either window).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ for name, (a, b, to) in {
     "safetensors->safetensors": (src, out + "-safetensors", "safetensors"),
     "snapcore->safetensors": (out + "-snapcore", out + "-back", "safetensors"),
     "safetensors->dcp": (src, out + "-dcp", "dcp"),
+    "safetensors->torch": (src, out + ".pt", "torch"),
+    "snapcore->torch": (out + "-snapcore", out + "-back.pt", "torch"),
 }.items():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
@@ -81,7 +84,19 @@ def _peaks(tmp_path: Path, window: int) -> dict[str, int]:
 
 
 def _check_output(tmp_path: Path, infos: list[TensorInfo]) -> None:
+    import zipfile
+
     import snapcore
+
+    for pt in ("out.pt", "out-back.pt"):
+        with zipfile.ZipFile(tmp_path / pt) as zf:
+            assert zf.testzip() is None, pt  # every record's CRC-32 is its bytes'
+        back = torch.load(tmp_path / pt, weights_only=True, mmap=True)
+        assert back["lr"] == 0.5
+        for i, info in enumerate(infos):
+            parts = info.name.split(".")
+            t = back[parts[0]] if len(parts) == 1 else back[parts[0]][parts[1]][parts[2]]
+            assert t.shape == info.shape and bool((t == float(i)).all()), (pt, info.name)
 
     state = snapcore.load(tmp_path / "out-snapcore")
     assert state["lr"] == 0.5
@@ -98,11 +113,13 @@ def test_ranges_bound_memory_by_the_window(tmp_path: Path) -> None:
     # two reads of at most 8 MiB in flight; the 64 MiB tensor goes in ranges
     assert peaks["safetensors->snapcore"] <= 4 * window, peaks
     assert peaks["safetensors->safetensors"] <= 4 * window, peaks
+    assert peaks["safetensors->torch"] <= 4 * window, peaks
     # a snapcore source reads whole chunks (the 64 MiB tensor is one, larger than the
     # window: read whole), and DCP's writer takes whole tensors: the 64 MiB one and the
     # read ahead
     assert peaks["snapcore->safetensors"] <= 64 * MIB + 4 * window, peaks
     assert peaks["safetensors->dcp"] <= 64 * MIB + 4 * window, peaks
+    assert peaks["snapcore->torch"] <= 64 * MIB + 4 * window, peaks
     _check_output(tmp_path, infos)
 
 
