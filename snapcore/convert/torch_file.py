@@ -107,6 +107,15 @@ def load_weights_only(path: Path) -> Any:
         ) from e
 
 
+def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors of a loaded file one and the same (``torch.load`` gives
+    tied tensors one storage); None for a tensor with no bytes, which ties nothing."""
+    storage = t.untyped_storage()
+    if t.numel() == 0 or storage.data_ptr() == 0:
+        return None
+    return (storage.data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+
+
 class TorchSource:
     def __init__(self, path: Path, options: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
@@ -115,6 +124,8 @@ class TorchSource:
             obj = {"tensor": obj}  # a bare tensor gets a name
         self._tensors: dict[str, torch.Tensor] = {}
         self._values: dict[str, Value] = {}
+        self._aliases: dict[str, str] = {}
+        first: dict[tuple[Any, ...], str] = {}
         for name, leaf in _nested.flatten(obj):
             if isinstance(leaf, torch.Tensor):
                 if leaf.layout != torch.strided:
@@ -122,6 +133,12 @@ class TorchSource:
                         "%s: skipping %r: a %s tensor", self.path, name, leaf.layout
                     )
                     continue
+                view = _view_key(leaf)
+                if view is not None and view in first:  # tied: the same view again
+                    self._aliases[name] = first[view]
+                    continue
+                if view is not None:
+                    first[view] = name
                 self._tensors[name] = leaf
             else:
                 self._values.update(_nested.plain_values(name, leaf, str(self.path)))
@@ -129,6 +146,11 @@ class TorchSource:
     def tensors(self) -> Iterator[TensorInfo]:
         for name, t in self._tensors.items():
             yield TensorInfo(name, t.dtype, tuple(t.shape))
+
+    def aliases(self) -> dict[str, str]:
+        """Names that are the same tensor as an earlier one (tied weights: the same
+        storage, offset, dtype, shape and strides), each to that first name."""
+        return dict(self._aliases)
 
     def read(self, info: TensorInfo) -> torch.Tensor:
         return self._tensors[info.name].detach().contiguous()

@@ -455,6 +455,50 @@ def test_torch_source_reads_torch_save(tmp_path: Path) -> None:
     assert_same(tensors, dtype_state())
 
 
+def test_torch_source_reports_tied_tensors_as_aliases(tmp_path: Path) -> None:
+    """Tied weights in a torch file (one tensor under two names) are one tensor and an
+    alias, so a safetensors target writes it once and records the alias, as for the
+    other sources; views of one storage that differ (another offset) are not tied, nor
+    are two empty tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    import snapcore
+    from snapcore.convert import convert
+
+    emb = torch.randn(6, 4)
+    rows = torch.arange(12.0)
+    state = {
+        "embed": emb,
+        "head": emb,
+        "first": rows[:6],
+        "second": rows[6:],
+        "e1": torch.empty(0),
+        "e2": torch.empty(0),
+    }
+    torch.save(state, tmp_path / "tied.pt")
+    src = FORMATS["torch"].source(tmp_path / "tied.pt", {})
+    try:
+        assert src.aliases() == {"head": "embed"}
+        assert [i.name for i in src.tensors()] == ["embed", "first", "second", "e1", "e2"]
+    finally:
+        src.close()
+
+    out = tmp_path / "tied.safetensors"
+    stats = convert(tmp_path / "tied.pt", out, to="safetensors")
+    assert stats.aliases == 1
+    loaded = load_file(out)
+    assert "head" not in loaded and torch.equal(loaded["embed"], emb)
+    assert torch.equal(loaded["first"], rows[:6]) and torch.equal(loaded["second"], rows[6:])
+    with safe_open(out, framework="pt") as f:
+        assert f.metadata()["head"] == "embed"
+
+    # a snapcore target keeps both names, one tensor
+    convert(tmp_path / "tied.pt", tmp_path / "store", to="snapcore")
+    back = snapcore.load(tmp_path / "store")
+    assert torch.equal(back["head"], emb) and back["head"] is back["embed"]
+
+
 def test_torch_detect_refuses_others(tmp_path: Path) -> None:
     st = tmp_path / "m.safetensors"
     header = b'{"__metadata__":{}}'
