@@ -266,3 +266,80 @@ def test_cli_converts_safetensors_to_a_url(
     # a bad --tmp-dir: exit 1 before anything is read or written
     code = cli(["convert", *args, "--storage-options", opts, "--tmp-dir", str(tmp / "no")])
     assert code == 1 and str(tmp / "no") in capsys.readouterr().err
+
+
+MIB = 1 << 20
+
+MEMORY_CHILD = r"""
+import json, sys
+from snapcore.convert import convert
+
+def rss(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+src, url, opts, tmp, window = sys.argv[1:6]
+kw = dict(to="snapcore", storage_options=json.loads(opts), tmp_dir=tmp, window=int(window))
+convert(src, url + "/warm", only=["layers.0.*"], **kw)  # imports, threads, connections
+peaks = {}
+for name, dst in (("local", tmp + "/local"), ("url", url + "/full")):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    base = rss("VmRSS:")
+    convert(src, dst, **kw)
+    peaks[name] = rss("VmHWM:") - base
+print(json.dumps(peaks))
+"""
+
+
+def test_url_target_memory_is_bounded_by_the_window_not_the_checkpoint(
+    tmp_path: Path, s3_bucket: Any
+) -> None:
+    """256 MiB of safetensors (24 tensors of 8 MiB, one of 64 MiB) converted with an 8 MiB
+    window to a local snapcore target and to a URL one, in a child process whose peak RSS
+    growth is measured (as tests/integration/test_convert_memory.py does; moto, in this
+    process, holds the uploaded bytes). The URL target adds the upload's part buffers
+    (16 MiB parts, at most 5 held) to the local target's two windows; gathering the
+    checkpoint, as the URL target did before it streamed, showed twice its 256 MiB."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from snapcore.convert.base import TensorInfo
+    from snapcore.convert.safetensors_fmt import SafetensorsSink
+
+    infos = [TensorInfo(f"layers.{i}.w", torch.float32, (2 * MIB,)) for i in range(24)]
+    infos.append(TensorInfo("big", torch.float32, (16 * MIB,)))
+    sink = SafetensorsSink(tmp_path / "src", {"shard_size": 100 * MIB})
+    sink.write_values({"lr": 0.5})
+    sink.begin(infos, {}, {})
+    for i, info in enumerate(infos):
+        sink.write(info, torch.full(info.shape, float(i)))
+    sink.commit({})
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    url = f"{s3_bucket.url}/mem"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MIB))
+    args = [str(tmp_path / "src"), url, json.dumps(s3_bucket.storage_options), str(tmp)]
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_CHILD, *args, str(8 * MIB)],
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    peaks = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    print(peaks)
+    assert peaks["local"] <= 32 * MIB, peaks  # two windows of 8 MiB in flight
+    # and the upload's part buffers: far under the checkpoint, let alone twice it
+    assert peaks["url"] <= 32 * MIB + 5 * 16 * MIB + 16 * MIB, peaks
+    assert sorted(p.name for p in tmp.iterdir()) == ["local"]  # the URL's temporary store went
+    with snapcore.Store(remote=url + "/full", storage_options=s3_bucket.storage_options) as store:
+        state = snapcore.load(store)
+    assert state["lr"] == 0.5
+    for i, info in enumerate(infos):
+        parts = info.name.split(".")
+        t = state[parts[0]] if len(parts) == 1 else state[parts[0]][parts[1]][parts[2]]
+        assert t.shape == info.shape and bool((t == float(i)).all()), info.name
