@@ -343,3 +343,26 @@ def test_url_target_memory_is_bounded_by_the_window_not_the_checkpoint(
         parts = info.name.split(".")
         t = state[parts[0]] if len(parts) == 1 else state[parts[0]][parts[1]][parts[2]]
         assert t.shape == info.shape and bool((t == float(i)).all()), info.name
+
+
+def test_upload_file_larger_than_the_part_limit_takes_larger_parts(
+    tmp_path: Path, s3_bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 takes at most 10,000 parts (here made 2): a file that needs more parts of the
+    client's size than that goes up in larger ones (its size is known beforehand), where a
+    streamed object of unknown size is refused."""
+    from snapcore.objstore import client, multipart
+
+    monkeypatch.setattr(multipart, "S3_MAX_PARTS", 2)
+    monkeypatch.setattr(client, "S3_MAX_PARTS", 2)
+    data = torch.randint(0, 256, (12 * MIB + 5,), dtype=torch.uint8).numpy().tobytes()
+    (tmp_path / "f").write_bytes(data)
+    opts = s3_bucket.storage_options
+    with ObjectStoreClient(s3_bucket.url, opts, part_bytes=5 * MIB) as c:
+        w = c.open_writer("streamed")
+        with pytest.raises(RemoteError, match="needs more than 2 parts"):
+            for k in range(0, len(data), MIB):
+                w.write(data[k : k + MIB])
+            w.close()
+        size, _ = c.upload_file(tmp_path / "f", "whole")
+        assert size == len(data) and c.read_bytes("whole") == data
