@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from .. import api
+from .. import manifest as mf
 from ..durable import fsync_dir
 from ..planning.layout import ALIGN, contiguous_strides
 from ..tiers import LocalTier, RemoteStoreTier, Store, as_store
@@ -368,7 +369,7 @@ class SnapcoreSink:
         self._tmp = None
         fsync_dir(target.parent)
 
-    def _upload(self, m: Any) -> None:
+    def _upload(self, m: mf.Manifest) -> None:
         """Upload the step committed in the temporary store, as a save's upload does (the
         manifest PUT last); then the temporary store goes."""
         assert self._remote is not None and self._tmp is not None
