@@ -7,7 +7,7 @@ import argparse
 from ..convert import FORMATS, convert
 from ..convert.run import DTYPES, GB, detect, parse_size
 from .output import add_progress_args, clean, human_bytes, progress, progress_enabled
-from .stores import UsageError, store_from
+from .stores import UsageError, storage_options, store_from
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,7 +28,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--shard-size", metavar="SIZE", default="5GB", help="safetensors: per file")
     p.add_argument("--remote", metavar="URL", help="snapcore source: its object-storage tier")
     p.add_argument("--host", metavar="NAME", help="snapcore source: its host-memory tier")
-    p.add_argument("--storage-options", metavar="JSON", help="fsspec options (a JSON object)")
+    p.add_argument(
+        "--storage-options", metavar="JSON", help="fsspec options of SRC and DST URLs (JSON)"
+    )
+    p.add_argument(
+        "--tmp-dir",
+        metavar="DIR",
+        help="snapcore URL DST: where the step is written before its upload (default: TMPDIR)",
+    )
     add_progress_args(p)
     p.set_defaults(func=run)
 
@@ -58,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
         options["storage_options"] = store.storage_options
     elif args.host or args.remote:
         raise UsageError("--host and --remote name tiers of a snapcore source")
+    else:
+        options["storage_options"] = storage_options(args)
+    if args.tmp_dir is not None:
+        options["tmp_dir"] = args.tmp_dir
     with progress(None, f"convert to {args.to}", progress_enabled(args)) as advance:
         done_so_far = [0]
 

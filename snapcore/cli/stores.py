@@ -34,16 +34,22 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--storage-options``, parsed (None when not given)."""
+    if not args.storage_options:
+        return None
+    try:
+        options = json.loads(args.storage_options)
+    except ValueError as e:
+        raise ValueError(f"--storage-options is not JSON: {e}") from None
+    if not isinstance(options, dict):
+        raise ValueError("--storage-options must be a JSON object")
+    return options
+
+
 def store_from(args: argparse.Namespace, **extra: Any) -> Store:
     """The Store the arguments describe: STORE is a directory or a URL."""
-    options = None
-    if args.storage_options:
-        try:
-            options = json.loads(args.storage_options)
-        except ValueError as e:
-            raise ValueError(f"--storage-options is not JSON: {e}") from None
-        if not isinstance(options, dict):
-            raise ValueError("--storage-options must be a JSON object")
+    options = storage_options(args)
     local, remote = None, None
     if args.store is not None:
         base = as_store(args.store)

@@ -163,9 +163,11 @@ def convert(
     most bytes of one tensor read at a time where both formats read and write ranges
     (default ``WINDOW``, 256 MiB); a larger tensor is converted in ranges of it.
     ``options`` go to the formats
-    (``storage_options``, ``store``: a ``snapcore.Store`` to read...).
+    (``storage_options``, ``store``: a ``snapcore.Store`` to read, ``tmp_dir``: where
+    a snapcore URL target is written before its upload...).
 
-    Raises ``FileExistsError`` for a target that exists (an empty directory is fine),
+    Raises ``FileExistsError`` for a target that exists (an empty directory is fine; a
+    URL target must hold no object),
     ``ValueError`` for an unknown format or names that collide; the target is left
     untouched by any failure.
     """

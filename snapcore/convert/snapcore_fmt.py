@@ -19,17 +19,22 @@ keeps only the manifest's records and the tree (dotted names split into nested d
 values first, then tensors in order, aliases last: the tensor they are the same as, so
 they stay tied). ``commit`` writes the manifest, step ``step`` (default 0): an ordinary
 committed snapshot, chunked and hashed as ``snapcore.save`` would, with codec ``none``.
-Memory: the tensor being written, whatever the checkpoint's size. A local target is
-written into a temporary store beside it and renamed into place once committed. A URL
-target is not streamed: the tensors are gathered and saved whole by ``snapcore.save``
-(snapcore's commit, the manifest written last, is the atomic step), so its memory is
-about twice the checkpoint (the tensors and the engine's staging copy). A tensor larger
-than the converter's window may arrive in ranges (``write_range``), each written into
-its blob as it comes.
+Memory: the tensor being written, whatever the checkpoint's size. A tensor larger than
+the converter's window may arrive in ranges (``write_range``), each written into its
+blob as it comes. A local target is written into a temporary store beside it and
+renamed into place once committed. A URL target (object storage) must hold no object
+yet; it is written into a temporary local store (a new directory under ``tmp_dir``,
+default the system's temporary directory), and once that step is committed it is
+uploaded by snapcore's upload (``write.upload.StepUpload``: the data file streamed as
+one object, the manifest PUT last, as a save's upload does), then the temporary store
+is removed. The temporary directory needs room for the whole snapshot (checked before
+the first tensor); the upload holds the object writer's part buffers, not the file.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import os
 import shutil
@@ -41,12 +46,16 @@ from typing import Any
 import torch
 
 from .. import api
+from .. import manifest as mf
 from ..durable import fsync_dir
-from ..planning.layout import contiguous_strides
-from ..tiers import Store, as_store
+from ..planning.layout import ALIGN, contiguous_strides
+from ..tiers import LocalTier, RemoteStoreTier, Store, as_store
 from ..tree import decode_float, flatten, join_path
-from ..write.stream import StreamWriter
+from ..write.stream import PAGE, StreamWriter
+from ..write.upload import StepUpload
 from .base import Format, TensorInfo, Value, register
+
+log = logging.getLogger(__name__)
 
 
 def _store(path: Any, options: dict[str, Any]) -> Store:
@@ -236,6 +245,23 @@ def _node(obj: Any) -> dict[str, Any]:
     return flatten(obj).tree
 
 
+def _new_remote(url: str, storage_options: dict[str, Any] | None) -> RemoteStoreTier:
+    """The remote tier of a URL target, which must hold no object yet (convert writes a
+    new target, as it refuses a local one that is not empty)."""
+    remote = RemoteStoreTier(url, storage_options)
+    try:
+        names = remote.rt.list("")
+        if names:
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise FileExistsError(
+                f"{url} is not empty ({names[0]}{more}): convert writes a new target"
+            )
+    except BaseException:
+        remote.close()
+        raise
+    return remote
+
+
 class SnapcoreSink:
     def __init__(self, path: Any, options: dict[str, Any]) -> None:
         self.step = options.get("step") or 0
@@ -246,6 +272,13 @@ class SnapcoreSink:
         self._aliases: dict[str, str] = {}
         self._tmp: Path | None = None
         self._stream: StreamWriter | None = None
+        self._remote: RemoteStoreTier | None = None
+        tmp_dir = options.get("tmp_dir")
+        self.tmp_dir = Path(tmp_dir) if tmp_dir is not None else None
+        if isinstance(path, str):  # a URL: checked (and its server reached) before any work
+            if self.tmp_dir is not None and not self.tmp_dir.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "tmp_dir is not a directory", str(tmp_dir))
+            self._remote = _new_remote(path, self.storage_options)
 
     def begin(
         self,
@@ -254,6 +287,22 @@ class SnapcoreSink:
         metadata: dict[str, str] | None = None,
     ) -> None:
         self._aliases = dict(aliases)
+        if self._remote is not None:  # the temporary store holds the whole snapshot
+            base = self._tmp_base()
+            # each tensor's bytes, moved to a page offset or aligned: at most a page more
+            need = sum(math.prod(i.shape) * i.dtype.itemsize + max(PAGE, ALIGN) for i in infos)
+            free = shutil.disk_usage(base).free
+            if free < need:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"the temporary store of the upload to {self.target} needs {need} bytes, "
+                    f"{free} are free there (give a directory with room: --tmp-dir, tmp_dir=)",
+                    str(base),
+                )
+
+    def _tmp_base(self) -> Path:
+        """Where a URL target's temporary store is made."""
+        return self.tmp_dir if self.tmp_dir is not None else Path(tempfile.gettempdir())
 
     def _put(self, name: str, value: Any) -> None:
         parts = name.split(".")
@@ -268,46 +317,38 @@ class SnapcoreSink:
         node[parts[-1]] = value
 
     def _writer(self) -> StreamWriter:
-        """The stream writer of the temporary store beside the target (made on first use)."""
+        """The stream writer of the temporary store (made on first use): beside a local
+        target, under ``tmp_dir`` for a URL target."""
         if self._stream is None:
-            target = Path(self.target).absolute()
-            self._tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+            if self._remote is not None:
+                base, prefix = self._tmp_base(), "snapcore-convert-"
+            else:
+                target = Path(self.target).absolute()
+                base, prefix = target.parent, f".{target.name}."
+            self._tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
             self._stream = StreamWriter(self._tmp, self.step)
         return self._stream
 
-    @property
-    def keeps_tensors(self) -> bool:
-        """Whether ``write`` keeps a reference to the tensor it is given (a URL target
-        gathers them); a local target is done with its memory when ``write`` returns."""
-        return isinstance(self.target, str)
+    keeps_tensors = False  # done with a tensor's memory when ``write`` returns
 
     def write(self, info: TensorInfo, tensor: torch.Tensor) -> None:
-        if isinstance(self.target, str):  # a URL: gathered, saved whole by commit
-            value: Any = tensor
-        else:
-            value = _Ref(self._writer().add(tensor))
+        value = _Ref(self._writer().add(tensor))
         self._put(info.name, value)
         self._by_name[info.name] = value
 
     def write_range(self, info: TensorInfo, start: int, piece: torch.Tensor) -> None:
         """Elements ``[start, start + piece.numel())`` of ``info``, in order: written
-        into the tensor's blob as they arrive (a URL target gathers them)."""
+        into the tensor's blob as they arrive."""
         if piece.dtype != info.dtype or piece.dim() != 1:
             raise ValueError(f"{info.name}: a range of {piece.dtype} {tuple(piece.shape)}")
         if start == 0:
-            if isinstance(self.target, str):
-                value: Any = torch.empty(info.shape, dtype=info.dtype)
-            else:
-                value = _Ref(self._writer().add_tensor(info.dtype, info.shape))
-            self._put(info.name, value)
-            self._by_name[info.name] = value
+            ref = _Ref(self._writer().add_tensor(info.dtype, info.shape))
+            self._put(info.name, ref)
+            self._by_name[info.name] = ref
         value = self._by_name.get(info.name)
         if value is None:
             raise ValueError(f"{info.name}: a range at element {start} before the first")
-        if isinstance(value, torch.Tensor):
-            value.view(-1)[start : start + piece.numel()] = piece
-        else:
-            self._writer().write(value.index, start * info.dtype.itemsize, piece)
+        self._writer().write(value.index, start * info.dtype.itemsize, piece)
 
     def write_values(self, values: dict[str, Value]) -> None:
         for name, value in values.items():
@@ -316,18 +357,31 @@ class SnapcoreSink:
     def commit(self, metadata: dict[str, str]) -> None:
         for alias, target in self._aliases.items():
             self._put(alias, self._by_name[target])
-        if isinstance(self.target, str):  # a URL: snapcore's commit is the atomic step
-            with Store(remote=self.target, storage_options=self.storage_options) as store:
-                api.save(self.tree, store, step=self.step)
-            return
-        self._writer().commit(_node(self.tree))
+        m = self._writer().commit(_node(self.tree))
         assert self._tmp is not None
+        if self._remote is not None:
+            self._upload(m)
+            return
         target = Path(self.target).absolute()
         if target.is_dir():
             target.rmdir()  # empty, as convert checked: replaced by the new store
         os.replace(self._tmp, target)
         self._tmp = None
         fsync_dir(target.parent)
+
+    def _upload(self, m: mf.Manifest) -> None:
+        """Upload the step committed in the temporary store, as a save's upload does (the
+        manifest PUT last); then the temporary store goes."""
+        assert self._remote is not None and self._tmp is not None
+        done = StepUpload(self._remote, LocalTier(self._tmp), m).run()
+        try:
+            done.end()  # the pending mark: after the commit, its failure undoes nothing
+        except Exception as e:
+            log.warning("%s: the upload's pending mark stays: %s", self.target, e)
+        self._remote.close()
+        self._remote = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp = None
 
     def abort(self) -> None:
         self.tree.clear()
@@ -338,6 +392,9 @@ class SnapcoreSink:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
 
 
 FORMAT = register(Format("snapcore", detect, SnapcoreSource, SnapcoreSink))

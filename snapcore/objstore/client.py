@@ -29,7 +29,7 @@ import aiofiles
 from ..errors import RemoteError
 from .connection import Connection, check_name
 from .loop import Loop, bounded
-from .multipart import S3_MAX_PART, S3_MIN_PART, ObjectWriter, new_upload
+from .multipart import S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART, ObjectWriter, new_upload
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +104,16 @@ class ObjectStoreClient:
         return self._loop.closing
 
     # -- writing ----------------------------------------------------------------------------
-    def open_writer(self, name: str) -> ObjectWriter:
-        """A writer that streams one object in parts; nothing is visible until its close()."""
+    def open_writer(self, name: str, *, part_bytes: int | None = None) -> ObjectWriter:
+        """A writer that streams one object in parts; nothing is visible until its close().
+        ``part_bytes``: this object's part size (default: the client's)."""
         check_name(name)
         if self._loop.closing:
             raise RemoteError("the remote tier is closed", url=self.url, name=name)
         w = ObjectWriter(
             self._conn,
             name,
-            part_bytes=self.part_bytes,
+            part_bytes=part_bytes or self.part_bytes,
             max_inflight=self.max_inflight,
             on_finish=self._writers.discard,
         )
@@ -123,11 +124,16 @@ class ObjectStoreClient:
         """Stream a local file into object ``name``; returns (size, xxh3_128 hex).
 
         The file is read (with aiofiles, off the event loop) straight into the writer's part
-        buffers, so its bytes are copied once on the way to the network.
+        buffers, so its bytes are copied once on the way to the network. Its size is known,
+        so on S3 a file larger than ``S3_MAX_PARTS`` parts of ``part_bytes`` goes in parts
+        large enough for it (whole MiB): memory grows with the file past that size only.
         """
-        w = self.open_writer(name)
+        size = os.stat(local_path).st_size
+        part = self.part_bytes
+        if self._conn.is_s3 and size > part * S3_MAX_PARTS:
+            part = -(-size // (S3_MAX_PARTS << 20)) << 20
+        w = self.open_writer(name, part_bytes=part)
         try:
-            size = os.stat(local_path).st_size
             f = self._loop.run(_aio_open(local_path))
             try:
                 done = 0

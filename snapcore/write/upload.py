@@ -1,23 +1,34 @@
 """The upload stage: a snapshot committed locally (or in host memory) goes to object storage.
 
-Runs on the engine's upload thread, one snapshot after another, so a slow or dead object
-store never holds up staging or local commits. Chunks the remote tier already holds
-(same content, same codec) are referenced, not uploaded again. The remote manifest is
-written last, with one PUT, after the data object is complete and its size checked (each
-request's body carries a checksum that S3 verifies; chunk hashes are checked on read).
+``StepUpload`` uploads one committed snapshot to a remote tier and commits it there; it
+needs no engine, so ``snapcore convert`` uploads the step it streamed into a temporary
+local store with it too (snapcore/convert/snapcore_fmt.py), and the remote gets what a
+save's upload gives. ``Upload`` is the engine's job around it: it runs on the engine's
+upload thread, one snapshot after another, so a slow or dead object store never holds up
+staging or local commits, and reports the outcome on the save's handle.
+
+Chunks the remote tier already holds (same content, same codec) are referenced, not
+uploaded again. The remote manifest is written last, with one PUT, after the data object
+is complete and its size checked (each request's body carries a checksum that S3
+verifies; chunk hashes are checked on read). Memory: the data object is streamed from
+the local file (or host memory) through the object writer's part buffers
+(``ObjectStoreClient.part_bytes`` times ``max_inflight + 1``), plus one chunk where
+chunks are copied one by one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from .. import manifest as mf
 from ..directory import part_file_name, rank_prefix, step_dir_name
-from ..io_types import Location
+from ..io_types import ChunkKey, Location
 from .commit import ShardedSave, part_ref
 from .manifest_builder import BlobRecord, ChunkRecord, build_manifest, restrict
 
@@ -29,12 +40,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+__all__ = ["StepUpload", "Upload", "Uploaded"]
+
 
 class Upload:
-    """Upload one snapshot. ``source`` is the tier whose committed manifest ``m`` is read;
-    with ``arena`` set, chunks are read from host memory instead of that tier's files.
-    A sharded save uploads its rank's part without the node copies (``PartSpec.drop``):
-    object storage gets each box of the job once."""
+    """The engine's upload of one snapshot (a ``StepUpload`` with the engine's remote
+    tier, codec and chunk index), its outcome reported on ``handle``, then the engine's
+    housekeeping (chunk index, retention) after the commit."""
 
     def __init__(
         self,
@@ -45,33 +57,103 @@ class Upload:
         arena: HostArena | None = None,
         sharded: ShardedSave | None = None,
     ) -> None:
-        self.sharded = sharded
         self.engine = engine
         self.handle = handle
         self.source = source
+        self.m = m
+        self.arena = arena
+        self.sharded = sharded
+
+    def run(self) -> None:
+        engine = self.engine
+        remote: RemoteStoreTier = engine.remote  # type: ignore[assignment]
+        try:
+            job = StepUpload(
+                remote,
+                self.source,
+                self.m,
+                codec=engine.config.codec_for("remote"),
+                # read now, not when the job was made: the uploads before it added to it
+                index=engine.index.get("remote"),
+                arena=self.arena,
+                sharded=self.sharded,
+            )
+            done = job.run()
+        except BaseException as e:
+            log.error("upload of step %d to %s failed: %s", self.m.step, engine.remote_url, e)
+            if self.sharded is not None:
+                self.sharded.fail(("remote",), self.m.step, e)
+            self.handle.resolve("remote", e)
+            return
+        self.handle.stats.written["remote"] = done.written
+        self.handle.stats.reused["remote"] = done.reused
+        engine.after_commit("remote", done.manifest, self.handle, before=done.end)
+        self.handle.resolve("remote")
+
+
+@dataclass
+class Uploaded:
+    """A committed upload: the remote's manifest, the bytes written and those referenced
+    from earlier snapshots. ``end()`` removes the upload's pending mark: the caller's
+    housekeeping after the commit (its failure cannot undo the commit)."""
+
+    manifest: mf.Manifest
+    written: int
+    reused: int
+    remote: RemoteStoreTier
+    token: str
+
+    def end(self) -> None:
+        self.remote.end(self.manifest.step, self.token)
+
+
+class StepUpload:
+    """Upload one committed snapshot to ``remote`` and commit it there. ``source`` is the
+    tier whose committed manifest ``m`` is read; with ``arena`` set, chunks are read from
+    host memory instead of that tier's files. ``codec``: the remote's codec (chunks in
+    another are re-encoded); ``index``: the chunks the remote holds already, by (xxh3,
+    raw length, codec), referenced rather than uploaded (None: none). A sharded save
+    uploads its rank's part without the node copies (``PartSpec.drop``): object storage
+    gets each box of the job once, and rank 0 writes the step's index.
+
+    ``run()`` marks the upload pending, writes one data object
+    (``step-N/data-TOKEN-rR.bin``), then the manifest with one PUT: a failure anywhere
+    raises (a ``RemoteError`` names the object and the URL) and leaves no manifest, the
+    data object aborted and the pending mark removed where the store still answers."""
+
+    def __init__(
+        self,
+        remote: RemoteStoreTier,
+        source: LocalTier,
+        m: mf.Manifest,
+        *,
+        codec: str = "none",
+        index: dict[ChunkKey, Location] | None = None,
+        arena: HostArena | None = None,
+        sharded: ShardedSave | None = None,
+    ) -> None:
+        self.remote = remote
+        self.source = source
+        self.codec = codec
+        self.index = index if index is not None else {}
+        self.sharded = sharded
         drop = sharded.spec.drop.get("remote", frozenset()) if sharded is not None else ()
         self.m = restrict(m, drop)
         self.trimmed = self.m is not m  # the source's data file holds chunks we leave out
         self.arena = arena
 
-    def run(self) -> None:
+    def _end(self, token: str) -> None:
+        """Remove the pending mark after a failure, without hiding that failure (a dead
+        server fails this too; garbage collection honours the mark for its grace time)."""
         try:
-            self._run()
-        except BaseException as e:
-            log.error("upload of step %d to %s failed: %s", self.m.step, self.engine.remote_url, e)
-            if self.sharded is not None:
-                self.sharded.fail(("remote",), self.m.step, e)
-            self.handle.resolve("remote", e)
-        else:
-            self.handle.resolve("remote")
+            self.remote.end(self.m.step, token)
+        except Exception as e:
+            log.warning("%s: the pending mark %s stays: %s", self.remote.describe(), token, e)
 
-    def _run(self) -> None:
+    def run(self) -> Uploaded:
         from .. import codec
 
-        engine, m = self.engine, self.m
-        remote: RemoteStoreTier = engine.remote  # type: ignore[assignment]
-        target = engine.config.codec_for("remote")
-        index = engine.index.get("remote")
+        m, remote, target, index = self.m, self.remote, self.codec, self.index
         token = secrets.token_hex(6)
         where = step_dir_name(m.step)
         rank = 0
@@ -96,7 +178,7 @@ class Upload:
             try:
                 size, _ = remote.upload_file(str(self.source.root / whole), name)
             except BaseException:
-                remote.end(m.step, token)
+                self._end(token)
                 raise
             for b_i, blob in enumerate(m.blobs):
                 for j, c in enumerate(blob.chunks):
@@ -108,8 +190,7 @@ class Upload:
                         locs[(b_i, j)] = index[key]
                         reused += c.raw_length
                     stored[(b_i, j)] = locs[(b_i, j)].length
-            self._finish(remote, token, locs, stored, target, size, reused)
-            return
+            return self._finish(token, locs, stored, size, reused)
         try:
             for b_i, blob in enumerate(m.blobs):
                 for j, c in enumerate(blob.chunks):
@@ -153,42 +234,38 @@ class Upload:
                     raise OSError(f"{remote.describe()}/{name}: {size} bytes stored, {pos} sent")
         except BaseException:
             if writer is not None:
-                writer.abort()
-            remote.end(m.step, token)
+                with contextlib.suppress(Exception):  # it logs why; the first error is raised
+                    writer.abort()
+            self._end(token)
             raise
         for at, key in placed.items():
             offset, length = new[key]
             locs[at] = Location(name, offset, length, size)
-        self._finish(remote, token, locs, stored, target, size, reused)
+        return self._finish(token, locs, stored, size, reused)
 
     def _finish(
         self,
-        remote: RemoteStoreTier,
         token: str,
         locs: dict[tuple[int, int], Location],
         stored: dict[tuple[int, int], int],
-        target: str,
         size: int,
         reused: int,
-    ) -> None:
-        rm = self._manifest(locs, stored, target)
+    ) -> Uploaded:
+        remote = self.remote
+        rm = self._manifest(locs, stored, self.codec)
         sh = self.sharded
-        if sh is None:
-            remote.commit(rm)
-        else:  # this rank's part, then the index once every rank's part is there
-            try:
+        try:
+            if sh is None:
+                remote.commit(rm)
+            else:  # this rank's part, then the index once every rank's part is there
                 data = rm.dumps()
                 name = part_file_name(rm.step, sh.spec.rank, token, spread=True)
                 remote.put(name, data)
                 sh.commit("remote", rm.step, part_ref(sh.spec.rank, name, data), remote.commit)
-            except BaseException:
-                remote.end(self.m.step, token)
-                raise
-        self.handle.stats.written["remote"] = size
-        self.handle.stats.reused["remote"] = reused
-        self.engine.after_commit(
-            "remote", rm, self.handle, before=lambda: remote.end(self.m.step, token)
-        )
+        except BaseException:
+            self._end(token)
+            raise
+        return Uploaded(rm, size, reused, remote, token)
 
     def _whole_file(self, index: dict[tuple[str, int, str], Location], target: str) -> str | None:
         """The name of this snapshot's local data file if the remote needs exactly the
