@@ -288,9 +288,12 @@ class RemoteStoreTier:
     def end(self, step: int, token: str) -> None:
         self.rt.delete([f"{step_dir_name(step)}/{token}.pending"])
 
-    def upload_file(self, path: str, name: str) -> tuple[int, str]:
-        """Upload the local file ``path`` as object ``name``; returns (size, checksum)."""
-        return self.rt.upload_file(path, name)
+    def upload_file(
+        self, path: str, name: str, progress: Callable[[int], None] | None = None
+    ) -> tuple[int, str]:
+        """Upload the local file ``path`` as object ``name``; returns (size, checksum).
+        ``progress(n)``: called as each ``n`` bytes go to the upload."""
+        return self.rt.upload_file(path, name, progress)
 
     def open_writer(self, name: str) -> Any:
         """A streaming writer of object ``name`` (multipart upload)."""

@@ -21,7 +21,10 @@ of a tensor in C order, as a 1-D tensor; a tensor's ranges are written in order,
 after another, and cover it exactly). A source without ``aliases`` has none; a sink
 without ``begin`` is given aliased tensors as tensors of their own. ``write_values``
 comes first of all, so a sink that writes a header before its tensors knows everything
-that goes into it.
+that goes into it. A sink whose ``commit`` moves the bytes again (a snapcore URL target
+uploads its temporary store) says how many in ``upload_bytes`` after ``begin``; the
+driver counts them in the progress's total and sets ``upload_progress`` to a function
+its commit calls with each ``n`` bytes uploaded.
 """
 
 from __future__ import annotations
@@ -210,7 +213,10 @@ def convert(
                 stats.aliases = len(aliases)
             else:  # a sink that knows no aliases gets them as tensors of their own
                 plan = _with_aliases(plan, aliases)
-            _stream(source, sink, plan, stats, progress, window or WINDOW)
+            upload = int(getattr(sink, "upload_bytes", 0))
+            _stream(source, sink, plan, stats, progress, window or WINDOW, upload)
+            if upload and progress is not None:
+                sink.upload_progress = _upload_progress(progress, stats.bytes, upload)  # type: ignore[attr-defined]
             sink.commit(metadata)
         except BaseException:
             sink.abort()
@@ -219,6 +225,19 @@ def convert(
         source.close()
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _upload_progress(progress: Any, written: int, upload: int) -> Any:
+    """``progress(done, total)`` continued through a sink's upload: ``written`` tensor
+    bytes are done, ``upload`` more (an estimate: the total grows if more are sent)."""
+    sent = 0
+
+    def uploaded(n: int) -> None:
+        nonlocal sent
+        sent += n
+        progress(written + sent, written + max(upload, sent))
+
+    return uploaded
 
 
 def _as_path(text: str) -> Any:
@@ -334,6 +353,7 @@ def _stream(
     stats: ConvertStats,
     progress: Any,
     window: int = WINDOW,
+    upload: int = 0,
 ) -> None:
     """Read the next tensor (or range of one) on a thread while the previous one is
     written: two reads in flight, each a tensor or at most ``window`` bytes of one.
@@ -343,8 +363,9 @@ def _stream(
     two buffers allocated once and reused: memory touched for the first time fills
     several times slower than memory already faulted in (docs/benchmarks.md). Each
     buffer has the source's ``read_slack`` bytes to spare (the safetensors source reads
-    the block-aligned bytes around a range, with O_DIRECT)."""
-    total = sum(out.nbytes for _, out in plan)
+    the block-aligned bytes around a range, with O_DIRECT). ``upload``: bytes the sink's
+    commit will upload, counted in the progress's total."""
+    total = sum(out.nbytes for _, out in plan) + upload
     done = 0
     stop = threading.Event()
     tasks = _tasks(source, sink, plan, window)

@@ -39,7 +39,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +273,8 @@ class SnapcoreSink:
         self._tmp: Path | None = None
         self._stream: StreamWriter | None = None
         self._remote: RemoteStoreTier | None = None
+        self.upload_bytes = 0  # what commit uploads (a URL target), known after begin
+        self.upload_progress: Callable[[int], None] | None = None  # set by the driver
         tmp_dir = options.get("tmp_dir")
         self.tmp_dir = Path(tmp_dir) if tmp_dir is not None else None
         if isinstance(path, str):  # a URL: checked (and its server reached) before any work
@@ -291,6 +293,7 @@ class SnapcoreSink:
             base = self._tmp_base()
             # each tensor's bytes, moved to a page offset or aligned: at most a page more
             need = sum(math.prod(i.shape) * i.dtype.itemsize + max(PAGE, ALIGN) for i in infos)
+            self.upload_bytes = sum(i.nbytes for i in infos)
             free = shutil.disk_usage(base).free
             if free < need:
                 raise OSError(
@@ -373,7 +376,9 @@ class SnapcoreSink:
         """Upload the step committed in the temporary store, as a save's upload does (the
         manifest PUT last); then the temporary store goes."""
         assert self._remote is not None and self._tmp is not None
-        done = StepUpload(self._remote, LocalTier(self._tmp), m).run()
+        done = StepUpload(
+            self._remote, LocalTier(self._tmp), m, progress=self.upload_progress
+        ).run()
         try:
             done.end()  # the pending mark: after the commit, its failure undoes nothing
         except Exception as e:

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import aiofiles
@@ -120,8 +121,14 @@ class ObjectStoreClient:
         self._writers.add(w)
         return w
 
-    def upload_file(self, local_path: str | os.PathLike[str], name: str) -> tuple[int, str]:
+    def upload_file(
+        self,
+        local_path: str | os.PathLike[str],
+        name: str,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[int, str]:
         """Stream a local file into object ``name``; returns (size, xxh3_128 hex).
+        ``progress(n)`` is called as each ``n`` bytes are handed to the writer.
 
         The file is read (with aiofiles, off the event loop) straight into the writer's part
         buffers, so its bytes are copied once on the way to the network. Its size is known,
@@ -150,6 +157,8 @@ class ObjectStoreClient:
                         )
                     w.advance(n)
                     done += n
+                    if progress is not None:
+                        progress(n)
             finally:
                 self._loop.run(_aio_close(f), internal=True)
             return w.close()

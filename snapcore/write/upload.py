@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -114,7 +115,8 @@ class StepUpload:
     another are re-encoded); ``index``: the chunks the remote holds already, by (xxh3,
     raw length, codec), referenced rather than uploaded (None: none). A sharded save
     uploads its rank's part without the node copies (``PartSpec.drop``): object storage
-    gets each box of the job once, and rank 0 writes the step's index.
+    gets each box of the job once, and rank 0 writes the step's index. ``progress(n)``
+    is called as each ``n`` bytes of the data object go to the upload.
 
     ``run()`` marks the upload pending, writes one data object
     (``step-N/data-TOKEN-rR.bin``), then the manifest with one PUT: a failure anywhere
@@ -131,8 +133,10 @@ class StepUpload:
         index: dict[ChunkKey, Location] | None = None,
         arena: HostArena | None = None,
         sharded: ShardedSave | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         self.remote = remote
+        self.progress = progress
         self.source = source
         self.codec = codec
         self.index = index if index is not None else {}
@@ -176,7 +180,7 @@ class StepUpload:
         whole = self._whole_file(index, target)
         if whole is not None:  # the object is this snapshot's local file, as it is
             try:
-                size, _ = remote.upload_file(str(self.source.root / whole), name)
+                size, _ = remote.upload_file(str(self.source.root / whole), name, self.progress)
             except BaseException:
                 self._end(token)
                 raise
@@ -223,6 +227,8 @@ class StepUpload:
                     if writer is None:
                         writer = remote.open_writer(name)
                     writer.write(view)
+                    if self.progress is not None:
+                        self.progress(len(view))
                     new[key] = (pos, len(view))
                     placed[(b_i, j)] = key
                     stored[(b_i, j)] = len(view)

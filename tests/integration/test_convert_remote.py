@@ -86,9 +86,22 @@ def test_url_target_reads_back_bit_exact_and_converts_back(
     url, opts = f"{s3_bucket.url}/conv", s3_bucket.storage_options
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    stats = convert(tmp_path / "src", url, to="snapcore", storage_options=opts, tmp_dir=tmp)
+    calls: list[tuple[int, int]] = []
+    stats = convert(
+        tmp_path / "src",
+        url,
+        to="snapcore",
+        storage_options=opts,
+        tmp_dir=tmp,
+        progress=lambda done, total: calls.append((done, total)),
+    )
     assert stats.aliases == 1 and stats.values == 2
     assert list(tmp.iterdir()) == []  # the temporary store is gone
+    # the progress counts the upload too: past the tensors' bytes, up to its total
+    dones = [d for d, _ in calls]
+    assert dones == sorted(dones) and all(d <= t for d, t in calls)
+    assert any(d > stats.bytes for d in dones)
+    assert dones[-1] == calls[-1][1] >= 2 * stats.bytes
     # one data object and the manifest; the pending mark was removed after the commit
     names = _remote_names(url, opts)
     assert len(names) == 2, names
@@ -186,10 +199,10 @@ def test_server_lost_during_the_upload_leaves_no_committed_step(
     started = []
     real = ObjectStoreClient.upload_file
 
-    def dying(self: ObjectStoreClient, path: Any, name: str) -> Any:
+    def dying(self: ObjectStoreClient, path: Any, name: str, *rest: Any) -> Any:
         started.append(name)
         s3_restartable.stop()  # the pending mark is written; the data object is not
-        return real(self, path, name)
+        return real(self, path, name, *rest)
 
     monkeypatch.setattr(ObjectStoreClient, "upload_file", dying)
     tmp = tmp_path / "tmp"
