@@ -204,6 +204,13 @@ class Engine:
             self._persist.submit(job.run)  # before the slot is marked: a failed submit frees it
             self._slot_free[slot] = slot_free
             self._handles.append(handle)
+            # The default mode with CPU tensors only: the persist thread hashes and writes
+            # the image while it is staged (its start, the directory's lock, overlaps the
+            # copy too); overlap mode and CUDA tensors hand the image over once staged.
+            pipelined = (
+                not streaming and not overlap and all(b.device.type == "cpu" for b in layout.blobs)
+            )
+            progress = None
             try:
                 if streaming:
                     job.go.set()  # the persist thread frees each half that staging refills
@@ -212,6 +219,9 @@ class Engine:
                             "step %d: no overlap mode when the state exceeds the budget", step
                         )
                     self.stager.stage_streaming(arena, layout, windows, halves, handle)
+                elif pipelined:
+                    job.go.set()
+                    progress = self.stager.stage_pipelined(arena, layout, windows)
                 else:
                     self.stager.stage_whole(
                         arena, layout, windows, flat.optimizers if overlap else None, handle
@@ -225,6 +235,8 @@ class Engine:
                 job.go.set()
                 raise
             windows.put(None)
+            if progress is not None:
+                progress.end()
             try:
                 if not handle.deferred:
                     handle.mark_staged()
@@ -396,7 +408,7 @@ class Engine:
         for step in doomed:
             t.uncommit(step)
         if doomed:
-            self.index.invalidate(tier)  # shared chunks may have gone with them
+            self.index.invalidate(tier, doomed)  # shared chunks may have gone with them
             removed = t.collect()
             log.info("%s tier: retention removed steps %s (%d files)", tier, doomed, len(removed))
 
