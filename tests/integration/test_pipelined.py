@@ -1,9 +1,9 @@
-"""The pipelined whole mode (docs/architecture.md, "The save path"): in the default mode
-with CPU tensors, the persist thread hashes and writes the image while ``async_save``
-stages it. These tests make staging wait, in the middle, for a write of what it staged
-before (so they fail if the writes only start once staging is done), and check that no
-byte is written before it is staged, that a staging failure midway commits nothing, and
-that every step restores bit for bit."""
+"""The pipelined whole mode (docs/architecture.md, "The path of a snapshot"): in the
+default mode with CPU tensors, the persist thread hashes and writes the image while
+``async_save`` stages it. These tests make staging wait, in the middle, for a write of
+what it staged before (so they fail if the writes only start once staging is done), and
+check that no byte is written before it is staged, that a staging failure midway commits
+nothing, and that every step restores bit for bit."""
 
 from __future__ import annotations
 
