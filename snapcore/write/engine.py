@@ -174,6 +174,18 @@ class Engine:
                     "(a store with a local tier and no host tier; send it with "
                     "tiers=['local'] when the store also has a remote)"
                 )
+            # The default mode with CPU tensors only: the persist thread hashes and writes
+            # the image while it is staged (its start, the directory's lock, overlaps the
+            # copy too); overlap mode and CUDA tensors hand the image over once staged. By
+            # default only when the copies leave a core free (SNAPCORE_PIPELINE): else the
+            # hash thread takes cores and memory bandwidth from the copies the caller
+            # waits for (docs/benchmarks.md, "Targets: what passed, what failed").
+            pipelined = (
+                not streaming
+                and not overlap
+                and settings.pipelined()
+                and all(b.device.type == "cpu" for b in layout.blobs)
+            )
             if self.host is not None and not self._claimed:
                 self._slot_steps = self.host.steps_by_slot()
                 self._claimed = True
@@ -204,12 +216,6 @@ class Engine:
             self._persist.submit(job.run)  # before the slot is marked: a failed submit frees it
             self._slot_free[slot] = slot_free
             self._handles.append(handle)
-            # The default mode with CPU tensors only: the persist thread hashes and writes
-            # the image while it is staged (its start, the directory's lock, overlaps the
-            # copy too); overlap mode and CUDA tensors hand the image over once staged.
-            pipelined = (
-                not streaming and not overlap and all(b.device.type == "cpu" for b in layout.blobs)
-            )
             progress = None
             try:
                 if streaming:

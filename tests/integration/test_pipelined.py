@@ -7,6 +7,7 @@ nothing, and that every step restores bit for bit."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -67,6 +68,7 @@ class Watch:
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
     w = Watch()
+    monkeypatch.setenv("SNAPCORE_PIPELINE", "on")
     monkeypatch.setattr(copy_mod, "PIPELINE_SEGMENT", 1 << 20)
     real_stage, real_copy, real_advance = Stager.stage_pipelined, Stager.copy, Progress.advance
     real_writer = _native.FileWriter
@@ -176,3 +178,36 @@ def test_host_tier_slots_and_overlap_mode(tmp_path, host_name, watch):
     assert watch.pipelined == 3
     got = snapcore.load(tmp_path / "s", step=4)
     assert all(same_bits(got[k], v) for k, v in fourth.items())
+
+
+@pytest.mark.parametrize(
+    ("setting", "threads", "cores", "want"),
+    [
+        ("auto", "1", 2, True),  # the copies leave a core to the hash thread
+        ("auto", "0", 2, False),  # one copy thread per core: handed over once staged
+        ("auto", "2", 2, False),
+        ("on", "0", 2, True),
+        ("off", "1", 8, False),
+    ],
+)
+def test_the_setting_decides_when_staging_is_pipelined(
+    tmp_path, watch, monkeypatch, setting, threads, cores, want
+):
+    monkeypatch.setenv("SNAPCORE_PIPELINE", setting)
+    monkeypatch.setenv("SNAPCORE_THREADS", threads)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    s = state(1)
+    snapcore.async_save(s, tmp_path, step=1).wait()
+    assert watch.pipelined == int(want)
+    got = snapcore.load(tmp_path, step=1)
+    assert all(same_bits(got[k], v) for k, v in s.items())
+
+
+def test_a_bad_pipeline_setting_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SNAPCORE_PIPELINE", "sometimes")
+    with pytest.raises(ValueError, match="SNAPCORE_PIPELINE"):
+        snapcore.save(state(1), tmp_path, step=1)
+    monkeypatch.setenv("SNAPCORE_PIPELINE", "off")  # refused before anything started
+    s = state(2)
+    snapcore.save(s, tmp_path, step=2)
+    assert LocalDirectory(tmp_path).committed_steps() == [2]
