@@ -39,6 +39,24 @@ def o_direct() -> str:
     return value
 
 
+def pipeline() -> str:
+    """SNAPCORE_PIPELINE: whether the default mode's CPU staging is pipelined with hashing
+    and writing: ``auto`` (when the copies leave a core to them: ``SNAPCORE_THREADS``
+    below the number of cores), ``on``, or ``off``."""
+    value = _get("SNAPCORE_PIPELINE", "auto").lower()
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"SNAPCORE_PIPELINE must be 'auto', 'on' or 'off', not {value!r}")
+    return value
+
+
+def pipelined() -> bool:
+    """Whether SNAPCORE_PIPELINE asks for the pipelined whole mode on this machine."""
+    value = pipeline()
+    if value == "auto":
+        return threads() < (os.cpu_count() or 1)
+    return value == "on"
+
+
 def threads() -> int:
     """SNAPCORE_THREADS: worker threads for copies and reads (0 = one per core)."""
     n = int(_get("SNAPCORE_THREADS", "0"))

@@ -13,7 +13,7 @@ import torch
 
 from .. import _native, settings
 from ..errors import SnapcoreError
-from ..io_types import Aborted, Window
+from ..io_types import Aborted, Progress, Window
 from ..planning.layout import BlobPlan, Layout
 from ..tree import local_shard
 from .arena import HostArena
@@ -24,6 +24,10 @@ from .handle import SaveHandle, protect
 # ordinary stores for tensors under a few hundred MB each, reading every destination line
 # before writing it (see _native.copy_host): 16-17 GB/s here against 22-25 GB/s.
 NONTEMPORAL_MIN = 64 << 20
+
+# The pipelined whole mode stages the image in segments of about this many bytes (whole
+# blobs), and the persist thread hashes and writes each one once it is staged.
+PIPELINE_SEGMENT = 32 << 20
 
 
 def refuse_overlap_in_graph_capture() -> None:
@@ -63,6 +67,37 @@ class Stager:
         if idx not in self._copiers:
             self._copiers[idx] = _native.CudaCopier(idx)
         return self._copiers[idx]
+
+    def stage_pipelined(
+        self, arena: HostArena, layout: Layout, windows: queue.Queue[Window | Aborted | None]
+    ) -> Progress:
+        """Stage the whole image of CPU tensors (the default mode) so that the persist
+        thread reads it while it is staged: the window goes to the persist thread first,
+        then the blobs are copied in arena order, in segments of about
+        ``PIPELINE_SEGMENT`` bytes (whole blobs), and after each one the window's
+        ``progress`` says how far the image is staged. Returns that progress (the caller
+        ends it once the snapshot's last item is queued); a failure fails it, so that the
+        persist thread stops and commits nothing."""
+        progress = Progress()
+        w = Window(arena, 0, layout.total, 0, 0, progress=progress)
+        blobs = sorted(layout.blobs, key=lambda b: b.offset)
+        nontemporal = sum(b.nbytes for b in blobs if b.raw) >= NONTEMPORAL_MIN
+        windows.put(w)
+        try:
+            segment: list[BlobPlan] = []
+            size = 0
+            for i, b in enumerate(blobs):
+                segment.append(b)
+                size += b.nbytes
+                if size >= PIPELINE_SEGMENT or i == len(blobs) - 1:
+                    self.copy(segment, w, defer=False, wait_gpu="cpu", nontemporal=nontemporal)
+                    progress.advance(b.offset + b.nbytes)
+                    segment, size = [], 0
+            progress.advance(layout.total)
+        except BaseException as e:
+            progress.fail(e)
+            raise
+        return progress
 
     def stage_whole(
         self,
@@ -151,12 +186,15 @@ class Stager:
         defer: bool,
         wait_gpu: str,
         gathered: dict[int, torch.Tensor] | None = None,
+        nontemporal: bool | None = None,
     ) -> list[Any]:
         """Copy the parts of ``blobs`` inside window ``w`` into the arena.
 
         A strided CUDA tensor is gathered on its GPU into a contiguous temporary first;
         ``gathered`` (streaming) keeps that temporary from the first window that cuts the
         tensor to the last, so that it is gathered once per snapshot, not once per window.
+        ``nontemporal``: whether CPU copies use streaming stores (None: when they add up to
+        ``NONTEMPORAL_MIN`` bytes or more).
 
         Every device's CUDA copies are queued on its side stream first, then the CPU
         copies run (now, or, when ``defer``, later: put in ``w.deferred``, which
@@ -199,7 +237,8 @@ class Stager:
                 raise SnapcoreError(f"tensors on {b.device} are not supported")
 
         threads = settings.threads()
-        nontemporal = sum(n for _, _, n in host) >= NONTEMPORAL_MIN
+        if nontemporal is None:  # (the pipelined mode decides it for the whole image)
+            nontemporal = sum(n for _, _, n in host) >= NONTEMPORAL_MIN
 
         def cpu_copies() -> None:
             _native.copy_host(host, threads, nontemporal=nontemporal)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +14,7 @@ import xxhash
 
 from .. import manifest as mf
 from ..errors import SnapcoreError
-from ..io_types import ChunkKey, Location, Window
+from ..io_types import ChunkKey, Location, Progress, Window
 from ..planning.layout import Layout
 from ..staging.arena import HostArena
 
@@ -52,10 +52,18 @@ def chunk_list(layout: Layout, chunk_bytes: int) -> list[tuple[int, int, int, in
     return out
 
 
-def hash_chunks(s: Staged, ready: list[threading.Event], then: Callable[[], None] | None) -> None:
-    """Hash every chunk in order, signalling each; run ``then`` once all are known."""
+def hash_chunks(
+    s: Staged,
+    ready: list[threading.Event],
+    then: Callable[[], None] | None,
+    progress: Progress | None = None,
+) -> None:
+    """Hash every chunk in order, signalling each; run ``then`` once all are known. With
+    ``progress`` (the pipelined whole mode), each chunk only once it is staged."""
     s.digests = [""] * len(s.chunks)
     for k, (_, _, off, n) in enumerate(s.chunks):
+        if progress is not None:
+            progress.wait_for(off + n)
         s.digests[k] = xxhash.xxh3_128_hexdigest(s.arena.view(off, n))
         ready[k].set()
     if then is not None:
@@ -87,46 +95,72 @@ class ChunkIndex:
     """Where each tier already stores each chunk content, from its committed manifests.
 
     Rebuilt for a tier whenever its committed steps are not what this index last saw: a
-    `snapcore gc` or another process may have removed snapshots (and their files).
-    ``tier_of(name)`` gives the tier object (``committed_steps``, ``read_manifest``).
+    `snapcore gc`, retention, or another process may have removed snapshots (and their
+    files). The rebuild reads only the manifests of steps it has not seen: each step's
+    chunk locations are kept (a committed manifest does not change while its step stays
+    committed; a re-saved step is forgotten with ``invalidate``), so that retention's
+    removal of a step costs the next save no manifest reads. ``tier_of(name)`` gives the
+    tier object (``committed_steps``, ``read_manifest``).
     """
 
     def __init__(self, tier_of: Callable[[str], Any]) -> None:
         self._tier_of = tier_of
         self._index: dict[str, dict[ChunkKey, Location] | None] = {}
         self._steps: dict[str, frozenset[int]] = {}
+        # per tier and committed step: its chunks' (key, location), in manifest order
+        self._by_step: dict[str, dict[int, list[tuple[ChunkKey, Location]]]] = {}
 
     def get(self, tier: str) -> dict[ChunkKey, Location]:
         t = self._tier_of(tier)
         steps = frozenset(t.committed_steps())
         index = self._index.get(tier)
         if index is None or steps != self._steps.get(tier):
+            known = self._by_step.setdefault(tier, {})
+            for gone in [s for s in known if s not in steps]:
+                del known[gone]
             index = {}
             self._steps[tier] = steps
             for step in sorted(steps):
-                try:
-                    self._add(index, t.read_manifest(step))
-                except SnapcoreError as e:
-                    log.warning("%s tier, step %d: not shared: %s", tier, step, e)
+                if step not in known:
+                    try:
+                        known[step] = self._entries(t.read_manifest(step))
+                    except SnapcoreError as e:
+                        log.warning("%s tier, step %d: not shared: %s", tier, step, e)
+                        continue
+                for key, loc in known[step]:
+                    index.setdefault(key, loc)
             self._index[tier] = index
         return index
 
     def add(self, tier: str, m: mf.Manifest) -> None:
         """A commit of ``m`` in ``tier``: its chunks can be shared from now on."""
+        entries = self._entries(m)
+        self._by_step.setdefault(tier, {})[m.step] = entries
         index = self._index.get(tier)
         if index is not None:
-            self._add(index, m)
+            for key, loc in entries:
+                index.setdefault(key, loc)
             self._steps[tier] = self._steps.get(tier, frozenset()) | {m.step}
 
-    def invalidate(self, tier: str) -> None:
-        """Files of ``tier`` may have gone (retention, a re-save): rebuild on next use."""
+    def invalidate(self, tier: str, steps: Iterable[int] | None = None) -> None:
+        """Files of ``tier`` may have gone: rebuild on next use. ``steps``: only these
+        steps were removed (retention), the others' chunks are where they were; None:
+        anything may have changed (a re-saved step), every manifest is read again."""
         self._index[tier] = None
+        if steps is None:
+            self._by_step.pop(tier, None)
+        else:
+            known = self._by_step.get(tier, {})
+            for s in steps:
+                known.pop(s, None)
 
     @staticmethod
-    def _add(index: dict[ChunkKey, Location], m: mf.Manifest) -> None:
+    def _entries(m: mf.Manifest) -> list[tuple[ChunkKey, Location]]:
+        out = []
         for b in m.blobs:
             for c in b.chunks:
                 f = m.files[c.file]
-                index.setdefault(
-                    (c.xxh3, c.raw_length, c.codec), Location(f.name, c.offset, c.length, f.size)
+                out.append(
+                    ((c.xxh3, c.raw_length, c.codec), Location(f.name, c.offset, c.length, f.size))
                 )
+        return out

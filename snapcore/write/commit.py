@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ __all__ = [
     "commit_part",
     "index_key",
     "part_ref",
+    "plan_verdict",
 ]
 
 
@@ -54,11 +56,33 @@ class ShardedSave:
     sharder: Sharder
     eid: int
     spec: PartSpec
-    announced: set[str] = field(default_factory=set)  # "structure" and tier names
+    announced: set[str] = field(default_factory=set)  # "structure", "verdict", tier names
+    _verdict_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _why: str | None = None
+
+    def announce(self, failed: str | None = None) -> None:
+        """Announce this rank's structure for this save (no wait: the verdict is taken
+        later, with ``verdict``, before anything commits)."""
+        self.announced.add("structure")
+        announce_structure(self.job, self.eid, self.spec, failed)
+
+    def verdict(self) -> str | None:
+        """The save's plan verdict (announced first if it was not): None when the save
+        may commit, else why not. Rank 0 decides it once every rank has announced; every
+        rank gets it alike. Taken once: later calls return the same answer."""
+        with self._verdict_lock:
+            if "structure" not in self.announced:
+                self.announce()
+            if "verdict" not in self.announced:
+                self._why = plan_verdict(self.job, self.sharder, self.eid, self.spec)
+                self.announced.add("verdict")
+            return self._why
 
     def structure(self, failed: str | None = None) -> str | None:
-        self.announced.add("structure")
-        return announce_structure(self.job, self.sharder, self.eid, self.spec, failed)
+        """Announce this rank's structure (or its failure) and take the plan verdict."""
+        if "structure" not in self.announced:
+            self.announce(failed)
+        return self.verdict()
 
     def commit(
         self,
@@ -84,7 +108,8 @@ class ShardedSave:
         why = f"{type(error).__name__}: {error}"
         try:
             if "structure" not in self.announced:
-                self.structure(failed=why)
+                self.announce(failed=why)
+            self.verdict()  # rank 0 announces it: the others must not wait for it in vain
             for tier in tiers:
                 if tier not in self.announced:
                     nothing = mf.PartRef(self.spec.rank, "", 0, "")
@@ -109,15 +134,17 @@ def index_key(job: Job, eid: int, seq: int, tier: str) -> str:
     return _key(job, eid, seq, tier, "index")
 
 
-def announce_structure(
-    job: Job, sharder: Sharder, eid: int, spec: PartSpec, failed: str | None = None
-) -> str | None:
-    """Announce this rank's structure for save ``spec.seq`` and learn the plan verdict,
-    which every rank gets alike (rank 0 decides it): None when the save may commit, else
-    why not (then every rank agrees a new plan at its next save). The verdict is also
-    recorded on ``sharder`` for the next save."""
+def announce_structure(job: Job, eid: int, spec: PartSpec, failed: str | None = None) -> None:
+    """Announce this rank's structure for save ``spec.seq`` (or its failure)."""
     mine = json.dumps({"structure": spec.structure, "replan": spec.replan, "failed": failed})
     job.kv.set(_key(job, eid, spec.seq, "structure", spec.rank), mine)
+
+
+def plan_verdict(job: Job, sharder: Sharder, eid: int, spec: PartSpec) -> str | None:
+    """The plan verdict of save ``spec.seq``, once this rank has announced its structure:
+    every rank gets it alike (rank 0 decides it once every rank has announced): None when
+    the save may commit, else why not (then every rank agrees a new plan at its next
+    save). The verdict is also recorded on ``sharder`` for the next save."""
     verdict_key = _key(job, eid, spec.seq, "plan")
     if job.rank == 0:
         keys = [_key(job, eid, spec.seq, "structure", r) for r in range(job.world_size)]

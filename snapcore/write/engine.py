@@ -174,6 +174,18 @@ class Engine:
                     "(a store with a local tier and no host tier; send it with "
                     "tiers=['local'] when the store also has a remote)"
                 )
+            # The default mode with CPU tensors only: the persist thread hashes and writes
+            # the image while it is staged (its start, the directory's lock, overlaps the
+            # copy too); overlap mode and CUDA tensors hand the image over once staged. By
+            # default only when the copies leave a core free (SNAPCORE_PIPELINE): else the
+            # hash thread takes cores and memory bandwidth from the copies the caller
+            # waits for (docs/benchmarks.md, "Targets: what passed, what failed").
+            pipelined = (
+                not streaming
+                and not overlap
+                and settings.pipelined()
+                and all(b.device.type == "cpu" for b in layout.blobs)
+            )
             if self.host is not None and not self._claimed:
                 self._slot_steps = self.host.steps_by_slot()
                 self._claimed = True
@@ -204,6 +216,7 @@ class Engine:
             self._persist.submit(job.run)  # before the slot is marked: a failed submit frees it
             self._slot_free[slot] = slot_free
             self._handles.append(handle)
+            progress = None
             try:
                 if streaming:
                     job.go.set()  # the persist thread frees each half that staging refills
@@ -212,6 +225,9 @@ class Engine:
                             "step %d: no overlap mode when the state exceeds the budget", step
                         )
                     self.stager.stage_streaming(arena, layout, windows, halves, handle)
+                elif pipelined:
+                    job.go.set()
+                    progress = self.stager.stage_pipelined(arena, layout, windows)
                 else:
                     self.stager.stage_whole(
                         arena, layout, windows, flat.optimizers if overlap else None, handle
@@ -225,6 +241,8 @@ class Engine:
                 job.go.set()
                 raise
             windows.put(None)
+            if progress is not None:
+                progress.end()
             try:
                 if not handle.deferred:
                     handle.mark_staged()
@@ -396,7 +414,7 @@ class Engine:
         for step in doomed:
             t.uncommit(step)
         if doomed:
-            self.index.invalidate(tier)  # shared chunks may have gone with them
+            self.index.invalidate(tier, doomed)  # shared chunks may have gone with them
             removed = t.collect()
             log.info("%s tier: retention removed steps %s (%d files)", tier, doomed, len(removed))
 

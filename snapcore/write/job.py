@@ -64,8 +64,9 @@ class PersistJob:
         self._ended = False  # staging's last item (None, or Aborted) was taken
         self.peer: Future[None] | None = None  # the peer tier's transfer (snapcore/peer)
         # Set when ``async_save`` returns (or raises): the job's own Python work (the
-        # plan verdict, the directory's leftovers and lock) then does not compete with
-        # the training thread for the GIL inside the call.
+        # directory's leftovers and lock) then does not compete with the training thread
+        # for the GIL inside the call. Set before staging when the persist thread reads
+        # the image while it is staged (streaming, and the pipelined whole mode).
         self.go = threading.Event()
 
     def run(self) -> None:
@@ -76,13 +77,10 @@ class PersistJob:
         try:
             local = self.engine.local
             if sh is not None:
-                why = sh.structure()
-                if why is not None:
-                    raise SnapshotFailed(
-                        f"step {h.step} cannot be committed: {why}; every rank agrees the "
-                        "save plan again at its next save",
-                        step=h.step,
-                    )
+                # The verdict is taken before anything commits (_check_plan), not here:
+                # rank 0 decides it once every rank's call has returned, and the writes
+                # need not wait for the slowest rank's call.
+                sh.announce()
             if "local" in h.tiers and local is not None:
                 # Off the training thread: the leftovers of a crashed writer, then our lock.
                 if sh is None or sh.sharder.leads("local"):  # its node's ranks share the dir
@@ -117,6 +115,26 @@ class PersistJob:
             self._settle()
             self._drain()
             self._release_slot(upload)
+
+    def _staging_ended(self) -> None:
+        """Take staging's last item: the snapshot's end (raises if staging failed, or if
+        it staged more than the one window of the whole mode). Once only."""
+        if not self._ended and self._take_window() is not None:
+            raise SnapcoreError(f"step {self.handle.step}: expected one staged window")
+
+    def _check_plan(self) -> None:
+        """A sharded save: raise unless the save's plan verdict is "ok" (before any tier
+        commits; the verdict is taken once, by whichever thread asks first)."""
+        sh = self.sharded
+        if sh is None:
+            return
+        why = sh.verdict()
+        if why is not None:
+            raise SnapshotFailed(
+                f"step {self.handle.step} cannot be committed: {why}; every rank agrees the "
+                "save plan again at its next save",
+                step=self.handle.step,
+            )
 
     def _settle(self) -> None:
         """Wait for every helper thread still reading the arena (the slot is then free)."""
@@ -184,9 +202,11 @@ class PersistJob:
     def _run_whole(self) -> Future[None] | None:
         engine, h = self.engine, self.handle
         w = self._take_window()
-        end = self._take_window()
-        if w is None or end is not None:
+        if w is None:
             raise SnapcoreError(f"step {h.step}: expected one staged window")
+        progress = w.progress  # the pipelined mode: staging goes on while this reads
+        if progress is None:
+            self._staging_ended()
         s = Staged(
             h.step,
             self.layout,
@@ -203,6 +223,9 @@ class PersistJob:
             if "host" in h.tiers:
                 try:
                     assert engine.host is not None
+                    if progress is not None:  # every byte is hashed, so staged; but the
+                        progress.wait_end()  # call's staging must also have ended well
+                    self._check_plan()
                     commit_host(engine.host, s, h, self.sharded)
                 except BaseException as e:
                     h.resolve("host", e)
@@ -219,7 +242,7 @@ class PersistJob:
                         except BaseException as e:  # e.g. the engine is closing
                             h.resolve("peer", e)
 
-        hashing = engine.hasher.submit(hash_chunks, s, ready, after_hashing)
+        hashing = engine.hasher.submit(hash_chunks, s, ready, after_hashing, progress)
         self.helpers.append(hashing)
         local_m = None
         if "local" in h.tiers:
@@ -238,9 +261,11 @@ class PersistJob:
                 rank=self.sharded.spec.rank if self.sharded is not None else 0,
             ).write(ready, hashing)
             hashing.result()
+            self._staging_ended()  # nothing commits before the call's staging has ended
             if "remote" in h.tiers:
                 engine.uploading.add(h.step)  # before retention can drop it
             try:
+                self._check_plan()
                 self._commit_local(local_m)
             except BaseException:
                 engine.uploading.discard(h.step)
@@ -248,6 +273,8 @@ class PersistJob:
             h.resolve("local")  # durable: retention's deletions are not the caller's wait
             engine.after_commit("local", local_m, h, resaved=resaved)
         hashing.result()
+        self._staging_ended()
+        self._check_plan()  # (taken already when a tier committed above)
         if "remote" not in h.tiers:
             return None
         if local_m is not None:

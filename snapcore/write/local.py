@@ -127,6 +127,8 @@ class LocalWriter:
             for k, (_, _, off, length) in enumerate(s.chunks):
                 if k in skip:
                     continue
+                if not ready[k].is_set():
+                    flush()  # write what is hashed while the hash thread goes on
                 while not ready[k].wait(0.1):
                     if hashing.done():
                         hashing.result()  # raises the hash thread's error

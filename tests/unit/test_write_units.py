@@ -224,11 +224,46 @@ def test_chunk_index_add_after_a_commit_and_rebuild_after_an_outside_change():
     assert ("b" * 32, 10, "none") in index.get("local") and tier.reads == reads
     del tier.manifests[1]  # a `snapcore gc` in another process
     after = index.get("local")
-    assert ("a" * 32, 10, "none") not in after and tier.reads > reads
-    index.invalidate("local")
+    # The step's chunks are gone; step 2's manifest, unchanged, is not read again.
+    assert ("a" * 32, 10, "none") not in after and ("b" * 32, 10, "none") in after
+    assert tier.reads == reads
+    tier.manifests[3] = _manifest(3, "c" * 32, "s3.bin")  # written by another process
+    assert ("c" * 32, 10, "none") in index.get("local") and tier.reads == reads + 1
+    index.invalidate("local")  # anything may have changed (a re-saved step): all re-read
     reads = tier.reads
     index.get("local")
-    assert tier.reads == reads + 1
+    assert tier.reads == reads + 2
+
+
+def test_chunk_index_after_retention_reads_no_manifest_and_keeps_shared_chunks():
+    tier = FakeTier()
+    index = ChunkIndex(lambda name: tier)
+    index.get("local")
+    # steps 1 and 2 share chunk "a" (stored in step 1's file); step 2 adds "b"
+    for step, digests in ((1, ["a"]), (2, ["a", "b"])):
+        loc = {d: Location("s1.bin" if d == "a" else f"s{step}.bin", 0, 10, 10) for d in digests}
+        m = build_manifest(
+            step=step,
+            blobs=[
+                BlobRecord(10, 1, [ChunkRecord(loc[d], 10, d * 32, "none", 10)]) for d in digests
+            ],
+            tensors=[
+                mf.TensorEntry("uint8", (10,), [mf.Piece((0,), (10,), i, 0, (1,))])
+                for i in range(len(digests))
+            ],
+            tree={f"t{i}": i for i in range(len(digests))},
+        )
+        tier.manifests[step] = m
+        index.add("local", m)
+    reads = tier.reads
+    del tier.manifests[1]  # retention removes step 1; its file stays (step 2 names it)
+    index.invalidate("local", [1])
+    got = index.get("local")
+    assert tier.reads == reads  # step 2's chunk locations were kept
+    assert got == {
+        ("a" * 32, 10, "none"): Location("s1.bin", 0, 10, 10),
+        ("b" * 32, 10, "none"): Location("s2.bin", 0, 10, 10),
+    }
 
 
 def test_chunk_index_skips_a_damaged_manifest(caplog):
