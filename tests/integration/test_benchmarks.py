@@ -139,6 +139,8 @@ def test_bench_distributed(tmp_path: Path) -> None:
         assert "error" not in r[part], r[part]
     rk = r["ranks4"]
     assert rk["world"] == 4 and len(rk["ranks"]) == 4 and rk["errors"] == {}
+    assert len(r["disk_Bps"]) == 2 and min(r["disk_Bps"]) > 0  # the disk probed twice
+    assert "The disk, before / after: O_DIRECT writes" in table.read_text()
     unique = rk["unique_bytes"]
     assert sum(x["needed_bytes"] for x in rk["ranks"]) >= unique > 0
     peers = ("snapcore", "snapcore_overlap", "dcp_sync", "dcp_thread", "dcp_process", "dcp_save")
