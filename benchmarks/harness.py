@@ -464,6 +464,14 @@ SCENARIOS: list[Scenario] = [
         markdown=True,
         in_quick=False,
     ),
+    Scenario(
+        "peer",
+        "bench_peer.py",
+        "the peer tier: a replaced node's fetch from its partner's memory against a "
+        "loopback TCP probe, and what peer snapshots cost a training loop",
+        markdown=True,
+        in_quick=False,
+    ),
 ]
 
 
