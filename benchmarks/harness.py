@@ -758,10 +758,12 @@ def table_checkpointer(doc: Result) -> str:
     return "\n".join(lines)
 
 
-def table_codec_report(doc: Result) -> str:
-    """bench_codec's own report (its --markdown, which names its command, machine and
-    date), after the harness's line on the run."""
-    return _made_by(doc) + "\n\n" + doc["runs"][0]["markdown"].strip("\n")
+def table_script_report(doc: Result) -> str:
+    """A script's own report (its --markdown), after the harness's line on the run (its
+    command, machine and date); a title the report gives itself (``# ...``) becomes a
+    bold line, so that it does not break the headings of the document it goes into."""
+    text = re.sub(r"^# (.+)$", r"**\1**", doc["runs"][0]["markdown"].strip("\n"), flags=re.M)
+    return _made_by(doc) + "\n\n" + text
 
 
 # marker name -> (scenario whose JSON it is made from, renderer)
@@ -770,7 +772,10 @@ TABLES: dict[str, tuple[str, Callable[[Result], str]]] = {
     "scaling": ("scaling", table_scaling),
     "tiers": ("tiers", table_tiers),
     "checkpointer": ("checkpointer", table_checkpointer),
-    "codec-report": ("codec", table_codec_report),
+    "codec-report": ("codec", table_script_report),
+    "distributed-report": ("distributed", table_script_report),
+    "convert-report": ("convert", table_script_report),
+    "peer-report": ("peer", table_script_report),
 }
 
 

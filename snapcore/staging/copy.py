@@ -82,8 +82,8 @@ class Stager:
         w = Window(arena, 0, layout.total, 0, 0, progress=progress)
         blobs = sorted(layout.blobs, key=lambda b: b.offset)
         nontemporal = sum(b.nbytes for b in blobs if b.raw) >= NONTEMPORAL_MIN
-        windows.put(w)
         try:
+            windows.put(w)  # inside: an interrupt right after it still fails the progress
             segment: list[BlobPlan] = []
             size = 0
             for i, b in enumerate(blobs):

@@ -33,6 +33,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _take_verdict(sh: ShardedSave) -> None:
+    """Take a sharded save's plan verdict as soon as rank 0 gives it. A failure here is
+    not lost: ``_check_plan`` asks again before any tier commits, and raises it there."""
+    try:
+        sh.verdict()
+    except BaseException as e:
+        log.debug("plan verdict, taken early: %s (asked again before the commit)", e)
+
+
 class PersistJob:
     """One snapshot's persist work, run on the engine's persist thread: take the staged
     window(s), hash, commit in host memory, write and commit on local disk, hand over to
@@ -77,10 +86,16 @@ class PersistJob:
         try:
             local = self.engine.local
             if sh is not None:
-                # The verdict is taken before anything commits (_check_plan), not here:
+                # The verdict is awaited before anything commits (_check_plan), not here:
                 # rank 0 decides it once every rank's call has returned, and the writes
-                # need not wait for the slowest rank's call.
+                # need not wait for the slowest rank's call. It is taken on a thread of
+                # its own as soon as it is known, not when a tier commits: the next
+                # save's plan reads it (Sharder.part), and must not wait for this save's
+                # writes to learn it.
                 sh.announce()
+                threading.Thread(
+                    target=_take_verdict, args=(sh,), name="snapcore-verdict", daemon=True
+                ).start()
             if "local" in h.tiers and local is not None:
                 # Off the training thread: the leftovers of a crashed writer, then our lock.
                 if sh is None or sh.sharder.leads("local"):  # its node's ranks share the dir

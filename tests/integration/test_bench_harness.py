@@ -254,5 +254,16 @@ def test_committed_figures_regenerate_the_docs_unchanged() -> None:
     text = harness.DOC.read_text()
     docs = harness.load_results(REPO / "docs" / "figures")
     new, done, _ = harness.regenerate(text, docs)
-    assert {"scaling", "tiers", "checkpointer", "codec-report"} <= set(done)
+    generated = {"scaling", "tiers", "checkpointer", "codec-report"}
+    generated |= {"distributed-report", "convert-report", "peer-report"}
+    assert generated <= set(done)
     assert new == text
+
+
+def test_a_scripts_own_title_becomes_a_bold_line() -> None:
+    """A report's ``# title`` would be a top-level heading in the middle of
+    docs/benchmarks.md: the region gets it as a bold line, the rest as it was."""
+    doc = _doc("peer", {})
+    doc["runs"][0]["markdown"] = "# bench_peer: 8 MiB\n\nText.\n\n## kept\n| a |\n"
+    out = harness.table_script_report(doc)
+    assert out == harness._made_by(doc) + "\n\n**bench_peer: 8 MiB**\n\nText.\n\n## kept\n| a |"
