@@ -30,7 +30,7 @@ from .. import settings
 from ..distributed.job import Job, initialized
 from ..distributed.job import current as current_job
 from ..distributed.job import forget as forget_job
-from ..errors import SnapcoreError, SnapshotFailed
+from ..errors import SnapcoreError, SnapshotFailed, UnsupportedState
 from ..io_types import Aborted, WindowItem
 from ..peer import PeerLink, open_link
 from ..peer.area import drop_mappings
@@ -41,7 +41,7 @@ from ..staging.arena import HostArena, pin_device
 from ..staging.copy import Stager, refuse_overlap_in_graph_capture
 from ..staging.handle import SaveHandle, SaveStats
 from ..tiers import TIER_ORDER, HostTier, LocalTier, Store, Tier, as_store, on_store_exit
-from ..tree import Flattened, flatten, is_dtensor
+from ..tree import Flattened, flatten, is_dtensor, local_shard
 from . import writer_lock
 from .chunks import ChunkIndex
 from .commit import ShardedSave, index_key
@@ -163,6 +163,7 @@ class Engine:
                 sharded = self._sharded(djob, flat)
                 layout = sharded.spec.layout
             else:
+                _whole_dtensors(flat)
                 layout = plan(flat.tensors)
             streaming = budget is not None and budget < layout.total * self.slots
             if streaming and sharded is not None:
@@ -540,6 +541,25 @@ def _done() -> Future[None]:
 _engine_ids = itertools.count(1)  # engines that made sharded saves, in creation order
 _engines: dict[tuple[Any, ...], Engine] = {}
 _engines_lock = threading.Lock()
+
+
+def _whole_dtensors(flat: Flattened) -> None:
+    """Outside a job of several ranks (no process group, or a world of one rank), a
+    DTensor holds its whole tensor (a mesh of one rank): it is saved as that tensor. A
+    DTensor that does not (a sub-mesh of a larger world, or padded) is refused, naming
+    it: only a sharded save (every rank) can save a shard of it."""
+    for i, t in enumerate(flat.tensors):
+        if not is_dtensor(t):
+            continue
+        local = local_shard(t)
+        if tuple(local.shape) != tuple(t.shape):
+            raise UnsupportedState(
+                f"{flat.paths[i] or '<root>'}: a DTensor of shape {tuple(t.shape)} whose "
+                f"local shard is {tuple(local.shape)}: its other shards are on other ranks, "
+                "and this is not a sharded save (a torch.distributed job of 2 ranks or more)",
+                path=flat.paths[i],
+            )
+        flat.tensors[i] = local
 
 
 def engine_for(store: Store | str | os.PathLike[str]) -> Engine:

@@ -26,6 +26,10 @@ order; the report holds one entry per action.
       state and of both restored ones, and what snapcore's restore opened in "dcp" or
       unpickled (see `no_pickle`).
 
+  {"op": "early-verdict", "store": DIR}
+      save step 1 with every data-file write held: whether the plan verdict became
+      known while the writes were held (see `early_verdict`).
+
 Run without torchrun too (the kill test starts plain processes with the env:// rendezvous
 variables), so that a killed rank does not make an agent tear the others down.
 """
@@ -392,6 +396,56 @@ def moved(a: dict[str, Any]) -> dict[str, Any]:
     return {"steps": out}
 
 
+def early_verdict(a: dict[str, Any]) -> dict[str, Any]:
+    """Save step 1 with every data-file write held (until released): report whether the
+    save's plan verdict became known while the writes were held (it must: the next
+    save's plan reads it), the verdict, and whether the save had already finished then;
+    then release the writes and report the saved values."""
+    from snapcore import _native
+    from snapcore.write.engine import engine_for
+
+    models.init_gloo()
+    rank = dist.get_rank()
+    writing, release = threading.Event(), threading.Event()
+    real = _native.FileWriter
+
+    class Held:
+        def __init__(self, path: str, *, direct: bool = True) -> None:
+            self._w = real(path, direct=direct)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._w, name)
+
+        def write_at(self, offset: int, address: int, nbytes: int) -> None:
+            writing.set()
+            if not release.wait(60):
+                raise RuntimeError("writes held for 60 s")
+            self._w.write_at(offset, address, nbytes)
+
+    _native.FileWriter = Held  # type: ignore[misc]
+    try:
+        state: dict[str, Any] = {
+            "buf": torch.arange(1 << 18, dtype=torch.float32),
+            "extra": RankLocal(torch.arange(1 << 18, dtype=torch.float32) + rank),
+            "step": 1,
+        }
+        store = store_of(a)
+        handle = snapcore.async_save(state, store, step=1)
+        try:
+            held = writing.wait(60)
+            sharder = engine_for(store).sharder
+            assert sharder is not None
+            event, box = sharder.verdict_slot(sharder.seq)
+            known = event.wait(30)
+            done = handle.done()
+        finally:
+            release.set()
+        handle.wait()
+    finally:
+        _native.FileWriter = real  # type: ignore[misc]
+    return {"held": held, "known": known, "verdict": list(box), "done_then": done}
+
+
 def checkpointer(a: dict[str, Any]) -> dict[str, Any]:
     """A training loop of ``a["steps"]`` steps (an all_reduce each, as training has) with
     a Checkpointer whose interval is bounded by ``a["max_interval_s"]``."""
@@ -493,6 +547,7 @@ OPS = {
     "replan": replan,
     "steady": steady,
     "moved": moved,
+    "early-verdict": early_verdict,
     "checkpointer": checkpointer,
     "dcp-vs-snapcore": dcp_vs_snapcore,
 }

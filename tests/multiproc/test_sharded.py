@@ -356,6 +356,22 @@ def test_a_reused_part_stages_from_where_its_moved_tensors_are_now(tmp_path: Pat
         assert steps[2]["buf"][1] == 2.5 and steps[2]["extra"][1] == 3.25 + rank
 
 
+def test_the_plan_verdict_is_known_while_the_save_still_writes(tmp_path: Path) -> None:
+    """Each rank learns a save's plan verdict as soon as rank 0 gives it, not when the
+    save commits: the next save's plan reads it on the training thread, and must not
+    wait for this save's writes (it did between 01b05d3 and the fix, where this test
+    reports known False after waiting 30 s)."""
+    store = tmp_path / "store"
+    res = run(2, [{"op": "early-verdict", "store": {"local": str(store)}}])
+    for rank, (r,) in enumerate(res):
+        assert r["held"], rank  # the save's writes began and were held
+        assert r["known"] and r["verdict"] == ["ok"], (rank, r)
+        assert not r["done_then"], rank  # still writing when the verdict was in
+        tree = snapcore.load(store, step=1, rank=rank)
+        assert tree["extra"]["value"][:2].tolist() == [rank, 1 + rank]
+    assert snapcore.load(store, step=1, rank=0)["buf"][-1].item() == (1 << 18) - 1
+
+
 def models_digest(t: Any) -> str:
     import models
 
