@@ -232,6 +232,24 @@ def s3_bucket(s3_server: str, s3_client: Any) -> Iterator[S3Bucket]:
 
 
 @pytest.fixture
+def gloo_group() -> Iterator[None]:
+    """A torch.distributed process group of one rank (gloo on a free 127.0.0.1 port),
+    destroyed after the test, with snapcore's engines closed first."""
+    import torch.distributed as dist
+
+    import snapcore
+
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}"
+    )
+    try:
+        yield
+    finally:
+        snapcore.close()
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def host_name() -> Iterator[str]:
     """A fresh host-memory area name, released (and checked gone) after the test."""
     from pathlib import Path

@@ -5,13 +5,10 @@ whole tensor is refused, naming it."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -19,20 +16,7 @@ import snapcore
 from snapcore.errors import UnsupportedState
 
 
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        yield
-    finally:
-        snapcore.close()
-        dist.destroy_process_group()
-
-
-def test_a_one_rank_dtensor_saves_and_restores_whole(tmp_path: Path, one_rank: None) -> None:
+def test_a_one_rank_dtensor_saves_and_restores_whole(tmp_path: Path, gloo_group: None) -> None:
     mesh = init_device_mesh("cpu", (1,))
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(8, 4, generator=g), torch.randn(4, generator=g).to(torch.bfloat16)
@@ -61,7 +45,7 @@ def test_a_one_rank_dtensor_saves_and_restores_whole(tmp_path: Path, one_rank: N
     assert torch.equal(target["plain"], torch.arange(5)) and target["step"] == 3
 
 
-def test_a_dtensor_without_its_whole_tensor_is_refused(tmp_path: Path, one_rank: None) -> None:
+def test_a_dtensor_without_its_whole_tensor_is_refused(tmp_path: Path, gloo_group: None) -> None:
     mesh = init_device_mesh("cpu", (1,))
     padded = DTensor.from_local(torch.ones(3, 3), mesh, [Shard(0)], shape=(5, 3), stride=(3, 1))
     with pytest.raises(UnsupportedState, match=r"layer\.w: a DTensor of shape \(5, 3\)") as e:

@@ -7,12 +7,9 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import socket
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from snapcore import sharding
@@ -112,18 +109,6 @@ def test_unsupported_placements_name_the_tensor() -> None:
 
 
 # ---------------------------------------------------------------- real DTensors, 1 rank
-
-
-@pytest.fixture
-def gloo_group() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_describe_local_plain_and_dtensors(gloo_group: None) -> None:
