@@ -24,6 +24,9 @@ both ranks restore, rank 1's part coming back from rank 0's memory over the peer
 Phase 3, the cost to training: a training-like loop on both ranks (``train``), without
 snapshots, with host snapshots, with host and peer snapshots (unpaced, and paced to
 ``--pace-mbps``), rounds rotated; the step time's ratio to the loop without snapshots.
+The loop runs twice: CPU-bound (the training and the transfers share the two cores),
+then with each step sleeping ``--device-ms`` first (the training thread leaves its core
+for most of a step, as one waiting on its GPU does).
 
     python benchmarks/bench_peer.py                 # 512 MiB per rank
     python benchmarks/bench_peer.py --size-mb 2048
@@ -197,9 +200,11 @@ def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
     return ("none", *[m for m in MODES[1:] if m in named])
 
 
-def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+def train(args: argparse.Namespace, rank: int, device_ms: float, step0: int) -> dict[str, Any]:
     """A training-like loop (a 384x384 matmul and an all_reduce of its corner per step,
-    on both ranks) of ``--train-steps`` steps, in four modes: ``none`` (no snapshots),
+    on both ranks; with ``device_ms``, each step first sleeps that long: the training
+    thread leaves its core, as one waiting on its GPU does) of ``--train-steps`` steps,
+    in four modes: ``none`` (no snapshots),
     ``host`` (an ``async_save`` of ``--train-mb`` MiB per rank every ``--every`` steps
     to a store with a host tier only), ``host+peer`` (the same with a peer tier, sent as
     fast as gloo goes) and ``host+peer paced`` (with ``max_bytes_per_s`` of
@@ -232,7 +237,7 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {k: [] for k in modes}
     ratios: dict[str, list[float]] = {k: [] for k in modes if k != "none"}
     failures: list[str] = []
-    step = 0
+    step = step0  # the steps of each loop kind apart: the stores are the same
     for r in range(args.train_rounds + 1):  # the first round warms up (arenas, peer group)
         order = modes[r % len(modes) :] + modes[: r % len(modes)]
         took: dict[str, float] = {}
@@ -242,6 +247,8 @@ def train(args: argparse.Namespace, rank: int) -> dict[str, Any]:
             dist.barrier()
             t0 = time.perf_counter()
             for s in range(args.train_steps):
+                if device_ms:
+                    time.sleep(device_ms / 1000)
                 c = a @ b
                 t = c[:1, :1].clone()
                 dist.all_reduce(t)
@@ -286,7 +293,9 @@ def rank_main(args: argparse.Namespace) -> None:
             path.unlink()
     dist.init_process_group("gloo")
     if args.role == "train":
-        out.update(train(args, rank))
+        out.update(train(args, rank, 0.0, 0))
+        if args.device_ms:
+            out["device_wait"] = train(args, rank, args.device_ms, 1 << 20)
         snapcore.close()
         Path(args.out).write_text(json.dumps(out))
         dist.barrier()
@@ -400,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pace-mbps", type=float, default=200.0, help="the paced mode's MB/s")
     p.add_argument("--train-rounds", type=int, default=3, help="rounds of the modes (3)")
     p.add_argument("--modes", default=",".join(MODES), help="the loop's modes, commas")
+    p.add_argument(
+        "--device-ms",
+        type=float,
+        default=4.0,
+        help="the device-wait loop's sleep per step, ms (0: only the CPU-bound loop)",
+    )
     p.add_argument("--train-only", action="store_true", help="only the training loop's modes")
     p.add_argument("--role", choices=["save", "restore", "train"], help=argparse.SUPPRESS)
     p.add_argument("--probe-port", type=int, help=argparse.SUPPRESS)
@@ -546,6 +561,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _training(args: argparse.Namespace, trained: list[Any]) -> tuple[dict[str, Any], list[str]]:
+    """Both loops' figures (the CPU-bound loop's at the top level, the device-wait
+    loop's under ``device_wait``) and their tables."""
+    figures, lines = _loop(args, trained, 0.0)
+    if args.device_ms:
+        wait, more = _loop(args, [t["device_wait"] for t in trained], args.device_ms)
+        figures["device_wait"] = {"device_ms": args.device_ms, **wait}
+        lines += ["", *more]
+    return figures, lines
+
+
+def _loop(
+    args: argparse.Namespace, trained: list[Any], device_ms: float
+) -> tuple[dict[str, Any], list[str]]:
     modes = modes_of(args)
     step_s = {k: statistics.median(x for t in trained for x in t["step_s"][k]) for k in modes}
     slowdown = {k: statistics.median(x for t in trained for x in t["ratio"][k]) for k in modes[1:]}
@@ -558,8 +586,15 @@ def _training(args: argparse.Namespace, trained: list[Any]) -> tuple[dict[str, A
     cost = {
         k: (slowdown[k] - 1) * step_s["none"] * args.train_steps / max(snaps, 1) for k in modes[1:]
     }
+    kind = (
+        f"The device-wait loop (each step sleeps {device_ms:g} ms first: the training "
+        "thread leaves its core, as one waiting on its GPU does; the transfer has the "
+        "cores the loop leaves idle)"
+        if device_ms
+        else "The CPU-bound loop (the training and the transfer share the two cores)"
+    )
     lines = [
-        f"Training: {args.train_steps} steps of a 384x384 matmul and an all_reduce per "
+        f"{kind}: {args.train_steps} steps of a 384x384 matmul and an all_reduce per "
         f"loop, an async_save of {args.train_mb:g} MiB per rank every {args.every} steps "
         f"(none in mode none), {snaps} per loop, one every {args.every * step_s['none']:.2f} s "
         f"of training; {args.train_rounds} rounds of the modes, rotated; the ratio to the "

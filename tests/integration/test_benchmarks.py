@@ -310,5 +310,11 @@ def test_bench_peer(tmp_path: Path) -> None:
     assert list(report["lost_per_snapshot_s"]) == modes[1:]
     assert all(t["train_failures"] == [] for t in report["trained"])
     assert all(len(t["step_s"][m]) == 3 for t in report["trained"] for m in modes)
+    # and the device-wait loop (each step sleeps first, as one waiting on its GPU), alike
+    wait = report["device_wait"]
+    assert wait["device_ms"] == 4.0 and list(wait["lost_per_snapshot_s"]) == modes[1:]
+    assert all(wait["step_s"][m] > report["step_s"][m] for m in modes)  # the sleeps count
+    assert all(len(t["device_wait"]["step_s"][m]) == 3 for t in report["trained"] for m in modes)
+    assert "The device-wait loop (each step sleeps 4 ms first" in out
     assert "| target | measured |" in out
     assert not list(tmp_path.glob("snapcore-bench-*"))
