@@ -943,7 +943,9 @@ def render(r: Result) -> str:
         + ".",
         "",
     ]
-    disk = r.get("disk_Bps") or []
+    disk = [x for x in r.get("disk_Bps") or [] if x]
+    for why in r.get("disk_probe_errors") or []:
+        lines += [f"The disk probe could not run: {why} (information only).", ""]
     if disk:
         best = min(job(x, "durable_s") for x in sc)
         lines += [
@@ -1061,10 +1063,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 PROBE_BUFFER = 256 << 20  # the disk probe writes from one pre-faulted buffer this large
 
 
-def probe_disk(work: Path, nbytes: int) -> float:
+def probe_disk(work: Path, nbytes: int, errors: list[str]) -> float | None:
     """This disk's O_DIRECT write speed (bytes/s) for ``nbytes`` (the state's size),
     written from one pre-faulted buffer at successive offsets, fdatasync included: what
-    a time to durable can be judged against (the ranks write it in 4 files at once)."""
+    a time to durable can be judged against (the ranks write it in 4 files at once).
+    None, with the reason added to ``errors``, where the probe cannot run (a file system
+    without O_DIRECT, such as tmpfs; a disk short of room): the probe is information,
+    and the benchmark goes on without it."""
     import ctypes
 
     from bench_save import probe_odirect
@@ -1072,12 +1077,17 @@ def probe_disk(work: Path, nbytes: int) -> float:
     from snapcore import _native
 
     page = _native.page_size()
+    path = work / "disk-probe.bin"
     arena = _native.Arena(max(page, min(PROBE_BUFFER, nbytes) // page * page))
     try:
         ctypes.memset(arena.address, 0x5A, arena.size)
-        return probe_odirect(work / "disk-probe.bin", arena.address, arena.size, nbytes)
+        return probe_odirect(path, arena.address, arena.size, nbytes)
+    except OSError as e:
+        errors.append(f"O_DIRECT writes of {nbytes} bytes to {path}: {e}")
+        return None
     finally:
         arena.close()
+        path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1118,7 +1128,8 @@ def main(argv: list[str] | None = None) -> int:
             "single_threads": args.single_threads,
         }
         state_bytes = int(args.size_gb * GB)
-        report["disk_Bps"] = [probe_disk(work, state_bytes)]
+        report["disk_probe_errors"] = []
+        report["disk_Bps"] = [probe_disk(work, state_bytes, report["disk_probe_errors"])]
         report["single_before"] = run_role(args, "single", work, 0, "single_before")
         report["ranks4"] = run_role(args, "ranks", work, args.world, "ranks4")
         if "error" not in report["ranks4"]:
@@ -1128,7 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             report["reshard2"] = run_role(args, "reshard", work, args.reshard_world, "reshard2")
         report["single_after"] = run_role(args, "single", work, 0, "single_after")
-        report["disk_Bps"].append(probe_disk(work, state_bytes))
+        report["disk_Bps"].append(probe_disk(work, state_bytes, report["disk_probe_errors"]))
         report["targets"] = check_targets(report)
         report["total_s"] = time.perf_counter() - t0
     text = render(report)

@@ -53,14 +53,24 @@ def pipelined() -> bool:
     """Whether SNAPCORE_PIPELINE asks for the pipelined whole mode on this machine."""
     value = pipeline()
     if value == "auto":
-        return threads() < (os.cpu_count() or 1)
+        return threads() < cores()
     return value == "on"
 
 
+def cores() -> int:
+    """The cores this process may run on: its CPU affinity (a rank pinned to its share
+    of a node by torchrun's or a launcher's binding), not every core of the machine."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return max(1, os.cpu_count() or 1)
+
+
 def threads() -> int:
-    """SNAPCORE_THREADS: worker threads for copies and reads (0 = one per core)."""
+    """SNAPCORE_THREADS: worker threads for copies and reads (0 = one per core this
+    process may run on, ``cores()``)."""
     n = int(_get("SNAPCORE_THREADS", "0"))
-    return n if n > 0 else max(1, os.cpu_count() or 1)
+    return n if n > 0 else cores()
 
 
 def chunk_bytes() -> int:

@@ -8,10 +8,13 @@ far too small to mean anything); only that the benchmark measured what it should
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -318,3 +321,23 @@ def test_bench_peer(tmp_path: Path) -> None:
     assert "The device-wait loop (each step sleeps 4 ms first" in out
     assert "| target | measured |" in out
     assert not list(tmp_path.glob("snapcore-bench-*"))
+
+
+def test_bench_distributed_goes_on_without_its_disk_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk probe is information: where it cannot run (a full disk here; tmpfs
+    without O_DIRECT elsewhere) it says why, leaves no file, and the run goes on."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_distributed
+    import common
+
+    def full(path: Path, pieces: object, direct: bool) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(common, "write_rate", full)
+    errors: list[str] = []
+    assert bench_distributed.probe_disk(tmp_path, 1 << 20, errors) is None
+    probe = tmp_path / "disk-probe.bin"
+    assert len(errors) == 1 and "No space left" in errors[0] and str(probe) in errors[0]
+    assert not probe.exists()

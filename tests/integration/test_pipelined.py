@@ -186,6 +186,9 @@ def test_host_tier_slots_and_overlap_mode(tmp_path, host_name, watch):
         ("auto", "1", 2, True),  # the copies leave a core to the hash thread
         ("auto", "0", 2, False),  # one copy thread per core: handed over once staged
         ("auto", "2", 2, False),
+        # a rank pinned to one core of a 64-core machine: its one copy thread leaves
+        # no core free, whatever the machine has
+        ("auto", "1", 1, False),
         ("on", "0", 2, True),
         ("off", "1", 8, False),
     ],
@@ -193,9 +196,11 @@ def test_host_tier_slots_and_overlap_mode(tmp_path, host_name, watch):
 def test_the_setting_decides_when_staging_is_pipelined(
     tmp_path, watch, monkeypatch, setting, threads, cores, want
 ):
+    """``cores``: the process's CPU affinity (what it may run on); the machine has 64."""
     monkeypatch.setenv("SNAPCORE_PIPELINE", setting)
     monkeypatch.setenv("SNAPCORE_THREADS", threads)
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
     s = state(1)
     snapcore.async_save(s, tmp_path, step=1).wait()
     assert watch.pipelined == int(want)
