@@ -299,6 +299,33 @@ def plot_checkpointer(doc: Result, out: Path) -> list[Path]:
     return _save_figure(plt, fig, doc, out)
 
 
+def plot_training(doc: Result, out: Path) -> list[Path]:
+    """Step time over the run, per mode (bench_training): every timed step of every
+    round, in the order the rounds ran them, one line per mode; staging steps (the step
+    after a snapshot call) and persist steps (a snapshot not yet durable) marked."""
+    r = doc["runs"][0].get("result")
+    if not r or not r.get("segments"):
+        return []
+    plt = _pyplot()
+    modes = list(dict.fromkeys(seg["mode"] for seg in r["segments"]))
+    fig, axes = plt.subplots(len(modes), 1, figsize=(9, 1.6 * len(modes) + 0.6), sharex=True)
+    axes = list(axes) if len(modes) > 1 else [axes]
+    top = max(x["s"] for seg in r["segments"] for x in seg["steps"]) * 1e3 * 1.05
+    for ax, mode in zip(axes, modes, strict=True):
+        steps = [x for seg in r["segments"] if seg["mode"] == mode for x in seg["steps"]]
+        ms = [x["s"] * 1e3 for x in steps]
+        ax.plot(range(len(ms)), ms, lw=0.8, label=mode)
+        for kind, marker in (("staging", "v"), ("persist", ".")):
+            at = [i for i, x in enumerate(steps) if x.get("kind") == kind]
+            if at:
+                ax.scatter(at, [ms[i] for i in at], marker=marker, s=12, label=kind, zorder=3)
+        ax.set_ylim(0, top)
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=7, loc="upper right", ncol=3)
+    axes[-1].set_xlabel("timed step (the rounds one after another)")
+    return _save_figure(plt, fig, doc, out, title="step time over the run, per mode; ")
+
+
 # -- scenarios --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Scenario:
@@ -456,6 +483,7 @@ SCENARIOS: list[Scenario] = [
         "training throughput (tokens/s, step times) while snapshots are taken, per peer",
         markdown=True,
         in_quick=False,
+        plot=plot_training,
     ),
     Scenario(
         "convert",
@@ -766,6 +794,35 @@ def table_script_report(doc: Result) -> str:
     return _made_by(doc) + "\n\n" + text
 
 
+def table_manifest(doc: Result) -> str:
+    """bench_manifest's runs (it prints figures only, no report of its own): the
+    median and the range of each phase over the runs, each run in a fresh process."""
+    r = doc["runs"][0]["result"]
+    runs = r["runs"]
+    figures = [
+        ("manifest.parse, s", "parse_s", "{:.2f}"),
+        ("json.loads with parse's duplicate-key hook, s", "json_s", "{:.2f}"),
+        ("the whole compiled schema (parse no longer runs it), s", "schema_s", "{:.2f}"),
+        ("peak RSS of parse over the process before it, MiB", "peak_rss_mib", "{:.0f}"),
+        ("the process's peak RSS, MiB", "peak_rss_total_mib", "{:.0f}"),
+    ]
+    rows = []
+    for name, key, fmt in figures:
+        xs = [x[key] for x in runs if key in x]
+        if xs:
+            rows.append([name, *(fmt.format(v) for v in (statistics.median(xs), min(xs), max(xs)))])
+    return "\n".join(
+        [
+            _made_by(doc),
+            "",
+            f"A manifest of {r['bytes'] / 2**20:.1f} MiB with {runs[0]['tensors']:,} tensors; "
+            f"{len(runs)} runs, each phase in a fresh process:",
+            "",
+            *_table(["figure", "median", "min", "max"], rows, align=["---", *["---:"] * 3]),
+        ]
+    )
+
+
 # marker name -> (scenario whose JSON it is made from, renderer)
 TABLES: dict[str, tuple[str, Callable[[Result], str]]] = {
     "save-report": ("save", table_save_report),
@@ -776,6 +833,9 @@ TABLES: dict[str, tuple[str, Callable[[Result], str]]] = {
     "distributed-report": ("distributed", table_script_report),
     "convert-report": ("convert", table_script_report),
     "peer-report": ("peer", table_script_report),
+    "training-report": ("training", table_script_report),
+    "plan-report": ("plan", table_script_report),
+    "manifest-report": ("manifest", table_manifest),
 }
 
 

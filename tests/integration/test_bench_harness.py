@@ -256,6 +256,7 @@ def test_committed_figures_regenerate_the_docs_unchanged() -> None:
     new, done, _ = harness.regenerate(text, docs)
     generated = {"scaling", "tiers", "checkpointer", "codec-report"}
     generated |= {"distributed-report", "convert-report", "peer-report"}
+    generated |= {"training-report", "plan-report", "manifest-report"}
     assert generated <= set(done)
     assert new == text
 
@@ -267,3 +268,26 @@ def test_a_scripts_own_title_becomes_a_bold_line() -> None:
     doc["runs"][0]["markdown"] = "# bench_peer: 8 MiB\n\nText.\n\n## kept\n| a |\n"
     out = harness.table_script_report(doc)
     assert out == harness._made_by(doc) + "\n\n**bench_peer: 8 MiB**\n\nText.\n\n## kept\n| a |"
+
+
+def test_manifest_region_and_training_plot_from_fixture_json(tmp_path: Path) -> None:
+    """bench_manifest prints no report of its own: its region is the median and range of
+    each phase over the runs. bench_training's plot draws every timed step per mode."""
+    runs = [
+        {"parse_s": p, "tensors": 451_055, "peak_rss_mib": 140.0 + i, "json_s": 4.0}
+        for i, p in enumerate([7.5, 7.1, 9.0])
+    ]
+    text = harness.table_manifest(_doc("manifest", {"bytes": 64 << 20, "runs": runs}))
+    assert "A manifest of 64.0 MiB with 451,055 tensors; 3 runs" in text
+    assert "| manifest.parse, s | 7.50 | 7.10 | 9.00 |" in text  # median, min, max
+    assert "| json.loads with parse's duplicate-key hook, s | 4.00 | 4.00 | 4.00 |" in text
+    assert "schema" not in text.split("| --- |")[-1]  # a phase no run measured: no row
+    step = {"s": 0.1, "kind": "clean"}
+    segments = [
+        {"mode": m, "steps": [step, {"s": 0.2, "kind": "staging"}, step]}
+        for m in ("none", "snapcore")
+    ]
+    doc = _doc("training", {"segments": segments})
+    assert harness.plot_training(doc, tmp_path) == [tmp_path / "training.png"]
+    assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert harness.plot_training(_doc("training", {}), tmp_path / "none") == []
