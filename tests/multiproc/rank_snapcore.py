@@ -130,7 +130,12 @@ def restore(a: dict[str, Any]) -> dict[str, Any]:
         snapcore.prepare(state, store_of(a)).result()
         prepared = slot_inodes()
     try:
-        info = snapcore.restore(state, store_of(a), rank_local=a.get("rank_local", "error"))
+        info = snapcore.restore(
+            state,
+            store_of(a),
+            step=a.get("at_by_rank", {}).get(str(dist.get_rank()), a.get("at")),
+            rank_local=a.get("rank_local", "error"),
+        )
     except snapcore.SnapcoreError as e:
         digests(model, optim)  # a collective: every rank must take part
         return {"error": type(e).__name__, "message": str(e)}
