@@ -576,6 +576,17 @@ def test_a_rank_whose_part_is_missing_makes_every_rank_skip_the_step(tmp_path: P
         assert r.get("error") == "OutOfStep", r
         assert "rank 0: plan of step 1, rank 1: plan of step 2" in r["message"], r
         assert again.get("step") == 1 and again["digests"] == first, again
+    # An exception that is not snapcore's, on one rank mid-restore: that rank raises it,
+    # the other raises at once naming it (not after the timeout), and the next agrees.
+    boom = {"op": "restore", "kind": "fsdp2", "boom_on_rank": 1}
+    (b0, again0), (b1, again1) = _launch(
+        nodes, [boom, {"op": "restore", "kind": "fsdp2"}], 1, spec=spec
+    )
+    assert b1.get("error") == "RuntimeError" and "boom" in b1["message"], b1
+    assert b0.get("error") == "StateMismatch", b0
+    assert "rank 1 cannot restore it: RuntimeError: boom" in b0["message"], b0
+    for again in (again0, again1):
+        assert again.get("step") == 1 and again["digests"] == first, again
 
 
 def _launch(
