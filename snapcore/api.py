@@ -17,7 +17,7 @@ from .distributed.job import current as current_job
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StateMismatch, StoreInUse
 from .peer import Fetched, peer_copies
 from .peer import prepare_restore as prepare_peer_restore
-from .read import Reader, RestoreInfo, exchange_plan
+from .read import OutOfStep, Reader, RestoreInfo, exchange_plan, out_of_step
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
 from .tree import RestorePlan
@@ -136,6 +136,7 @@ def _read_agreed(
     job: Job,
     verify: bool,
     use: Callable[[Reader], T],
+    step: int | None = None,
 ) -> tuple[T, Reader, list[str]]:
     """Under torch.distributed, ``step=None``: every rank takes the same step, the newest
     committed in a tier each rank reaches that every rank could read whole. Each rank
@@ -143,33 +144,52 @@ def _read_agreed(
     per step tried, at restore time only): a step damaged on any rank is skipped by all,
     for the next older one, which every rank then reads again (a rank that had filled
     its state from the newer step is overwritten alike). A refusal that is not damage
-    (the state does not fit) raises on every rank."""
+    (the state does not fit) raises on every rank. With ``step``, only that step is
+    tried: damaged or missing on any rank, it raises on every rank alike (so that all
+    can try another step together). Any other exception on a rank (a bug, memory) is
+    told to the others too, who raise ``StateMismatch`` naming it, instead of waiting
+    for it until the timeout."""
     every = sorted({s for ss in steps.values() for s in ss}, reverse=True)
-    heard = [json.loads(b) for b in all_gather_bytes(job, json.dumps(every).encode())]
-    common = sorted(set.intersection(*(set(h) for h in heard)), reverse=True)
+    if step is None:
+        heard = [json.loads(b) for b in all_gather_bytes(job, json.dumps(every).encode())]
+        common = sorted(set.intersection(*(set(h) for h in heard)), reverse=True)
+    else:
+        common = [step]
     skipped: list[str] = []
     for s in common:
         result: Any = None
         reader: Reader | None = None
-        mine: dict[str, Any] = {"damaged": None, "refused": None}
-        error: SnapcoreError | None = None
+        mine: dict[str, Any] = {"kind": "verdict", "step": s, "damaged": None, "refused": None}
+        error: BaseException | None = None
         try:
+            if s not in every:
+                raise SnapshotNotFound(
+                    f"no committed snapshot of step {s} in {engine.config.describe()} on "
+                    f"rank {job.rank}"
+                )
             reader = _reader(engine, steps, s, verify)
         except SnapcoreError as e:
             # the others enter the restore's exchange: take part in it, with the refusal
             exchange_plan(job, s, [], e)
             damage = isinstance(e, CorruptSnapshot | SnapshotNotFound)
             mine["damaged" if damage else "refused"], error = str(e), e
+            mine["missing"] = isinstance(e, SnapshotNotFound)
         try:
             if reader is not None:
                 result = use(reader)
+        except OutOfStep:  # every rank of the exchange raises it: no verdict follows
+            raise
         except (CorruptSnapshot, SnapshotNotFound) as e:
             mine["damaged"], error = str(e), e
+            mine["missing"] = isinstance(e, SnapshotNotFound)
         except SnapcoreError as e:
             mine["refused"], error = str(e), e
+        except Exception as e:  # not snapcore's: the others must not wait for this rank
+            mine["refused"], error = f"{type(e).__name__}: {e}", e
         # whose damage or refusal it is: another rank's when the restore's exchange told us
         mine["origin"] = getattr(error, "rank", job.rank)
         said = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
+        out_of_step(said, "verdict", s)
         refused = [(r, d["refused"]) for r, d in enumerate(said) if d["refused"]]
         if refused:
             if error is not None and mine["refused"]:
@@ -183,6 +203,12 @@ def _read_agreed(
         own = [(r, why) for r, why in damaged if said[r]["origin"] == r]  # not hearsay
         r, why = (own or damaged)[0]
         note = why if why.startswith(f"step {s}: ") else f"step {s}: {why}"
+        if step is not None:  # the step asked for: no older one instead, on any rank
+            if isinstance(error, SnapcoreError) and r == job.rank:
+                raise error
+            if said[r].get("missing"):
+                raise SnapshotNotFound(f"{note} (rank {r})")
+            raise CorruptSnapshot(f"{note} (rank {r})", step=s)
         log.warning("%s: skipping %s (rank %d)", engine.config.describe(), note, r)
         skipped.append(f"{note} (rank {r})")
     raise SnapshotNotFound(
@@ -218,8 +244,8 @@ def _read(
             fetched = prepare_peer_restore(engine.config, steps, job, step, link)
             steps = committed(store)
             use = _noting_peer(use, fetched)
-    if job is not None and step is None:  # every rank takes the same step
-        return _read_agreed(engine, steps, job, verify, use)
+    if job is not None:  # every rank takes the same step, or raises with the others
+        return _read_agreed(engine, steps, job, verify, use, step)
     every = sorted({s for ss in steps.values() for s in ss})
     if not every:
         raise SnapshotNotFound(f"no committed snapshot in {engine.config.describe()}")
@@ -320,7 +346,12 @@ def restore(
     node = _node(engine_for(store), job)
 
     def use(reader: Reader) -> tuple[RestorePlan, int]:
-        reader.select(rank, world, rank_local)
+        try:
+            reader.select(rank, world, rank_local)
+        except SnapcoreError as e:
+            if job is not None:  # the others are in the restore's exchange: take part
+                exchange_plan(job, reader.m.step, [], e)
+            raise
         return reader.restore(state, strict=strict, job=job, node=node)
 
     (plan, n), reader, skipped = _read(store, step, verify, use)

@@ -930,6 +930,27 @@ def _some(paths: list[str], n: int = 8) -> str:
     return shown + (f" and {len(paths) - n} more" if len(paths) > n else "")
 
 
+class OutOfStep(StateMismatch):
+    """The ranks of a restore were not at the same exchange of the same step. Raised on
+    every rank of that exchange, and never followed by another exchange (each rank
+    leaves the restore after the same number of collectives)."""
+
+
+def out_of_step(said: list[Any], kind: str, step: int) -> None:
+    """Raise ``OutOfStep`` on every rank of an exchange of a restore when the ranks
+    were not at the same exchange (``kind``) of the same step: a rank that raised out of
+    its restore's order, or ranks that asked for different steps. Each rank's message
+    names every rank's place, so that all raise together instead of pairing the wrong
+    exchanges (one rank's step filled with another's tensors)."""
+    where = [(d.get("kind"), d.get("step")) if isinstance(d, dict) else (None, None) for d in said]
+    if any(w != (kind, step) for w in where):
+        at = ", ".join(f"rank {r}: {k or '?'} of step {s}" for r, (k, s) in enumerate(where))
+        raise OutOfStep(
+            f"the ranks' restores are out of step ({at}): every rank must restore the same "
+            "step, with step=None or the same step="
+        )
+
+
 def exchange_plan(
     job: Job, step: int, need: list[str], error: SnapcoreError | None, node: Any = None
 ) -> list[dict[str, Any]]:
@@ -940,12 +961,15 @@ def exchange_plan(
     when that rank found the step damaged (every rank then moves to an older step
     together), else ``StateMismatch``."""
     mine = {
+        "kind": "plan",
+        "step": step,
         "error": None if error is None else str(error),
         "damaged": isinstance(error, CorruptSnapshot | SnapshotNotFound),
         "need": need,
         "node": node,
     }
     every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
+    out_of_step(every, "plan", step)
     failed = [r for r, d in enumerate(every) if d["error"]]
     if failed and error is None:
         damaged = [r for r in failed if every[r]["damaged"]]

@@ -129,9 +129,36 @@ def restore(a: dict[str, Any]) -> dict[str, Any]:
     if a.get("prepare"):  # a replaced node: fault in what its part is fetched into
         snapcore.prepare(state, store_of(a)).result()
         prepared = slot_inodes()
+    with contextlib.ExitStack() as undo:
+        if a.get("boom_on_rank") == dist.get_rank():  # not snapcore's error, mid-restore
+            undo.enter_context(_boom_while_filling())
+        return _restore(a, state, model, optim, prepared)
+
+
+@contextlib.contextmanager
+def _boom_while_filling() -> Iterator[None]:
+    from snapcore import read
+
+    def boom(*args: Any, **kw: Any) -> None:
+        raise RuntimeError("boom: out of memory while filling")
+
+    fill = read.Reader._fill
+    read.Reader._fill = boom  # type: ignore[method-assign]
     try:
-        info = snapcore.restore(state, store_of(a), rank_local=a.get("rank_local", "error"))
-    except snapcore.SnapcoreError as e:
+        yield
+    finally:
+        read.Reader._fill = fill  # type: ignore[method-assign]
+
+
+def _restore(a: dict[str, Any], state: Any, model: Any, optim: Any, prepared: Any) -> Any:
+    try:
+        info = snapcore.restore(
+            state,
+            store_of(a),
+            step=a.get("at_by_rank", {}).get(str(dist.get_rank()), a.get("at")),
+            rank_local=a.get("rank_local", "error"),
+        )
+    except (snapcore.SnapcoreError, RuntimeError) as e:
         digests(model, optim)  # a collective: every rank must take part
         return {"error": type(e).__name__, "message": str(e)}
     return {

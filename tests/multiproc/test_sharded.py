@@ -533,6 +533,60 @@ def test_a_step_one_node_cannot_open_is_skipped_by_every_rank(tmp_path: Path, s3
     for (r,) in res:
         assert r.get("step") == 1 and r["digests"] == first, r
         assert "(rank 1)" in r["skipped"][0]
+    # Asked for step 2 by name, every rank raises (none waits for rank 1 in vain), and
+    # the ranks' next restore, of step 1, pairs with itself: each rank holds step 1's
+    # tensors and says so (a rank that left step 2's restore early once paired its step
+    # 1 exchange with the others' step 2 one, and got step 2's tensors under "step 1").
+    asked = [
+        {"op": "restore", "kind": "fsdp2", "at": 2},
+        {"op": "restore", "kind": "fsdp2", "at": 1},
+    ]
+    res = _launch(nodes, asked, 1, spec=spec)
+    (two0, one0), (two1, one1) = res
+    # rank 1 raises its own damage (naming its file), rank 0 the same news naming rank 1
+    assert two0.get("error") == "CorruptSnapshot" and "(rank 1)" in two0["message"], two0
+    assert two1.get("error") == "InvalidManifest" and str(part) in two1["message"], two1
+    for one in (one0, one1):
+        assert one.get("step") == 1 and one["digests"] == first, one
+
+
+def test_a_rank_whose_part_is_missing_makes_every_rank_skip_the_step(tmp_path: Path) -> None:
+    """Two nodes of one rank each, a directory each, no object storage. Step 2: node 1's
+    part is gone from its directory (the step's index still lists it), so rank 1 finds
+    its own part in none of its tiers once the step is open, while rank 0 restores its
+    part: both ranks restore step 1 (this once failed with a KeyError on both, their
+    exchanges paired with each other's)."""
+    nodes = Nodes(tmp_path)
+    dirs = nodes.dirs
+    spec = {"local": "$SNAPCORE_TEST_LOCAL"}
+    saves = [{"step": 1, "seed": 0}, {"step": 2, "seed": 5}]
+    saved = _launch(nodes, [{"op": "save", "kind": "fsdp2", **a} for a in saves], 1, spec=spec)
+    first = saved[0][0]["digests"]
+    (part,) = (dirs[1] / "step-000000000002").glob("part-00001-*.json")
+    part.unlink()
+    res = _launch(nodes, [{"op": "restore", "kind": "fsdp2"}], 1, spec=spec)
+    for (r,) in res:
+        assert r.get("step") == 1 and r["digests"] == first, r
+        assert "(rank 1)" in r["skipped"][0], r
+    # Ranks that ask for different steps all raise, naming where each was, and their
+    # next restore agrees again.
+    apart = {"op": "restore", "kind": "fsdp2", "at_by_rank": {"0": 1, "1": 2}}
+    res = _launch(nodes, [apart, {"op": "restore", "kind": "fsdp2"}], 1, spec=spec)
+    for r, again in res:
+        assert r.get("error") == "OutOfStep", r
+        assert "rank 0: plan of step 1, rank 1: plan of step 2" in r["message"], r
+        assert again.get("step") == 1 and again["digests"] == first, again
+    # An exception that is not snapcore's, on one rank mid-restore: that rank raises it,
+    # the other raises at once naming it (not after the timeout), and the next agrees.
+    boom = {"op": "restore", "kind": "fsdp2", "boom_on_rank": 1}
+    (b0, again0), (b1, again1) = _launch(
+        nodes, [boom, {"op": "restore", "kind": "fsdp2"}], 1, spec=spec
+    )
+    assert b1.get("error") == "RuntimeError" and "boom" in b1["message"], b1
+    assert b0.get("error") == "StateMismatch", b0
+    assert "rank 1 cannot restore it: RuntimeError: boom" in b0["message"], b0
+    for again in (again0, again1):
+        assert again.get("step") == 1 and again["digests"] == first, again
 
 
 def _launch(
