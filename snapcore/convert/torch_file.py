@@ -369,8 +369,10 @@ class TorchSink:
         del fakes, leaves  # the reserved mapping goes with them
         keys = {n: str(k) for k, n in enumerate(order)}
         storages = {r.key: r for r in records if r.key is not None}
-        if set(storages) != set(keys.values()) or any(
-            storages[keys[n]].info.file_size != planned[n].nbytes for n in order
+        if (
+            set(storages) != set(keys.values())
+            or any(storages[keys[n]].info.file_size != planned[n].nbytes for n in order)
+            or not self._numbered_as(order, planned, aliases)
         ):
             raise RuntimeError(  # torch numbered its storages otherwise: refuse to guess
                 f"{self.path}: torch.save laid out {len(storages)} storages, not the "
@@ -387,6 +389,27 @@ class TorchSink:
         self._zip = zipfile.ZipFile(self._file, "w", zipfile.ZIP_STORED, allowZip64=True)
         for r in records[:first]:
             self._put(r.info, r.data)
+
+    def _numbered_as(
+        self, order: list[str], planned: dict[str, TensorInfo], aliases: dict[str, str]
+    ) -> bool:
+        """Whether ``torch.save`` numbers the storages as ``order`` says (storage ``k``
+        is ``order[k]``). The sizes checked in ``begin`` cannot tell tensors of one size
+        apart (a permutation of them would put each one's bytes under another's key):
+        where two sizes are equal, a second skeleton with placeholders of distinct sizes
+        (``order[k]``: ``k + 1`` bytes) names each storage by its size."""
+        sizes = [planned[n].nbytes for n in order]
+        if len(set(sizes)) == len(sizes):
+            return True  # the sizes identify the storages already
+        size = {n: k + 1 for k, n in enumerate(order)}
+        # the state as begin() gives it to torch.save (its insertion order), other sizes
+        fakes = _placeholders([TensorInfo(n, torch.uint8, (size[n],)) for n in planned])
+        leaves: dict[str, Any] = dict(fakes)
+        leaves.update({a: fakes[t] for a, t in aliases.items()})
+        leaves.update(self._values)
+        records = _skeleton(_nested.unflatten(leaves))
+        del fakes, leaves
+        return all(r.info.file_size == int(r.key) + 1 for r in records if r.key is not None)
 
     def _open(self, like: zipfile.ZipInfo, size: int) -> Any:
         """Open a record named as ``like`` for ``size`` bytes, its bytes starting at a

@@ -5,6 +5,7 @@ written again)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -97,9 +98,11 @@ class ChunkIndex:
     Rebuilt for a tier whenever its committed steps are not what this index last saw: a
     `snapcore gc`, retention, or another process may have removed snapshots (and their
     files). The rebuild reads only the manifests of steps it has not seen: each step's
-    chunk locations are kept (a committed manifest does not change while its step stays
-    committed; a re-saved step is forgotten with ``invalidate``), so that retention's
-    removal of a step costs the next save no manifest reads. ``tier_of(name)`` gives the
+    chunk locations are kept (a re-saved step is forgotten with ``invalidate``), so that
+    retention's removal of a step costs the next save no manifest reads. A step still
+    listed whose manifest file is not the one indexed (its identity: inode, mtime, size;
+    another writer removed the step and committed the same step number again) is read
+    again. ``tier_of(name)`` gives the
     tier object (``committed_steps``, ``read_manifest``).
     """
 
@@ -109,20 +112,45 @@ class ChunkIndex:
         self._steps: dict[str, frozenset[int]] = {}
         # per tier and committed step: its chunks' (key, location), in manifest order
         self._by_step: dict[str, dict[int, list[tuple[ChunkKey, Location]]]] = {}
+        # per tier and step: the identity of the manifest those chunks were read from
+        self._ids: dict[str, dict[int, tuple[int, ...] | None]] = {}
+
+    @staticmethod
+    def _identity(t: Any, step: int) -> tuple[int, ...] | None:
+        """The identity of ``step``'s manifest file (device, inode, mtime, size) where the
+        tier is a directory (its ``LocalDirectory``'s ``manifest_path``): a commit
+        replaces the file (a new inode), so another writer's commit of the same step
+        number, after it removed the step, is seen. None where the tier has no cheap
+        identity (object storage)."""
+        path = getattr(getattr(t, "store", None), "manifest_path", None)  # LocalTier's
+        if path is None:
+            return None
+        try:
+            st = os.stat(path(step))
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
     def get(self, tier: str) -> dict[ChunkKey, Location]:
         t = self._tier_of(tier)
         steps = frozenset(t.committed_steps())
+        ids = {s: self._identity(t, s) for s in steps}
+        known = self._by_step.setdefault(tier, {})
+        seen = self._ids.setdefault(tier, {})
+        # a step still listed whose manifest is not the one indexed: replaced by another
+        # commit of that step number (another writer); its chunks are read again
+        replaced = [s for s in known if s in steps and ids[s] != seen.get(s)]
         index = self._index.get(tier)
-        if index is None or steps != self._steps.get(tier):
-            known = self._by_step.setdefault(tier, {})
-            for gone in [s for s in known if s not in steps]:
+        if index is None or steps != self._steps.get(tier) or replaced:
+            for gone in [s for s in known if s not in steps] + replaced:
                 del known[gone]
+                seen.pop(gone, None)
             index = {}
             self._steps[tier] = steps
             for step in sorted(steps):
                 if step not in known:
-                    try:
+                    try:  # its identity first: a replacement after it is seen next time
+                        seen[step] = ids[step]
                         known[step] = self._entries(t.read_manifest(step))
                     except SnapcoreError as e:
                         log.warning("%s tier, step %d: not shared: %s", tier, step, e)
@@ -136,6 +164,7 @@ class ChunkIndex:
         """A commit of ``m`` in ``tier``: its chunks can be shared from now on."""
         entries = self._entries(m)
         self._by_step.setdefault(tier, {})[m.step] = entries
+        self._ids.setdefault(tier, {})[m.step] = self._identity(self._tier_of(tier), m.step)
         index = self._index.get(tier)
         if index is not None:
             for key, loc in entries:
@@ -149,10 +178,13 @@ class ChunkIndex:
         self._index[tier] = None
         if steps is None:
             self._by_step.pop(tier, None)
+            self._ids.pop(tier, None)
         else:
             known = self._by_step.get(tier, {})
+            seen = self._ids.get(tier, {})
             for s in steps:
                 known.pop(s, None)
+                seen.pop(s, None)
 
     @staticmethod
     def _entries(m: mf.Manifest) -> list[tuple[ChunkKey, Location]]:

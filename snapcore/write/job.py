@@ -82,6 +82,7 @@ class PersistJob:
         h = self.handle
         upload: Future[None] | None = None
         sh = self.sharded
+        failed = False
         self.go.wait()
         try:
             local = self.engine.local
@@ -115,7 +116,7 @@ class PersistJob:
                 self.engine.config.describe(),
                 e,
             )
-            h.mark_staged()
+            failed = True
             for half in self.halves:
                 half.set()
             if sh is not None:  # the coordinator must not wait for parts that will not come
@@ -129,6 +130,11 @@ class PersistJob:
         finally:
             self._settle()
             self._drain()
+            if failed:
+                # Only now: staging has ended (the pipelined mode's copies go on in the
+                # call after an early failure here), and "staged" says the state may
+                # change. The failure itself is on the handle already (resolve above).
+                h.mark_staged()
             self._release_slot(upload)
 
     def _staging_ended(self) -> None:

@@ -743,3 +743,31 @@ def test_torch_sink_plans_any_size_without_memory(tmp_path: Path) -> None:
     assert tmp.name.startswith(".huge.pt.tmp") and tmp.stat().st_size < 1 << 20
     sink.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_torch_sink_refuses_a_permutation_of_same_size_storages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Were torch to number two storages of one size otherwise than snapcore expects,
+    each tensor's bytes would go under the other's key: the sink must see it (the sizes
+    alone cannot) and refuse, leaving nothing."""
+    real = torch_file._storage_order
+
+    def swapped(names: list[str], aliases: dict[str, str], values: dict[str, Any]) -> list[str]:
+        return list(reversed(real(names, aliases, values)))
+
+    a, b = TensorInfo("a", torch.float32, (4,)), TensorInfo("b", torch.float32, (4,))
+    target = tmp_path / "out.pt"
+    monkeypatch.setattr(torch_file, "_storage_order", swapped)
+    sink = torch_file.TorchSink(target, {})
+    with pytest.raises(RuntimeError, match="in the order snapcore expects"):
+        sink.begin([a, b], {}, {})
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(torch_file, "_storage_order", real)  # torch's own order: written
+    sink = torch_file.TorchSink(target, {})
+    sink.begin([a, b], {}, {})
+    sink.write(a, torch.ones(4))
+    sink.write(b, torch.zeros(4))
+    sink.commit({})
+    back = torch.load(target, weights_only=True)
+    assert torch.equal(back["a"], torch.ones(4)) and torch.equal(back["b"], torch.zeros(4))

@@ -216,3 +216,51 @@ def test_a_bad_pipeline_setting_is_refused(tmp_path, monkeypatch):
     s = state(2)
     snapcore.save(s, tmp_path, step=2)
     assert LocalDirectory(tmp_path).committed_steps() == [2]
+
+
+def test_an_early_persist_failure_marks_staged_only_once_staging_ended(
+    tmp_path, watch, monkeypatch
+):
+    """The persist side fails (the step's directory cannot be opened) while staging still
+    copies: the handle must not say "staged" before the copy has ended (the caller may
+    then change the tensors), and the failure still surfaces on the handle."""
+    from snapcore.staging.handle import SaveHandle
+
+    handles: list[SaveHandle] = []
+    marks: list[bool] = []  # per mark_staged call: whether staging had ended
+    real_init, real_mark = SaveHandle.__init__, SaveHandle.mark_staged
+    real_begin, real_copy = LocalDirectory.begin, Stager.copy
+
+    def init(self: SaveHandle, *a: Any, **kw: Any) -> None:
+        real_init(self, *a, **kw)
+        handles.append(self)
+
+    def mark(self: SaveHandle) -> None:
+        with watch.lock:
+            marks.append(watch.ended)
+        real_mark(self)
+
+    def begin(self: LocalDirectory, step: int) -> Any:
+        if step == 2:
+            raise OSError(28, f"No space left on device (simulated): step {step}")
+        return real_begin(self, step)
+
+    def copy(self: Stager, blobs: Any, win: Any, **kw: Any) -> Any:
+        if win.progress is not None and watch.copies == 2 and handles:
+            handles[-1].settle()  # the persist side has failed (every tier has its outcome)
+        return real_copy(self, blobs, win, **kw)
+
+    snapcore.save(state(1), tmp_path, step=1)
+    watch.gate_at = 0  # no gate: nothing is written for step 2
+    monkeypatch.setattr(SaveHandle, "__init__", init)
+    monkeypatch.setattr(SaveHandle, "mark_staged", mark)
+    monkeypatch.setattr(LocalDirectory, "begin", begin)
+    monkeypatch.setattr(Stager, "copy", copy)
+    marks.clear()
+    h = snapcore.async_save(state(2), tmp_path, step=2)
+    assert h is handles[-1]
+    assert marks and all(marks), marks  # never marked while staging copied
+    h.staged(GATE_S)
+    with pytest.raises(snapcore.SnapshotFailed, match="simulated"):
+        h.wait()
+    assert watch.pipelined == 2
