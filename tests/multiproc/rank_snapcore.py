@@ -106,10 +106,14 @@ def save(a: dict[str, Any]) -> dict[str, Any]:
     rank, where = dist.get_rank(), local_dir(a)
     step_dir = os.path.join(where, f"step-{a['step']:012d}") if where else ""
     mine = glob.glob(os.path.join(step_dir, f"data-*-r{rank}.bin")) if where else []
+    from snapcore.write.engine import engine_for
+
+    sharder = engine_for(store_of(a)).sharder
     return {
         "digests": digests(model, optim),
         "rng_next": torch.rand(1).item(),
         "data_bytes": sum(os.path.getsize(p) for p in mine),
+        "exchange": sharder.exchange if sharder is not None else None,
     }
 
 
@@ -343,7 +347,7 @@ def replan(a: dict[str, Any]) -> dict[str, Any]:
         except snapcore.SnapcoreError as e:
             out.append({"ok": False, "error": type(e).__name__, "message": str(e)})
     small.append(sharder.small_exchange)  # the re-plan's
-    return {"saves": out, "small_exchange": small}
+    return {"saves": out, "small_exchange": small, "exchange": sharder.exchange}
 
 
 def steady(a: dict[str, Any]) -> dict[str, Any]:
