@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .. import manifest as mf
-from ..distributed.job import Job, all_gather_bytes
+from ..distributed.job import Job, all_gather_bytes, broadcast_bytes
 from ..manifest import dtype_name
 from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_copies, plan_save
 from ..planning.global_plan import structure_fingerprint as fingerprint
@@ -48,6 +48,11 @@ from ..sharding import Box
 from ..tree import Flattened, is_dtensor, local_shard
 
 __all__ = ["PartSpec", "Sharder"]
+
+# Up to this many groups of ranks with different descriptions (pipeline stages) plan from
+# one description per group, each broadcast by its lowest rank; more groups than this
+# (states that differ rank by rank) exchange every rank's items in one all-gather.
+MAX_GROUPS = 128
 
 
 @dataclass
@@ -184,8 +189,10 @@ class Sharder:
         items themselves exchanged, and ``plan_save`` run on every rank's."""
         job = self.job
         description, tensors = _description(flat, glob)
+        text = json.dumps(description).encode()
         mine = {
-            "g": hashlib.sha256(json.dumps(description).encode()).hexdigest(),
+            "g": hashlib.sha256(text).hexdigest(),
+            "n": len(text),
             "host": job.host,
             "local": os.path.realpath(self.local_dir) if self.local_dir else None,
             "area": self.host_area,
@@ -205,20 +212,24 @@ class Sharder:
         digest = mine["g"]
         self.exchange = "uniform"
         if len(set(hashes)) > 1:
-            lead = hashes.index(mine["g"]) == job.rank
-            said = all_gather_bytes(job, json.dumps(description).encode() if lead else b"")
-            groups = [
-                ([q for q, g in enumerate(hashes) if g == hashes[r]], json.loads(b))
-                for r, b in enumerate(said)
-                if b
-            ]
-            try:  # the same answer on every rank: from the same bytes
-                combined = combine([(ranks, decode_description(d)) for ranks, d in groups])
-                digest = hashlib.sha256(json.dumps(hashes).encode()).hexdigest()
-                self.exchange = "grouped"
-            except NotCombinable:
-                combined = None
-                self.exchange = "items"
+            combined, self.exchange = None, "items"
+            leads = sorted({g: r for r, g in reversed(list(enumerate(hashes)))}.values())
+            if len(leads) <= MAX_GROUPS:
+                # each group's description from its lowest rank, to every rank: one
+                # broadcast per group, of its bytes alone (their sizes came with the hashes)
+                groups = [
+                    (
+                        [q for q, g in enumerate(hashes) if g == hashes[r]],
+                        json.loads(broadcast_bytes(job, text, r, every[r]["n"])),
+                    )
+                    for r in leads
+                ]
+                try:  # the same answer on every rank: from the same bytes
+                    combined = combine([(ranks, decode_description(d)) for ranks, d in groups])
+                    digest = hashlib.sha256(json.dumps(hashes).encode()).hexdigest()
+                    self.exchange = "grouped"
+                except NotCombinable:
+                    pass
         self.small_exchange = self.exchange != "items"
         copies: dict[str, frozenset[tuple[str, Box]]] = {}
         gplan: GlobalPlan | UniformPlan

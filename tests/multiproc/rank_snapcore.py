@@ -100,6 +100,10 @@ def digests(model: Any, optim: Any) -> dict[str, str]:
 
 
 def save(a: dict[str, Any]) -> dict[str, Any]:
+    if "max_groups" in a:  # fewer groups of ranks planned from their descriptions
+        from snapcore.write import sharded
+
+        sharded.MAX_GROUPS = a["max_groups"]
     state, model, optim = state_of(a["kind"], a.get("seed", 0), a["step"])
     torch.manual_seed(1234 + dist.get_rank())  # each rank's RNG state is its own
     snapcore.save(state, store_of(a), step=a["step"])

@@ -177,22 +177,24 @@ def test_ddp_writes_replicated_tensors_once_and_restores_into_fsdp2(tmp_path: Pa
     assert loaded_digests(store) == saved
 
 
-def test_pipeline_stages_plan_from_one_description_per_stage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("max_groups", [128, 1])
+def test_pipeline_stages_plan_from_one_description_per_stage(
+    tmp_path: Path, max_groups: int
+) -> None:
     """Two pipeline stages of 2 ranks (FSDP2 within each stage, other tensors in each):
     the ranks' states differ, and the plan follows from one description per stage
     (``uniform.combine``), not from every rank's items; each stage's replicated tensors
     (its AdamW ``step`` counters, its buffer) are written once, by a rank of the stage;
-    the same ranks restore every tensor bit-exact."""
+    the same ranks restore every tensor bit-exact. With more groups than
+    ``MAX_GROUPS``, the items are exchanged, with the same result."""
     store = tmp_path / "pp"
+    save = {"op": "save", "kind": "pp", "store": str(store), "step": 2}
     res = run(
         4,
-        [
-            {"op": "save", "kind": "pp", "store": str(store), "step": 2},
-            {"op": "restore", "kind": "pp", "store": str(store)},
-        ],
+        [save | {"max_groups": max_groups}, {"op": "restore", "kind": "pp", "store": str(store)}],
     )
     for rank, (saved, restored) in enumerate(res):
-        assert saved["exchange"] == "grouped", rank
+        assert saved["exchange"] == ("grouped" if max_groups > 1 else "items"), rank
         assert restored["digests"] == saved["digests"], rank
         assert saved["data_bytes"] > 0, rank
     stages = [set(res[0][0]["digests"]), set(res[2][0]["digests"])]
