@@ -77,40 +77,55 @@ def _plannable(rng: random.Random, t: int, world: int) -> GlobalTensor:
             continue
 
 
-def _derived(tensors: list[GlobalTensor], world: int) -> list[list[LocalItem]]:
-    """Every rank's items as write/sharded.py derived them before: one describe_sharded
-    per DTensor (every coordinate's box, with torch's own computation)."""
+Groups = list[tuple[list[int], list[GlobalTensor]]]
+
+
+def _derived(groups: Groups, world: int) -> list[list[LocalItem]]:
+    """Every rank's items as write/sharded.py derives them for ``plan_save``: one
+    describe_sharded per DTensor (every coordinate's box, with torch's own computation),
+    a plain tensor held by every rank of each group that lists it."""
     per_rank: list[list[LocalItem]] = [[] for _ in range(world)]
-    for t in tensors:
-        if t.mesh is None:
-            box = Box((0,) * len(t.global_shape), t.global_shape)
-            for r in range(world):
-                per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
-            continue
-        for r, item in describe_sharded(
-            t.path, t.dtype, t.global_shape, t.mesh, t.placements
-        ).items():
-            per_rank[r].append(item)
+    for ranks, tensors in groups:
+        for t in tensors:
+            if t.mesh is None:
+                box = Box((0,) * len(t.global_shape), t.global_shape)
+                for r in ranks:
+                    per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
+                continue
+            for r, item in describe_sharded(
+                t.path, t.dtype, t.global_shape, t.mesh, t.placements
+            ).items():
+                per_rank[r].append(item)
     return per_rank
 
 
 def _assert_same_plan(tensors: list[GlobalTensor], world: int, node: int = 2) -> None:
-    per_rank = _derived(tensors, world)
+    _assert_same_grouped_plan([(list(range(world)), tensors)], world, node)
+
+
+def _assert_same_grouped_plan(groups: Groups, world: int, node: int) -> None:
+    """``plan_uniform`` and ``uniform_copies`` on the groups' description (combined when
+    there are several) against ``plan_save`` and ``plan_copies`` on every rank's items:
+    the same writer for every box, bytes per rank, and node copies (homes of ``node``
+    ranks each, which may span groups)."""
+    per_rank = _derived(groups, world)
     old = plan_save(per_rank, world)
+    tensors = groups[0][1] if len(groups) == 1 else combine(groups)
     new = plan_uniform(tensors, world, "digest")
     assert new.rank_bytes == old.rank_bytes
-    nodes = [r // node for r in range(world)]  # node-local homes of ``node`` ranks each
-    for r in range(world):
-        assert local_items(tensors, r) == per_rank[r], r
-        home = {q for q in range(world) if nodes[q] == nodes[r]}
-        copies = uniform_copies(tensors, plan_uniform(tensors, world, "d", ranks=home), home, r)
-        want = frozenset((w.path, w.box) for w in plan_copies(old, nodes, only=r)[r])
-        assert copies == want, (r, home)
-        mine = plan_uniform(tensors, world, "digest", ranks={r})
-        for item in per_rank[r]:
-            want = None if item.box.empty else old.writers[(item.path, item.box)]
-            assert new.writer(item) == want, (r, item)
-            assert mine.writer(item) == want, (r, item)
+    nodes = [r // node for r in range(world)]
+    for ranks, own in groups:
+        for r in ranks:
+            assert local_items(own, r) == per_rank[r], r
+            home = {q for q in range(world) if nodes[q] == nodes[r]}
+            near = plan_uniform(tensors, world, "d", ranks=home)
+            want = frozenset((w.path, w.box) for w in plan_copies(old, nodes, only=r)[r])
+            assert uniform_copies(tensors, near, home, r) == want, (r, home)
+            mine = plan_uniform(tensors, world, "digest", ranks={r})
+            for item in per_rank[r]:
+                w = None if item.box.empty else old.writers[(item.path, item.box)]
+                assert new.writer(item) == w, (r, item)
+                assert mine.writer(item) == w, (r, item)
 
 
 def test_shard_table_is_shard_box_at_every_coordinate() -> None:
@@ -227,24 +242,6 @@ def _group_tensor(rng: random.Random, t: int, ranks: list[int]) -> GlobalTensor:
     return GlobalTensor(f"{g.path}@{ranks[0]}", g.dtype, g.global_shape, mesh, g.placements)
 
 
-def _grouped_items(
-    groups: list[tuple[list[int], list[GlobalTensor]]], world: int
-) -> list[list[LocalItem]]:
-    per_rank: list[list[LocalItem]] = [[] for _ in range(world)]
-    for ranks, tensors in groups:
-        for t in tensors:
-            if t.mesh is None:
-                box = Box((0,) * len(t.global_shape), t.global_shape)
-                for r in ranks:
-                    per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
-                continue
-            for r, item in describe_sharded(
-                t.path, t.dtype, t.global_shape, t.mesh, t.placements
-            ).items():
-                per_rank[r].append(item)
-    return per_rank
-
-
 def _round_trip(tensors: list[GlobalTensor]) -> list[GlobalTensor]:
     """Through the JSON description a group's lowest rank sends (write/sharded.py)."""
     meshes: list[torch.Tensor] = []
@@ -276,25 +273,7 @@ def test_grouped_descriptions_plan_as_plan_save_on_random_stages() -> None:
             tensors = [_group_tensor(rng, t, members) for t in range(rng.randint(0, 6))]
             unique = {t.path: t for t in tensors}  # a path once per state
             groups.append((sorted(members), _round_trip(list(unique.values()))))
-        per_rank = _grouped_items(groups, world)
-        old = plan_save(per_rank, world)
-        combined = combine(groups)
-        new = plan_uniform(combined, world, "digest")
-        assert new.rank_bytes == old.rank_bytes
-        node = rng.choice([1, 2, 3])
-        nodes = [r // node for r in range(world)]
-        for members, tensors in groups:
-            for r in members:
-                assert local_items(tensors, r) == per_rank[r], r
-                home = {q for q in range(world) if nodes[q] == nodes[r]}
-                near = plan_uniform(combined, world, "d", ranks=home)
-                want = frozenset((w.path, w.box) for w in plan_copies(old, nodes, only=r)[r])
-                assert uniform_copies(combined, near, home, r) == want, (r, home)
-                mine = plan_uniform(combined, world, "d", ranks={r})
-                for item in per_rank[r]:
-                    w = None if item.box.empty else old.writers[(item.path, item.box)]
-                    assert new.writer(item) == w, (r, item)
-                    assert mine.writer(item) == w, (r, item)
+        _assert_same_grouped_plan(groups, world, node=rng.choice([1, 2, 3]))
 
 
 def test_a_plain_tensor_of_some_groups_is_held_by_their_ranks_only() -> None:
