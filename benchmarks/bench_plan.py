@@ -22,7 +22,10 @@ Runs with one torch thread, as a rank under torchrun does (OMP_NUM_THREADS=1).
 Meshes: FSDP2 (``Shard(0)`` over every rank), HSDP (``(ranks/8, 8)``: replicated across
 nodes, sharded within), FSDP2 over TP (``(ranks/8, 8)``: column-parallel weights
 ``_StridedShard(0), Shard(0)``, row-parallel ``Shard(0), Shard(1)``, norms replicated
-over TP), and DDP (every tensor plain, held by every rank).
+over TP), DDP (every tensor plain, held by every rank), and PP (4 pipeline stages, each
+of ``ranks/4`` ranks holding a quarter of the layers under FSDP2 on its own ranks, and
+its own ``step`` counters: the ranks' states differ, so "now" is one description per
+stage, ``uniform.combine``, then the same three calls).
 
     python benchmarks/bench_plan.py                      # ~1-2 minutes on 2 cores
     python benchmarks/bench_plan.py --worlds 1024,16384 --json out.json --markdown out.md
@@ -49,20 +52,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, fmt_s, write_figures
 
 from snapcore.planning.global_plan import LocalItem, describe_sharded, plan_copies, plan_save
-from snapcore.planning.uniform import GlobalTensor, local_items, plan_uniform, uniform_copies
+from snapcore.planning.uniform import (
+    GlobalTensor,
+    combine,
+    local_items,
+    plan_uniform,
+    uniform_copies,
+)
 from snapcore.sharding import Box
 
-MESHES = ("fsdp2", "hsdp", "fsdp2+tp", "ddp")
+MESHES = ("fsdp2", "hsdp", "fsdp2+tp", "ddp", "pp")
 TP = 8
+PP = 4  # pipeline stages
 NODE = 8  # ranks per node: a node-local tier's home
 
 
-def state(mesh_kind: str, world: int, layers: int, d: int) -> list[GlobalTensor]:
-    """A transformer's parameters and AdamW state as global tensors on ``mesh_kind``."""
+Groups = list[tuple[list[int], list[GlobalTensor]]]
+
+
+def state(mesh_kind: str, world: int, layers: int, d: int) -> Groups:
+    """A transformer's parameters and AdamW state as global tensors on ``mesh_kind``,
+    per group of ranks holding the same ones: one group, but for PP one per stage."""
+    if mesh_kind != "pp":
+        return [(list(range(world)), _layers(mesh_kind, world, range(layers), d, None))]
+    per = world // PP
+    return [
+        (
+            list(range(s * per, (s + 1) * per)),
+            _layers(
+                "fsdp2",
+                per,
+                range(s * layers // PP, (s + 1) * layers // PP),
+                d,
+                torch.arange(s * per, (s + 1) * per),
+            ),
+        )
+        for s in range(PP)
+    ]
+
+
+def _layers(
+    mesh_kind: str, world: int, which: range, d: int, ranks: torch.Tensor | None
+) -> list[GlobalTensor]:
     if mesh_kind == "ddp":
         mesh = None
     elif mesh_kind == "fsdp2":
-        mesh = torch.arange(world)
+        mesh = torch.arange(world) if ranks is None else ranks
     else:
         mesh = torch.arange(world).reshape(world // TP, TP)
     shapes = {
@@ -86,7 +121,7 @@ def state(mesh_kind: str, world: int, layers: int, d: int) -> list[GlobalTensor]
         return (Shard(0), Replicate())  # norms: replicated over TP
 
     out: list[GlobalTensor] = []
-    for i in range(layers):
+    for i in which:
         for name, shape in shapes.items():
             for kind in ("", "exp_avg.", "exp_avg_sq."):
                 path = f"layers.{i}.{kind}{name}"
@@ -104,9 +139,19 @@ def home(rank: int, world: int) -> set[int]:
     return set(range(first, min(first + NODE, world)))
 
 
-def now(tensors: list[GlobalTensor], world: int, rank: int) -> tuple[float, Any]:
+def flat(groups: Groups) -> list[GlobalTensor]:
+    """The description the plan is made from: one group's, or the groups' combined."""
+    return groups[0][1] if len(groups) == 1 else combine(groups)
+
+
+def own(groups: Groups, rank: int) -> list[GlobalTensor]:
+    return next(tensors for ranks, tensors in groups if rank in ranks)
+
+
+def now(groups: Groups, world: int, rank: int) -> tuple[float, Any]:
     t0 = time.perf_counter()
-    items = local_items(tensors, rank)
+    tensors = flat(groups)
+    items = local_items(own(groups, rank), rank)
     node = home(rank, world)
     plan = plan_uniform(tensors, world, "digest", ranks=node | {rank})
     writes = [plan.writer(item) == rank for item in items]
@@ -114,32 +159,34 @@ def now(tensors: list[GlobalTensor], world: int, rank: int) -> tuple[float, Any]
     return time.perf_counter() - t0, (items, plan, writes, copies)
 
 
-def before(tensors: list[GlobalTensor], world: int) -> tuple[float, Any]:
+def before(groups: Groups, world: int) -> tuple[float, Any]:
     t0 = time.perf_counter()
     per_rank: list[list[LocalItem]] = [[] for _ in range(world)]
-    for t in tensors:
-        if t.mesh is None:
-            box = Box((0,) * len(t.global_shape), t.global_shape)
-            for r in range(world):
-                per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
-            continue
-        for r, item in describe_sharded(
-            t.path, t.dtype, t.global_shape, t.mesh, t.placements
-        ).items():
-            per_rank[r].append(item)
+    for ranks, tensors in groups:
+        for t in tensors:
+            if t.mesh is None:
+                box = Box((0,) * len(t.global_shape), t.global_shape)
+                for r in ranks:
+                    per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
+                continue
+            for r, item in describe_sharded(
+                t.path, t.dtype, t.global_shape, t.mesh, t.placements
+            ).items():
+                per_rank[r].append(item)
     plan = plan_save(per_rank, world)
     plan_copies(plan, [r // NODE for r in range(world)], only=0)
     return time.perf_counter() - t0, (per_rank, plan)
 
 
-def same_plan(tensors: list[GlobalTensor], world: int, old: Any) -> bool:
+def same_plan(groups: Groups, world: int, old: Any) -> bool:
     per_rank, plan = old
+    tensors = flat(groups)
     new = plan_uniform(tensors, world, "digest")
     if new.rank_bytes != plan.rank_bytes:
         return False
     homes = [r // NODE for r in range(world)]
     for r in range(world):
-        if local_items(tensors, r) != per_rank[r]:
+        if local_items(own(groups, r), r) != per_rank[r]:
             return False
         want = frozenset((w.path, w.box) for w in plan_copies(plan, homes, only=r)[r])
         if uniform_copies(tensors, new, home(r, world), r) != want:
@@ -171,25 +218,26 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for mesh_kind in args.meshes.split(","):
         for world in worlds:
-            tensors = state(mesh_kind, world, args.layers, args.width)
+            groups = state(mesh_kind, world, args.layers, args.width)
+            count = sum(len(t) for _, t in groups)
             best = None
             for _ in range(2):  # the second run: the first pays imports and caches
-                t = max(now(tensors, world, r)[0] for r in (0, world - 1))
+                t = max(now(groups, world, r)[0] for r in (0, world - 1))
                 best = t if best is None else min(best, t)
             row: dict[str, Any] = {
                 "mesh": mesh_kind,
                 "world": world,
-                "tensors": len(tensors),
+                "tensors": count,
                 "now_s": best,
                 "before_s": None,
                 "same_plan": None,
             }
             if world <= args.before_max:
-                row["before_s"], old = before(tensors, world)
-                row["same_plan"] = same_plan(tensors, world, old)
+                row["before_s"], old = before(groups, world)
+                row["same_plan"] = same_plan(groups, world, old)
             rows.append(row)
             print(
-                f"{mesh_kind:9} {world:6} ranks {len(tensors)} tensors: now {fmt_s(row['now_s'])} s"
+                f"{mesh_kind:9} {world:6} ranks {count} tensors: now {fmt_s(row['now_s'])} s"
                 + (
                     f", before {fmt_s(row['before_s'])} s, same plan {row['same_plan']}"
                     if row["before_s"] is not None

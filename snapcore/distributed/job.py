@@ -191,6 +191,20 @@ def all_gather_bytes(job: Job, data: bytes) -> list[bytes]:
     return [bytes(o[: int(s)].numpy()) for o, s in zip(out, sizes, strict=True)]
 
 
+def broadcast_bytes(job: Job, data: bytes, src: int, size: int) -> bytes:
+    """Rank ``src``'s ``data``, of ``size`` bytes (a size every rank knows already), on
+    every rank: a broadcast on snapcore's gloo group, of those bytes alone."""
+    import torch.distributed as dist
+
+    buf = torch.empty(size, dtype=torch.uint8)
+    if job.rank == src:
+        if len(data) != size:
+            raise ValueError(f"broadcast_bytes: {len(data)} bytes, {size} announced")
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=src, group=job.group)
+    return bytes(buf.numpy())
+
+
 def kv_wait_all(job: Job, keys: list[str], timeout_s: float) -> list[int]:
     """Wait until every key is set; return the indices of those still missing after
     ``timeout_s`` (empty when all are set)."""

@@ -31,6 +31,7 @@ Nothing here enters a process group: pure functions of metadata.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -49,7 +50,11 @@ from .global_plan import LocalItem, check_placements, is_sharding, is_strided
 
 __all__ = [
     "GlobalTensor",
+    "NotCombinable",
     "UniformPlan",
+    "combine",
+    "decode_description",
+    "encode_placement",
     "local_items",
     "plan_uniform",
     "shard_table",
@@ -61,13 +66,15 @@ __all__ = [
 class GlobalTensor:
     """One global tensor of the description every rank shares. ``mesh`` is a DTensor's
     mesh of global ranks (``DeviceMesh.mesh``), ``None`` for a plain tensor (held whole
-    by every rank, replicated by convention)."""
+    by every rank, replicated by convention; by the ranks ``holders`` only, when the
+    ranks' states differ: ``combine``)."""
 
     path: str
     dtype: str
     global_shape: tuple[int, ...]
     mesh: torch.Tensor | None = None
     placements: tuple[Any, ...] = ()
+    holders: tuple[int, ...] | None = None  # a plain tensor's ranks (sorted); None: every rank
 
 
 def shard_table(
@@ -273,9 +280,14 @@ def plan_uniform(
         itemsize = DTYPES[t.dtype].itemsize
         if t.mesh is None:
             nbytes = math.prod(t.global_shape) * itemsize
-            if 0 not in t.global_shape:  # an empty tensor: written by nobody
-                zero = (0,) * len(t.global_shape)
-                shared.append((world_size, -nbytes, _key(t.path, zero, t.global_shape), -1, 0))
+            if 0 in t.global_shape:  # an empty tensor: written by nobody
+                continue
+            key = _key(t.path, (0,) * len(t.global_shape), t.global_shape)
+            if t.holders is None or len(t.holders) == world_size:
+                shared.append((world_size, -nbytes, key, -1, 0))
+            else:  # some ranks only (``combine``): a box of its own holders
+                holders.append(torch.tensor([sorted(t.holders)], dtype=torch.int64))
+                shared.append((len(t.holders), -nbytes, key, len(holders) - 1, 0))
             continue
         mesh = t.mesh.to(torch.int64)
         mesh_shape = tuple(mesh.shape)
@@ -383,12 +395,13 @@ def uniform_copies(
         itemsize = DTYPES[t.dtype].itemsize
         shape = t.global_shape
         if t.mesh is None:
-            if 0 in shape:
+            held = members if t.holders is None else members & frozenset(t.holders)
+            if 0 in shape or not held:
                 continue
             key = _key(t.path, (0,) * len(shape), shape)
             if plan.replicated[key] not in members:
                 boxes[key] = (t.path, Box((0,) * len(shape), shape))
-                items.append((key, math.prod(shape) * itemsize, members))
+                items.append((key, math.prod(shape) * itemsize, held))
             continue
         mesh = t.mesh.to(torch.int64)
         where = coordinates.get(id(t.mesh))
@@ -424,3 +437,107 @@ def uniform_copies(
             items.append((key, int(numel[c]) * itemsize, mine))
     assigned = sharding.assign_writers(items, plan.world_size, plan.rank_bytes)
     return frozenset(boxes[key] for key, r in assigned.items() if r == rank)
+
+
+def encode_placement(p: Any) -> Any:
+    """A DTensor placement as JSON that ``decode_description`` turns back into it:
+    ``"R"``, ``["S", dim]``, ``["SS", dim, split_factor]`` (``_StridedShard``); any other
+    placement as ``["?", repr]``, which no plan is made from (``check_placements``
+    refuses it when the state is planned)."""
+    from torch.distributed.tensor import Replicate
+
+    if type(p) is Replicate:
+        return "R"
+    if is_strided(p):
+        return ["SS", int(p.dim), int(p.split_factor)]
+    if is_sharding(p):
+        return ["S", int(p.dim)]
+    return ["?", repr(p)]
+
+
+class NotCombinable(ValueError):
+    """The descriptions of the ranks' groups do not make one plan without every rank's
+    items (``combine`` says why)."""
+
+
+def decode_description(description: Any) -> list[GlobalTensor]:
+    """The tensors of a description as ``write/sharded.py`` builds it (``{"meshes":
+    [global ranks of each mesh], "tensors": [[path, dtype, shape] or [path, dtype,
+    shape, mesh, [placement, ...]]]}``, placements from ``encode_placement``). Raises
+    ``NotCombinable`` for a placement it does not know."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    meshes = [torch.tensor(m, dtype=torch.int64) for m in description["meshes"]]
+    out: list[GlobalTensor] = []
+    for record in description["tensors"]:
+        path, dtype, shape = record[0], record[1], tuple(int(s) for s in record[2])
+        if len(record) == 3:
+            out.append(GlobalTensor(path, dtype, shape))
+            continue
+        placements: list[Any] = []
+        for x in record[4]:
+            if x == "R":
+                placements.append(Replicate())
+            elif isinstance(x, list) and x[0] == "S":
+                placements.append(Shard(int(x[1])))
+            elif isinstance(x, list) and x[0] == "SS":
+                placements.append(_StridedShard(int(x[1]), split_factor=int(x[2])))
+            else:
+                raise NotCombinable(f"{path}: placement {x} cannot be planned from a description")
+        out.append(GlobalTensor(path, dtype, shape, meshes[record[3]], tuple(placements)))
+    return out
+
+
+def combine(groups: Sequence[tuple[Sequence[int], Sequence[GlobalTensor]]]) -> list[GlobalTensor]:
+    """One description for a job whose ranks' states differ, such as pipeline stages:
+    ``groups`` lists each group of ranks that sent the same description, with it.
+
+    The plan then follows from the descriptions as in a uniform job (``plan_uniform``,
+    ``uniform_copies``), and is ``plan_save``'s on every rank's items, when each tensor
+    is held by its group's ranks only: each DTensor is in one group's description, on a
+    mesh of that group's ranks; a plain tensor (held whole) may be in several, with the
+    same dtype and shape in each, and is then held by all of their ranks (its
+    ``holders``). Raises ``NotCombinable`` naming the first tensor that breaks this (a
+    DTensor in two groups, such as a weight tied across stages; a mesh that reaches
+    into another group; a plain tensor whose dtype or shape differs between groups): its
+    plan needs every rank's items (``plan_save``)."""
+    out: list[GlobalTensor] = []
+    plain: dict[str, tuple[int, set[int]]] = {}  # path -> (its index in out, holders)
+    dtensor: dict[str, int] = {}  # path -> the group that has it
+    for g, (ranks, tensors) in enumerate(groups):
+        members = set(ranks)
+        checked: set[int] = set()  # meshes (by identity) inside this group
+        for t in tensors:
+            if t.mesh is None:
+                if t.path in dtensor:
+                    raise NotCombinable(f"{t.path}: a DTensor on some ranks, plain on others")
+                if t.path not in plain:
+                    plain[t.path] = (len(out), set(members))
+                    out.append(t)
+                    continue
+                k, holders = plain[t.path]
+                first = out[k]
+                if (first.dtype, first.global_shape) != (t.dtype, t.global_shape):
+                    raise NotCombinable(
+                        f"{t.path}: {first.dtype}{list(first.global_shape)} on some ranks, "
+                        f"{t.dtype}{list(t.global_shape)} on others"
+                    )
+                holders |= members
+                continue
+            if t.path in plain or dtensor.setdefault(t.path, g) != g:
+                raise NotCombinable(f"{t.path}: held by ranks whose descriptions differ")
+            if id(t.mesh) not in checked:
+                outside = set(t.mesh.reshape(-1).tolist()) - members
+                if outside:
+                    raise NotCombinable(
+                        f"{t.path}: its mesh holds ranks {sorted(outside)[:8]}, whose "
+                        "description differs"
+                    )
+                checked.add(id(t.mesh))
+            out.append(t)
+    every = set().union(*(set(r) for r, _ in groups)) if groups else set()
+    for k, holders in plain.values():
+        if holders != every:
+            out[k] = dataclasses.replace(out[k], holders=tuple(sorted(holders)))
+    return out

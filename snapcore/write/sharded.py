@@ -28,14 +28,18 @@ from typing import Any
 import torch
 
 from .. import manifest as mf
-from ..distributed.job import Job, all_gather_bytes
+from ..distributed.job import Job, all_gather_bytes, broadcast_bytes
 from ..manifest import dtype_name
 from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_copies, plan_save
 from ..planning.global_plan import structure_fingerprint as fingerprint
 from ..planning.layout import BlobPlan, Layout, plan
 from ..planning.uniform import (
     GlobalTensor,
+    NotCombinable,
     UniformPlan,
+    combine,
+    decode_description,
+    encode_placement,
     local_items,
     plan_uniform,
     uniform_copies,
@@ -44,6 +48,11 @@ from ..sharding import Box
 from ..tree import Flattened, is_dtensor, local_shard
 
 __all__ = ["PartSpec", "Sharder"]
+
+# Up to this many groups of ranks with different descriptions (pipeline stages) plan from
+# one description per group, each broadcast by its lowest rank; more groups than this
+# (states that differ rank by rank) exchange every rank's items in one all-gather.
+MAX_GROUPS = 128
 
 
 @dataclass
@@ -97,6 +106,9 @@ class Sharder:
     # coordinator writes the index).
     leaders: dict[str, bool] = field(default_factory=dict)
     small_exchange: bool = False  # whether the last exchange needed no items (_agree)
+    # how the last plan was made: "uniform" (one description), "grouped" (one per group
+    # of ranks, ``uniform.combine``) or "items" (every rank's items, ``plan_save``)
+    exchange: str = ""
     with_rank0: dict[str, bool] = field(default_factory=dict)
     # The last save's part (a structure the plan knows) and the tensors it was made from:
     # a save of the same tensors reuses it (``_Last``).
@@ -170,18 +182,23 @@ class Sharder:
         placements), about 200 bytes a rank. When every rank has the same description,
         which is the case of FSDP2, TP, HSDP and DDP, the plan follows from it, and each
         rank computes what it needs of it alone (``planning.uniform``: its writes and its
-        home's copies, never every rank's boxes). Only when the ranks' states differ are
-        the items themselves exchanged, and ``plan_save`` run on every rank's."""
+        home's copies, never every rank's boxes). When the descriptions differ, the
+        lowest rank of each group of ranks that sent the same hash sends its description
+        (a pipeline's stages: one per stage), and the plan follows from them when each
+        tensor is its group's alone (``uniform.combine``). Only when it is not are the
+        items themselves exchanged, and ``plan_save`` run on every rank's."""
         job = self.job
         description, tensors = _description(flat, glob)
+        text = json.dumps(description).encode()
         mine = {
-            "g": hashlib.sha256(json.dumps(description).encode()).hexdigest(),
+            "g": hashlib.sha256(text).hexdigest(),
+            "n": len(text),
             "host": job.host,
             "local": os.path.realpath(self.local_dir) if self.local_dir else None,
             "area": self.host_area,
         }
         every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
-        self.small_exchange = len({d["g"] for d in every}) == 1
+        hashes = [d["g"] for d in every]
         # A rank's home in a node-local tier: its host and directory (or host-memory area).
         # Ranks of one home share it; each home gets its own copy of the boxes its ranks
         # hold that the plan has a rank of another home write.
@@ -191,19 +208,42 @@ class Sharder:
             self.leaders[tier] = homes[tier].index(homes[tier][job.rank]) == job.rank
             self.with_rank0[tier] = homes[tier][job.rank] == homes[tier][0]
         tiers = [t for t, f in (("local", "local"), ("host", "area")) if mine[f] is not None]
+        combined: list[GlobalTensor] | None = tensors
+        digest = mine["g"]
+        self.exchange = "uniform"
+        if len(set(hashes)) > 1:
+            combined, self.exchange = None, "items"
+            leads = sorted({g: r for r, g in reversed(list(enumerate(hashes)))}.values())
+            if len(leads) <= MAX_GROUPS:
+                # each group's description from its lowest rank, to every rank: one
+                # broadcast per group, of its bytes alone (their sizes came with the hashes)
+                groups = [
+                    (
+                        [q for q, g in enumerate(hashes) if g == hashes[r]],
+                        json.loads(broadcast_bytes(job, text, r, every[r]["n"])),
+                    )
+                    for r in leads
+                ]
+                try:  # the same answer on every rank: from the same bytes
+                    combined = combine([(ranks, decode_description(d)) for ranks, d in groups])
+                    digest = hashlib.sha256(json.dumps(hashes).encode()).hexdigest()
+                    self.exchange = "grouped"
+                except NotCombinable:
+                    pass
+        self.small_exchange = self.exchange != "items"
         copies: dict[str, frozenset[tuple[str, Box]]] = {}
         gplan: GlobalPlan | UniformPlan
-        if self.small_exchange:
+        if combined is not None:
             if local_items(tensors, job.rank) != items:
                 raise AssertionError("the boxes derived from the mesh differ from this rank's")
             members = {
                 t: {r for r, h in enumerate(homes[t]) if h == homes[t][job.rank]} for t in tiers
             }
             near = set().union({job.rank}, *members.values())  # whose writers it needs
-            gplan = plan_uniform(tensors, job.world_size, mine["g"], ranks=near)
+            gplan = plan_uniform(combined, job.world_size, digest, ranks=near)
             writes = [gplan.writer(item) == job.rank for item in items]
             for tier in tiers:
-                copies[tier] = uniform_copies(tensors, gplan, members[tier], job.rank)
+                copies[tier] = uniform_copies(combined, gplan, members[tier], job.rank)
         else:
             mine_items = json.dumps([_item_json(i) for i in items]).encode()
             per_rank = [
@@ -298,14 +338,14 @@ def _description(flat: Flattened, glob: list[int]) -> tuple[dict[str, Any], list
     for i in glob:
         t, path = flat.tensors[i], flat.paths[i]
         shape = tuple(int(s) for s in t.shape)
-        record: list[Any] = [path, str(t.dtype), list(shape)]
+        record: list[Any] = [path, dtype_name(t.dtype), list(shape)]
         if is_dtensor(t):
             mesh = t.device_mesh  # type: ignore[attr-defined]
             known = meshes.get(id(mesh))
             if known is None:
                 known = meshes[id(mesh)] = (len(meshes), mesh.mesh)
             placements = tuple(t.placements)  # type: ignore[attr-defined]
-            record += [known[0], [repr(p) for p in placements]]
+            record += [known[0], [encode_placement(p) for p in placements]]
             tensors.append(GlobalTensor(path, dtype_name(t.dtype), shape, known[1], placements))
         else:
             tensors.append(GlobalTensor(path, dtype_name(t.dtype), shape))

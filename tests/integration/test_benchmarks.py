@@ -282,7 +282,7 @@ def test_bench_plan(tmp_path: Path) -> None:
     raw = tmp_path / "raw.json"
     out = run("bench_plan.py", "--json", raw, "--markdown", tmp_path / "table.md")
     rows = json.loads(raw.read_text())["rows"]
-    assert {r["mesh"] for r in rows} == {"fsdp2", "hsdp", "fsdp2+tp", "ddp"}
+    assert {r["mesh"] for r in rows} == {"fsdp2", "hsdp", "fsdp2+tp", "ddp", "pp"}
     for r in rows:
         assert r["now_s"] > 0 and r["tensors"] > 0
         assert r["same_plan"] is True  # the smoke worlds are small enough for the old plan

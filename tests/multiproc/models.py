@@ -15,6 +15,10 @@ empty FSDP2 shard. Shard sizes follow torch.chunk (13 over 4 ranks: 4, 4, 4, 1).
   hsdp   fully_shard on a 2-D mesh ("replicate", "shard") = (2, world // 2): placements
          (Replicate(), Shard(0)).
   ddp    DistributedDataParallel: plain tensors, equal on every rank.
+  pp     two pipeline stages on a 2-D mesh ("pp", "dp") = (2, world // 2): each stage
+         holds its own model (`stage0.*` or `stage1.*`, other weights) under FSDP2 on its
+         stage's ranks (mesh["dp"]), so the two stages' states differ. The stages do not
+         pass activations: the point is the state each rank holds.
 
 Data-parallel kinds (fsdp2, hsdp, ddp) train each rank on its own batch.
 
@@ -163,12 +167,37 @@ def build_fsdp_tp(*, steps: int = 2, seed: int = 0) -> tuple[nn.Module, torch.op
     return model, optim
 
 
+class StageModel(nn.Module):
+    """Pipeline stage `stage`'s part of a model: a ToyModel under the name `stage{stage}`."""
+
+    def __init__(self, stage: int, seed: int) -> None:
+        super().__init__()
+        self.name = f"stage{stage}"
+        self.add_module(self.name, make_model(seed + 17 * stage))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.name)(x)
+
+
+def build_pp(*, steps: int = 2, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    init_gloo()
+    world = dist.get_world_size()
+    if world % 2:
+        raise ValueError("pp: needs an even number of ranks")
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    model = StageModel(mesh["pp"].get_local_rank(), seed)
+    _fully_shard(getattr(model, model.name), mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return _trained(model, steps, seed, same_batch=False)
+
+
 BUILDERS = {
     "fsdp2": build_fsdp2,
     "tp": build_tp,
     "hsdp": build_hsdp,
     "ddp": build_ddp,
     "fsdp_tp": build_fsdp_tp,
+    "pp": build_pp,
 }
 
 

@@ -100,16 +100,24 @@ def digests(model: Any, optim: Any) -> dict[str, str]:
 
 
 def save(a: dict[str, Any]) -> dict[str, Any]:
+    if "max_groups" in a:  # fewer groups of ranks planned from their descriptions
+        from snapcore.write import sharded
+
+        sharded.MAX_GROUPS = a["max_groups"]
     state, model, optim = state_of(a["kind"], a.get("seed", 0), a["step"])
     torch.manual_seed(1234 + dist.get_rank())  # each rank's RNG state is its own
     snapcore.save(state, store_of(a), step=a["step"])
     rank, where = dist.get_rank(), local_dir(a)
     step_dir = os.path.join(where, f"step-{a['step']:012d}") if where else ""
     mine = glob.glob(os.path.join(step_dir, f"data-*-r{rank}.bin")) if where else []
+    from snapcore.write.engine import engine_for
+
+    sharder = engine_for(store_of(a)).sharder
     return {
         "digests": digests(model, optim),
         "rng_next": torch.rand(1).item(),
         "data_bytes": sum(os.path.getsize(p) for p in mine),
+        "exchange": sharder.exchange if sharder is not None else None,
     }
 
 
@@ -343,7 +351,7 @@ def replan(a: dict[str, Any]) -> dict[str, Any]:
         except snapcore.SnapcoreError as e:
             out.append({"ok": False, "error": type(e).__name__, "message": str(e)})
     small.append(sharder.small_exchange)  # the re-plan's
-    return {"saves": out, "small_exchange": small}
+    return {"saves": out, "small_exchange": small, "exchange": sharder.exchange}
 
 
 def steady(a: dict[str, Any]) -> dict[str, Any]:

@@ -177,6 +177,41 @@ def test_ddp_writes_replicated_tensors_once_and_restores_into_fsdp2(tmp_path: Pa
     assert loaded_digests(store) == saved
 
 
+@pytest.mark.parametrize("max_groups", [128, 1])
+def test_pipeline_stages_plan_from_one_description_per_stage(
+    tmp_path: Path, max_groups: int
+) -> None:
+    """Two pipeline stages of 2 ranks (FSDP2 within each stage, other tensors in each):
+    the ranks' states differ, and the plan follows from one description per stage
+    (``uniform.combine``), not from every rank's items; each stage's replicated tensors
+    (its AdamW ``step`` counters, its buffer) are written once, by a rank of the stage;
+    the same ranks restore every tensor bit-exact. With more groups than
+    ``MAX_GROUPS``, the items are exchanged, with the same result."""
+    store = tmp_path / "pp"
+    save = {"op": "save", "kind": "pp", "store": str(store), "step": 2}
+    res = run(
+        4,
+        [save | {"max_groups": max_groups}, {"op": "restore", "kind": "pp", "store": str(store)}],
+    )
+    for rank, (saved, restored) in enumerate(res):
+        assert saved["exchange"] == ("grouped" if max_groups > 1 else "items"), rank
+        assert restored["digests"] == saved["digests"], rank
+        assert saved["data_bytes"] > 0, rank
+    stages = [set(res[0][0]["digests"]), set(res[2][0]["digests"])]
+    for mine, other in ((0, 1), (1, 0)):  # model.stage0.*, optim.state.stage0.*, ...
+        assert all(f"stage{mine}." in k and f"stage{other}." not in k for k in stages[mine])
+    assert res[1][0]["digests"] == res[0][0]["digests"]  # one stage, one state
+    data, _ = saved_bytes(store, 2)
+    # each rank's tree is its stage's: load(rank=r) gives rank r's, with full tensors
+    unique = sum(_nbytes(snapcore.load(store, rank=r)["app"]) for r in (0, 2))
+    own = [_nbytes(snapcore.load(store, rank=r)["rng"]) for r in range(4)]  # rank-local
+    assert unique + sum(own) <= data <= unique + sum(own) + 64 * 64  # + alignment
+    for r in (0, 2):  # each stage's buffer, a plain tensor its 2 ranks hold, once
+        model = snapcore.load(store, rank=r)["app"]["model"]
+        assert all(k.startswith(f"stage{r // 2}.") for k in model), list(model)
+        assert model[f"stage{r // 2}.buf"].tolist() == list(range(5))
+
+
 def _nbytes(tree: Any) -> int:
     """Bytes of the tensors and NumPy arrays in a loaded tree (what the data files hold;
     arrays of 1 KiB or less are inline in the manifest)."""
@@ -303,6 +338,8 @@ def test_a_structure_change_fails_that_step_and_every_rank_replans(
         # the first plan came from ~200 bytes a rank (every rank's state alike); after a
         # change on one rank only the ranks' states differ and the items are exchanged
         assert r["small_exchange"] == [True, len(who) == 2], rank
+        # a DTensor of one rank's description is in the other's too: no plan per group
+        assert r["exchange"] == ("uniform" if len(who) == 2 else "items"), rank
     assert LocalDirectory(store).committed_steps() == [1, 3]
     tree = snapcore.load(store, rank=who[0])
     assert tree["step"] == 3 and tree["extra"].tolist() == list(range(6))

@@ -6,7 +6,9 @@ TP's strided shards) and plain tensors held by every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import random
 
 import pytest
@@ -24,6 +26,11 @@ from snapcore.planning.global_plan import (
 )
 from snapcore.planning.uniform import (
     GlobalTensor,
+    NotCombinable,
+    _key,
+    combine,
+    decode_description,
+    encode_placement,
     local_items,
     plan_uniform,
     shard_table,
@@ -70,40 +77,55 @@ def _plannable(rng: random.Random, t: int, world: int) -> GlobalTensor:
             continue
 
 
-def _derived(tensors: list[GlobalTensor], world: int) -> list[list[LocalItem]]:
-    """Every rank's items as write/sharded.py derived them before: one describe_sharded
-    per DTensor (every coordinate's box, with torch's own computation)."""
+Groups = list[tuple[list[int], list[GlobalTensor]]]
+
+
+def _derived(groups: Groups, world: int) -> list[list[LocalItem]]:
+    """Every rank's items as write/sharded.py derives them for ``plan_save``: one
+    describe_sharded per DTensor (every coordinate's box, with torch's own computation),
+    a plain tensor held by every rank of each group that lists it."""
     per_rank: list[list[LocalItem]] = [[] for _ in range(world)]
-    for t in tensors:
-        if t.mesh is None:
-            box = Box((0,) * len(t.global_shape), t.global_shape)
-            for r in range(world):
-                per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
-            continue
-        for r, item in describe_sharded(
-            t.path, t.dtype, t.global_shape, t.mesh, t.placements
-        ).items():
-            per_rank[r].append(item)
+    for ranks, tensors in groups:
+        for t in tensors:
+            if t.mesh is None:
+                box = Box((0,) * len(t.global_shape), t.global_shape)
+                for r in ranks:
+                    per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
+                continue
+            for r, item in describe_sharded(
+                t.path, t.dtype, t.global_shape, t.mesh, t.placements
+            ).items():
+                per_rank[r].append(item)
     return per_rank
 
 
 def _assert_same_plan(tensors: list[GlobalTensor], world: int, node: int = 2) -> None:
-    per_rank = _derived(tensors, world)
+    _assert_same_grouped_plan([(list(range(world)), tensors)], world, node)
+
+
+def _assert_same_grouped_plan(groups: Groups, world: int, node: int) -> None:
+    """``plan_uniform`` and ``uniform_copies`` on the groups' description (combined when
+    there are several) against ``plan_save`` and ``plan_copies`` on every rank's items:
+    the same writer for every box, bytes per rank, and node copies (homes of ``node``
+    ranks each, which may span groups)."""
+    per_rank = _derived(groups, world)
     old = plan_save(per_rank, world)
+    tensors = groups[0][1] if len(groups) == 1 else combine(groups)
     new = plan_uniform(tensors, world, "digest")
     assert new.rank_bytes == old.rank_bytes
-    nodes = [r // node for r in range(world)]  # node-local homes of ``node`` ranks each
-    for r in range(world):
-        assert local_items(tensors, r) == per_rank[r], r
-        home = {q for q in range(world) if nodes[q] == nodes[r]}
-        copies = uniform_copies(tensors, plan_uniform(tensors, world, "d", ranks=home), home, r)
-        want = frozenset((w.path, w.box) for w in plan_copies(old, nodes, only=r)[r])
-        assert copies == want, (r, home)
-        mine = plan_uniform(tensors, world, "digest", ranks={r})
-        for item in per_rank[r]:
-            want = None if item.box.empty else old.writers[(item.path, item.box)]
-            assert new.writer(item) == want, (r, item)
-            assert mine.writer(item) == want, (r, item)
+    nodes = [r // node for r in range(world)]
+    for ranks, own in groups:
+        for r in ranks:
+            assert local_items(own, r) == per_rank[r], r
+            home = {q for q in range(world) if nodes[q] == nodes[r]}
+            near = plan_uniform(tensors, world, "d", ranks=home)
+            want = frozenset((w.path, w.box) for w in plan_copies(old, nodes, only=r)[r])
+            assert uniform_copies(tensors, near, home, r) == want, (r, home)
+            mine = plan_uniform(tensors, world, "digest", ranks={r})
+            for item in per_rank[r]:
+                w = None if item.box.empty else old.writers[(item.path, item.box)]
+                assert new.writer(item) == w, (r, item)
+                assert mine.writer(item) == w, (r, item)
 
 
 def test_shard_table_is_shard_box_at_every_coordinate() -> None:
@@ -206,3 +228,95 @@ def test_boxes_with_hundreds_of_holders_take_the_same_writers() -> None:
         for i in range(12)
     ] + [GlobalTensor(f"s{i}", "float32", ()) for i in range(4)]
     _assert_same_plan(tensors, 512)
+
+
+def _group_tensor(rng: random.Random, t: int, ranks: list[int]) -> GlobalTensor:
+    """A random tensor of a group of ranks (a pipeline stage): a DTensor on a mesh of
+    the group's ranks, or a plain tensor, some of them (``shared*``) in every group."""
+    g = _plannable(rng, t, len(ranks))
+    if g.mesh is None:
+        if rng.random() < 0.5:  # also in the other groups, alike
+            return GlobalTensor(f"shared{t % 3}", "float32", (t % 3 + 1, 2))
+        return dataclasses.replace(g, path=f"{g.path}@{ranks[0]}")
+    mesh = torch.tensor([ranks[r] for r in g.mesh.reshape(-1).tolist()]).reshape(g.mesh.shape)
+    return GlobalTensor(f"{g.path}@{ranks[0]}", g.dtype, g.global_shape, mesh, g.placements)
+
+
+def _round_trip(tensors: list[GlobalTensor]) -> list[GlobalTensor]:
+    """Through the JSON description a group's lowest rank sends (write/sharded.py)."""
+    meshes: list[torch.Tensor] = []
+    records: list[list] = []
+    for t in tensors:
+        record: list = [t.path, t.dtype, list(t.global_shape)]
+        if t.mesh is not None:
+            meshes.append(t.mesh)
+            record += [len(meshes) - 1, [encode_placement(p) for p in t.placements]]
+        records.append(record)
+    text = json.dumps({"meshes": [m.tolist() for m in meshes], "tensors": records})
+    return decode_description(json.loads(text))
+
+
+def test_grouped_descriptions_plan_as_plan_save_on_random_stages() -> None:
+    """Pipeline-like jobs: the ranks fall into groups (stages), each with its own tensors
+    on meshes of its own ranks, plain tensors shared by some groups; the combined
+    description gives every box the writer ``plan_save`` gives it, the same bytes per
+    rank, and the same node copies with homes that span groups."""
+    rng = random.Random(23)
+    for _ in range(80):
+        world = rng.choice([2, 3, 4, 6, 8])
+        ranks = list(range(world))
+        rng.shuffle(ranks)
+        cuts = sorted(rng.sample(range(1, world), rng.randint(1, min(3, world - 1))))
+        parts = [ranks[a:b] for a, b in zip([0, *cuts], [*cuts, world], strict=True)]
+        groups = []
+        for members in parts:
+            tensors = [_group_tensor(rng, t, members) for t in range(rng.randint(0, 6))]
+            unique = {t.path: t for t in tensors}  # a path once per state
+            groups.append((sorted(members), _round_trip(list(unique.values()))))
+        _assert_same_grouped_plan(groups, world, node=rng.choice([1, 2, 3]))
+
+
+def test_a_plain_tensor_of_some_groups_is_held_by_their_ranks_only() -> None:
+    a = GlobalTensor("a.w", "float32", (8,), torch.tensor([0, 1]), (Shard(0),))
+    b = GlobalTensor("b.w", "float32", (8,), torch.tensor([2, 3]), (Shard(0),))
+    s0, s1 = GlobalTensor("a.step", "float32", ()), GlobalTensor("b.step", "float32", ())
+    epoch = GlobalTensor("epoch", "int64", ())
+    out = combine([([0, 1], [a, s0, epoch]), ([2, 3], [b, s1, epoch])])
+    held = {t.path: t.holders for t in out}
+    assert held == {"a.w": None, "a.step": (0, 1), "epoch": None, "b.w": None, "b.step": (2, 3)}
+    plan = plan_uniform(out, 4, "d")
+    # each stage's counter is written by one of its own ranks, the shared one once
+    assert plan.replicated[_key("a.step", (), ())] in (0, 1)
+    assert plan.replicated[_key("b.step", (), ())] in (2, 3)
+    assert sum(plan.rank_bytes) == 2 * 32 + 4 + 4 + 8
+
+
+def test_descriptions_that_need_every_ranks_items_are_not_combined() -> None:
+    mesh_a, mesh_b = torch.tensor([0, 1]), torch.tensor([2, 3])
+    tied_a = GlobalTensor("emb", "float32", (8, 2), mesh_a, (Shard(0),))
+    tied_b = GlobalTensor("emb", "float32", (8, 2), mesh_b, (Shard(0),))
+    with pytest.raises(NotCombinable, match="emb: held by ranks whose descriptions differ"):
+        combine([([0, 1], [tied_a]), ([2, 3], [tied_b])])  # a weight tied across stages
+    wide = GlobalTensor("w", "float32", (8,), torch.tensor([0, 1, 2, 3]), (Shard(0),))
+    with pytest.raises(NotCombinable, match=r"w: its mesh holds ranks \[2, 3\]"):
+        combine([([0, 1], [wide]), ([2, 3], [])])
+    p1, p2 = GlobalTensor("s", "float32", (2,)), GlobalTensor("s", "float32", (3,))
+    with pytest.raises(NotCombinable, match=r"s: float32\[2\] on some ranks, float32\[3\]"):
+        combine([([0], [p1]), ([1], [p2])])
+    with pytest.raises(NotCombinable, match="a DTensor on some ranks, plain on others"):
+        combine([([0, 1], [tied_a]), ([2, 3], [GlobalTensor("emb", "float32", (8, 2))])])
+    odd = {"meshes": [[0, 1]], "tensors": [["x", "float32", [4], 0, [["?", "Partial(sum)"]]]]}
+    with pytest.raises(NotCombinable, match=r"x: placement \['\?', 'Partial\(sum\)'\]"):
+        decode_description(odd)
+
+
+def test_placements_survive_the_description() -> None:
+    mesh = torch.arange(4).reshape(2, 2)
+    t = GlobalTensor("w", "bfloat16", (9, 4), mesh, (_StridedShard(0, split_factor=2), Shard(0)))
+    r = GlobalTensor("n", "float32", (4,), mesh, (Replicate(), Shard(0)))
+    back = _round_trip([t, r, GlobalTensor("s", "int64", ())])
+    assert [(x.path, x.dtype, x.global_shape, x.placements) for x in back] == [
+        (y.path, y.dtype, y.global_shape, y.placements) for y in (t, r)
+    ] + [("s", "int64", (), ())]
+    assert back[0].mesh.tolist() == [[0, 1], [2, 3]] and back[2].mesh is None
+    assert encode_placement(Shard(1)) == ["S", 1] and encode_placement(Replicate()) == "R"
