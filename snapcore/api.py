@@ -20,7 +20,7 @@ from .peer import prepare_restore as prepare_peer_restore
 from .read import OutOfStep, Reader, RestoreInfo, exchange_plan, out_of_step
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
-from .tree import RestorePlan
+from .tree import RestorePlan, flatten
 from .write import writer_lock
 from .write.engine import Engine, close_all, engine_for, engine_uses_host
 
@@ -345,9 +345,13 @@ def restore(
     rank, world = (job.rank, job.world_size) if job is not None else (0, 1)
     node = _node(engine_for(store), job)
 
+    def keys() -> frozenset[str]:  # the state's global tensors (not rank-local)
+        flat = flatten(state)
+        return frozenset(p for p, local in zip(flat.paths, flat.local, strict=True) if not local)
+
     def use(reader: Reader) -> tuple[RestorePlan, int]:
         try:
-            reader.select(rank, world, rank_local)
+            reader.select(rank, world, rank_local, keys)
         except SnapcoreError as e:
             if job is not None:  # the others are in the restore's exchange: take part
                 exchange_plan(job, reader.m.step, [], e)

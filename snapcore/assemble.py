@@ -23,12 +23,16 @@ import xxhash
 
 from . import manifest as mf
 from .errors import InvalidManifest
+from .tree import tensor_paths
 
 __all__ = [
     "differing_paths",
     "drop_units",
+    "layouts",
     "leaf_signatures",
     "merge",
+    "merge_trees",
+    "merged_view",
     "read_sharded",
     "without",
 ]
@@ -241,14 +245,81 @@ def _map_tensors(tree: Any, fn: Callable[[int], Any]) -> Any:
     return top[0]
 
 
-def differing_paths(m: mf.Manifest) -> list[str]:
-    """The paths whose saved value differs between the ranks of a sharded snapshot: its
-    rank-local values (``leaf_signatures``)."""
+def differing_paths(m: mf.Manifest, ranks: list[int] | None = None) -> list[str]:
+    """The paths whose saved value differs between the ranks of a sharded snapshot (all of
+    them, or ``ranks``): its rank-local values (``leaf_signatures``). A path one of the
+    ranks lacks differs too."""
     if not m.rank_trees or len(m.rank_trees) < 2:
         return []
-    sigs = [leaf_signatures(m, t) for t in m.rank_trees if t is not None]
+    chosen = range(len(m.rank_trees)) if ranks is None else ranks
+    sigs = [leaf_signatures(m, t) for r in chosen if (t := m.rank_trees[r]) is not None]
+    if len(sigs) < 2:
+        return []
     keys = set().union(*sigs)
     return sorted(k for k in keys if any(s.get(k) != sigs[0].get(k) for s in sigs[1:]))
+
+
+def layouts(m: mf.Manifest) -> dict[frozenset[str], list[int]]:
+    """The ranks of a sharded snapshot grouped by the global tensors their trees hold
+    (their keys), lowest rank first: one group when every rank saved the same tensors
+    (FSDP2, TP, HSDP, DDP), one per stage for pipeline stages. Ranks whose part this
+    tier lacks are left out."""
+    out: dict[frozenset[str], list[int]] = {}
+    if not m.rank_trees or m.keys is None:
+        return out
+    keys = m.keys
+    for r, t in enumerate(m.rank_trees):
+        if t is not None:
+            mine = frozenset(k for i in tensor_paths(t) if (k := keys[i]) is not None)
+            out.setdefault(mine, []).append(r)
+    return out
+
+
+def merged_view(m: mf.Manifest, groups: dict[frozenset[str], list[int]]) -> tuple[Any, list[str]]:
+    """For a snapshot whose ranks saved different tensors (``layouts``: several groups,
+    such as pipeline stages): the trees of the lowest rank of each group merged
+    (``merge_trees``: every group's tensors, the lowest rank's values first), and the
+    paths whose values differ between ranks (within a group, or between groups that
+    both saved the path). Ranks this tier lacks are left out; ``load`` refuses them."""
+    assert m.rank_trees is not None
+    leaders = sorted(g[0] for g in groups.values())
+    trees = [t for r in leaders if (t := m.rank_trees[r]) is not None]
+    differ = set().union(*(differing_paths(m, g) for g in groups.values()))
+    sigs = [leaf_signatures(m, t) for t in trees]
+    for k in set().union(*sigs):  # a value several groups saved, not alike
+        if len({s[k] for s in sigs if k in s}) > 1:
+            differ.add(k)
+    return merge_trees(trees), sorted(differ)
+
+
+def merge_trees(trees: list[dict[str, Any]]) -> dict[str, Any]:
+    """The union of saved trees: the first tree, with the dict entries (and the entries of
+    objects saved through ``state_dict()``) that it lacks added from the next ones, in
+    order, recursively. Where two trees hold different values at one path, the first's
+    is kept. Pipeline stages' trees hold different entries of one ``state_dict()``
+    (``AppState``'s model and optimizer): the union holds every stage's."""
+    out = trees[0]
+    for t in trees[1:]:
+        out = _merge(out, t)
+    return out
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    (ka, va), *_ = a.items()
+    (kb, vb), *_ = b.items()
+    if ka == kb == "dict":
+        at = {json.dumps(k): n for n, (k, _) in enumerate(va)}
+        items = [list(x) for x in va]
+        for key, child in vb:
+            n = at.get(json.dumps(key))
+            if n is None:
+                items.append([key, child])
+            else:
+                items[n][1] = _merge(items[n][1], child)
+        return {"dict": items}
+    if ka == kb == "stateful" and va.get("type") == vb.get("type"):
+        return {"stateful": {**va, "state": _merge(va["state"], vb["state"])}}
+    return a
 
 
 def leaf_signatures(m: mf.Manifest, tree: dict[str, Any]) -> dict[str, str]:

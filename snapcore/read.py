@@ -25,7 +25,7 @@ from torch.autograd.graph import increment_version
 
 from . import _native, settings
 from . import manifest as mf
-from .assemble import differing_paths, drop_units, without
+from .assemble import differing_paths, drop_units, layouts, merged_view, without
 from .distributed.job import Job, all_gather_bytes
 from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound, StateMismatch
 from .planning.global_plan import SavedPiece, describe_local, plan_read
@@ -33,7 +33,15 @@ from .planning.layout import contiguous_strides
 from .sharding import Box
 from .staging.h2d import ChunkCopies, fill_devices
 from .tiers import Tier
-from .tree import RestorePlan, build, is_dtensor, plan_restore, tensor_paths, type_name
+from .tree import (
+    WRAPPER_SEGMENTS,
+    RestorePlan,
+    build,
+    is_dtensor,
+    plan_restore,
+    tensor_paths,
+    type_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -495,20 +503,44 @@ class Reader:
             if b_i in self._partial:
                 self._partial[b_i][1].update(chunks)
 
-    def select(self, rank: int | None, world_size: int, rank_local: str = "error") -> None:
+    def select(
+        self,
+        rank: int | None,
+        world_size: int,
+        rank_local: str = "error",
+        keys: Callable[[], frozenset[str]] | None = None,
+    ) -> None:
         """Choose the tree of a sharded snapshot this process takes: with the saved world
-        size, rank ``rank``'s own (its rank-local values); else rank 0's, provided that
-        every rank saved the same rank-local values: those that differ raise
-        ``StateMismatch`` naming them, or with ``rank_local="keep"`` are left out (the
-        state keeps its own). ``rank=None``: loading with no process group."""
+        size, rank ``rank``'s own (its rank-local values); else the tree of the lowest rank
+        that saved the same global tensors as this state (``keys()``: the state's global
+        tensor paths; asked only when the ranks saved different tensors, as pipeline
+        stages do), rank 0's when every rank saved the same, provided that those ranks
+        saved the same rank-local values: those that differ raise ``StateMismatch``
+        naming them, or with ``rank_local="keep"`` are left out (the state keeps its
+        own). ``rank=None``: loading with no process group: every rank's tree merged
+        (every stage's tensors), with rank 0's values where the ranks' differ."""
         m = self.m
         if not m.rank_trees:
             return
         if rank is not None and world_size == m.world_size:
             self.tree = self._rank_tree(rank)
             return
-        differ = differing_paths(m)
-        self.tree = self._rank_tree(0)
+        groups = layouts(m)
+        if rank is None and len(groups) > 1:
+            self._select_merged(groups)
+            return
+        ranks: list[int] | None = None
+        if len(groups) > 1 and keys is not None:
+            ranks = _matching_group(groups, keys())
+            if ranks is None:
+                raise StateMismatch(
+                    f"step {m.step} was saved by {m.world_size} ranks holding "
+                    f"{len(groups)} different sets of tensors (pipeline stages?), and this "
+                    "rank's state holds none of those sets; a restore into another number "
+                    "of ranks needs each rank's state to hold the tensors of one of them"
+                )
+        differ = differing_paths(m, ranks)
+        self.tree = self._rank_tree(0 if ranks is None else ranks[0])
         if not differ:
             return
         if rank is None:  # load(): rank 0's values, said out loud
@@ -530,6 +562,31 @@ class Reader:
             )
         self.dropped = drop_units(self.tree, differ)
         self.tree = without(self.tree, self.dropped)
+
+    def _select_merged(self, groups: dict[frozenset[str], list[int]]) -> None:
+        """``load`` of a snapshot whose ranks saved different tensors (pipeline stages):
+        the trees of the lowest rank of each group merged, so that every stage's tensors
+        come back. Every rank's part must be at hand: a missing one might be the only
+        holder of a stage."""
+        m = self.m
+        assert m.rank_trees is not None
+        missing = [r for r, t in enumerate(m.rank_trees) if t is None]
+        if missing:
+            raise CorruptSnapshot(
+                f"step {m.step}: the parts of ranks {_some([str(r) for r in missing])} are "
+                "in none of the tiers read here, and its ranks saved different tensors "
+                "(pipeline stages?): loading all of them needs every rank's part",
+                step=m.step,
+            )
+        self.tree, differ = merged_view(m, groups)
+        if differ:
+            log.warning(
+                "step %d was saved by %d ranks whose rank-local values differ (%s): "
+                "loading the lowest rank's of each (load(..., rank=N) for rank N's tree)",
+                m.step,
+                m.world_size,
+                _some(differ),
+            )
 
     def select_rank_tree(self, rank: int) -> None:
         """Load rank ``rank``'s tree of a sharded snapshot (its rank-local values)."""
@@ -923,6 +980,21 @@ def verify_snapshot(tier: Any, step: int, progress: Any = None) -> list[CorruptS
     if progress is not None and not jobs:
         progress(0, 0)
     return damaged
+
+
+def _matching_group(
+    groups: dict[frozenset[str], list[int]], keys: frozenset[str]
+) -> list[int] | None:
+    """The saved ranks whose global tensors are ``keys`` (compared as restore matches
+    keys: without wrappers' ``module.`` / ``_orig_mod.`` segments), or None."""
+    if keys in groups:
+        return groups[keys]
+    bare = frozenset(map(_bare, keys))
+    return next((g for k, g in groups.items() if frozenset(map(_bare, k)) == bare), None)
+
+
+def _bare(path: str) -> str:
+    return ".".join(s for s in path.split(".") if s not in WRAPPER_SEGMENTS)
 
 
 def _some(paths: list[str], n: int = 8) -> str:

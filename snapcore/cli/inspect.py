@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import json
 import math
@@ -11,7 +12,7 @@ from typing import Any
 
 from .. import manifest as mf
 from .. import values
-from ..assemble import differing_paths
+from ..assemble import differing_paths, layouts, merged_view
 from ..tree import decode_float, join_path
 from .output import clean, human_bytes
 from .stores import add_store_args, open_store
@@ -39,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     with open_store(args) as st:
         tier, m = st.manifest(args.step, args.tier)
+    m = whole(m)
     if args.json:
         json.dump(inspect_json(m, tier, args.only), sys.stdout, indent=1, allow_nan=False)
         print()
@@ -54,6 +56,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def whole(m: mf.Manifest) -> mf.Manifest:
+    """``m`` with the tree ``snapcore.load`` reads: rank 0's, or for ranks that saved
+    different tensors (pipeline stages) every group's merged (``assemble.merged_view``)."""
+    if m.rank_trees is None or len(groups := layouts(m)) < 2:
+        return m
+    return dataclasses.replace(m, tree=merged_view(m, groups)[0])
+
+
+def rank_local(m: mf.Manifest) -> list[str]:
+    """The paths whose values differ between the ranks of a sharded step."""
+    if m.rank_trees is None or len(groups := layouts(m)) < 2:
+        return differing_paths(m)
+    return merged_view(m, groups)[1]
+
+
 def header(m: mf.Manifest, tier: str) -> str:
     """``step N (tier): T tensors, S of tensor data``, and for a sharded step its world
     size, the ranks this tier lacks and the values that differ between ranks."""
@@ -65,11 +82,15 @@ def header(m: mf.Manifest, tier: str) -> str:
     text += f"; sharded, saved by {m.world_size} ranks"
     if m.missing_ranks:
         text += f" (this tier holds the parts of {m.world_size - len(m.missing_ranks)})"
-    differ = differing_paths(m)
+    differ = rank_local(m)
+    stages = len(layouts(m)) > 1
+    if stages:
+        text += "; its ranks saved different tensors (pipeline stages?): every rank's shown"
     if differ:
         shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
         rank = next(r for r, t in enumerate(m.rank_trees) if t is not None)
-        text += f"; rank-local values differ between ranks ({shown}): rank {rank}'s shown"
+        whose = "the lowest rank's of each" if stages else f"rank {rank}'s"
+        text += f"; rank-local values differ between ranks ({shown}): {whose} shown"
     return text
 
 
@@ -89,7 +110,7 @@ def inspect_json(m: mf.Manifest, tier: str, only: str | None = None) -> dict[str
     }
     if sharded:
         doc["missing_ranks"] = list(m.missing_ranks)
-        doc["rank_local"] = differing_paths(m)
+        doc["rank_local"] = rank_local(m)
     doc["leaves"] = [
         leaf_json(path, kind, value, m)
         for path, kind, value in leaf_nodes(m.tree)

@@ -179,7 +179,7 @@ def test_ddp_writes_replicated_tensors_once_and_restores_into_fsdp2(tmp_path: Pa
 
 @pytest.mark.parametrize("max_groups", [128, 1])
 def test_pipeline_stages_plan_from_one_description_per_stage(
-    tmp_path: Path, max_groups: int
+    tmp_path: Path, max_groups: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Two pipeline stages of 2 ranks (FSDP2 within each stage, other tensors in each):
     the ranks' states differ, and the plan follows from one description per stage
@@ -206,10 +206,38 @@ def test_pipeline_stages_plan_from_one_description_per_stage(
     unique = sum(_nbytes(snapcore.load(store, rank=r)["app"]) for r in (0, 2))
     own = [_nbytes(snapcore.load(store, rank=r)["rng"]) for r in range(4)]  # rank-local
     assert unique + sum(own) <= data <= unique + sum(own) + 64 * 64  # + alignment
-    for r in (0, 2):  # each stage's buffer, a plain tensor its 2 ranks hold, once
+    if max_groups == 1:
+        return
+    # into 2 ranks: each stage on one rank now, its tensors from the 2 ranks that saved it
+    into2 = {"op": "restore", "kind": "pp", "store": str(store), "rank_local": "keep"}
+    (a,), (b,) = run(2, [into2])
+    assert "error" not in a and "error" not in b, (a, b)
+    assert a["digests"] == res[0][0]["digests"] and b["digests"] == res[2][0]["digests"]
+    assert a["step"] == b["step"] == 2
+    # (without rank_local="keep", the ranks' RNG states and data positions refuse it)
+    for r in (0, 2):  # load(rank=r): rank r's tree, its stage's tensors
         model = snapcore.load(store, rank=r)["app"]["model"]
         assert all(k.startswith(f"stage{r // 2}.") for k in model), list(model)
         assert model[f"stage{r // 2}.buf"].tolist() == list(range(5))
+    # load() with no rank: every stage's tensors, full (an export gets the whole model)
+    assert loaded_digests(store) == res[0][0]["digests"] | res[2][0]["digests"]
+    from safetensors.torch import load_file
+
+    from snapcore.cli import main
+
+    assert main(["convert", str(store), str(tmp_path / "st"), "--to", "safetensors"]) == 0
+    capsys.readouterr()  # what convert printed
+    names = set(load_file(tmp_path / "st" / "model.safetensors"))
+    assert {"app.model.stage0.fc1.weight", "app.model.stage1.fc1.weight"} <= names, names
+    assert main(["inspect", str(store), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    leaves = {x["path"] for x in doc["leaves"]}
+    assert {"app.model.stage0.buf", "app.model.stage1.buf"} <= leaves, leaves
+    # values the ranks saved differently: rank-local ones, and each stage's param_groups
+    # (its own parameters' names); not every path of another stage's tensors
+    differ = set(doc["rank_local"])
+    assert {"app.optim.param_groups", "data.value.pos"} <= differ, differ
+    assert all(p.startswith("rng.") for p in differ - {"app.optim.param_groups", "data.value.pos"})
 
 
 def _nbytes(tree: Any) -> int:

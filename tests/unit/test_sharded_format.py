@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from snapcore import manifest as mf
-from snapcore.assemble import _check_tiling, read_sharded
+from snapcore.assemble import _check_tiling, merge_trees, read_sharded
 from snapcore.errors import InvalidManifest
 from snapcore.tiers import RemoteStoreTier
 
@@ -446,3 +446,27 @@ def test_a_deep_tree_in_a_part_is_refused_or_read(depth):
         _read(*_with_part(1, data))
     except InvalidManifest as e:
         assert str(e).startswith(f"{PART1}: ")
+
+
+def test_merged_trees_hold_every_stages_entries_and_the_first_value():
+    """Pipeline stages' trees (assemble.merge_trees): the union of their dict entries and
+    of the entries of one object saved through state_dict(), recursively; where two
+    trees differ at one path, the first's value."""
+
+    def d(*items: Any) -> dict[str, Any]:
+        return {"dict": [list(x) for x in items]}
+
+    def app(model: dict[str, Any]) -> dict[str, Any]:
+        return {"stateful": {"type": "AppState", "state": d(["model", model])}}
+
+    stage0 = d(["app", app(d(["s0.w", {"tensor": 0}]))], ["step", {"int": 5}])
+    stage1 = d(["app", app(d(["s1.w", {"tensor": 1}]))], ["step", {"int": 6}], ["x", {"int": 1}])
+    merged = merge_trees([stage0, stage1])
+    assert merged == d(
+        ["app", app(d(["s0.w", {"tensor": 0}], ["s1.w", {"tensor": 1}]))],
+        ["step", {"int": 5}],
+        ["x", {"int": 1}],
+    )
+    other = {"stateful": {"type": "Other", "state": d(["s1.w", {"tensor": 1}])}}
+    assert merge_trees([stage0, d(["app", other])]) == stage0  # another kind: the first's
+    assert merge_trees([stage1]) == stage1
