@@ -442,8 +442,9 @@ def uniform_copies(
 def encode_placement(p: Any) -> Any:
     """A DTensor placement as JSON that ``decode_description`` turns back into it:
     ``"R"``, ``["S", dim]``, ``["SS", dim, split_factor]`` (``_StridedShard``); any other
-    placement as ``["?", repr]``, which no plan is made from (``check_placements``
-    refuses it when the state is planned)."""
+    placement as ``["?", repr]``, which no plan is made from (``decode_description``
+    refuses it; ``write/sharded.py`` refuses such a state before, in
+    ``describe_local``)."""
     from torch.distributed.tensor import Replicate
 
     if type(p) is Replicate:
@@ -525,7 +526,9 @@ def combine(groups: Sequence[tuple[Sequence[int], Sequence[GlobalTensor]]]) -> l
                     )
                 holders |= members
                 continue
-            if t.path in plain or dtensor.setdefault(t.path, g) != g:
+            if t.path in plain:
+                raise NotCombinable(f"{t.path}: a DTensor on some ranks, plain on others")
+            if dtensor.setdefault(t.path, g) != g:
                 raise NotCombinable(f"{t.path}: held by ranks whose descriptions differ")
             if id(t.mesh) not in checked:
                 outside = set(t.mesh.reshape(-1).tolist()) - members

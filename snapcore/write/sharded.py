@@ -29,6 +29,7 @@ import torch
 
 from .. import manifest as mf
 from ..distributed.job import Job, all_gather_bytes, broadcast_bytes
+from ..errors import SnapcoreError, SnapshotFailed, StateMismatch, UnsupportedState
 from ..manifest import dtype_name
 from ..planning.global_plan import GlobalPlan, LocalItem, describe_local, plan_copies, plan_save
 from ..planning.global_plan import structure_fingerprint as fingerprint
@@ -155,8 +156,7 @@ class Sharder:
         glob = [i for i, local in enumerate(flat.local) if not local]
         signature = _signature(flat, glob)
         if must_agree:
-            items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
-            self.cached = self._agree(flat, glob, items, signature)
+            self.cached = self._agree(flat, glob, signature)
         assert self.cached is not None
         cached = self.cached
         replan = signature != cached.signature
@@ -170,13 +170,7 @@ class Sharder:
             self.last = _Last.of(flat, spec)
         return spec
 
-    def _agree(
-        self,
-        flat: Flattened,
-        glob: list[int],
-        items: list[LocalItem],
-        signature: tuple[Any, ...],
-    ) -> _Cached:
+    def _agree(self, flat: Flattened, glob: list[int], signature: tuple[Any, ...]) -> _Cached:
         """The exchange. First a small one: each rank's home and a hash of its state's
         global description (paths, dtypes, shapes, and each DTensor's mesh and
         placements), about 200 bytes a rank. When every rank has the same description,
@@ -188,7 +182,12 @@ class Sharder:
         tensor is its group's alone (``uniform.combine``). Only when it is not are the
         items themselves exchanged, and ``plan_save`` run on every rank's."""
         job = self.job
-        description, tensors = _description(flat, glob)
+        try:  # a state this rank cannot save is told to the others: all raise together
+            items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
+            description, tensors = _description(flat, glob)
+            error = None
+        except SnapcoreError as e:
+            items, description, tensors, error = [], {}, [], e
         text = json.dumps(description).encode()
         mine = {
             "g": hashlib.sha256(text).hexdigest(),
@@ -196,8 +195,14 @@ class Sharder:
             "host": job.host,
             "local": os.path.realpath(self.local_dir) if self.local_dir else None,
             "area": self.host_area,
+            "error": None
+            if error is None
+            else [type(error).__name__, str(error), getattr(error, "path", None)],
         }
         every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
+        if error is not None:
+            raise error
+        _raise_refusal(every)
         hashes = [d["g"] for d in every]
         # A rank's home in a node-local tier: its host and directory (or host-memory area).
         # Ranks of one home share it; each home gets its own copy of the boxes its ranks
@@ -326,6 +331,21 @@ class Sharder:
             tuple(keys),
             {tier: frozenset(d) for tier, d in drop.items() if d},
         )
+
+
+def _raise_refusal(every: list[dict[str, Any]]) -> None:
+    """Raise the first refusal another rank sent in the plan's exchange (its state cannot
+    be saved): as its own kind when it is ``UnsupportedState`` or ``StateMismatch``,
+    naming that rank."""
+    failed = [(r, d["error"]) for r, d in enumerate(every) if d.get("error")]
+    if not failed:
+        return
+    r, (kind, why, path) = failed[0]
+    more = f" (and ranks {[q for q, _ in failed[1:]]})" if len(failed) > 1 else ""
+    message = f"rank {r}{more} cannot save its state: {why}"
+    if kind == "UnsupportedState":
+        raise UnsupportedState(message, path=path or "")
+    raise StateMismatch(message) if kind == "StateMismatch" else SnapshotFailed(message)
 
 
 def _description(flat: Flattened, glob: list[int]) -> tuple[dict[str, Any], list[GlobalTensor]]:

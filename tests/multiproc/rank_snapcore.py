@@ -571,8 +571,29 @@ def die(a: dict[str, Any]) -> dict[str, Any]:
     return {"survived": True}
 
 
+def unsupported(a: dict[str, Any]) -> dict[str, Any]:
+    """Save step 1 with a Partial DTensor on rank ``a["bad_rank"]`` only (a state that
+    rank cannot save), then step 2 without it; report how each save ended."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    state, _, _ = state_of(a["kind"], a.get("seed", 0), 1)
+    mesh = models.init_device_mesh("cpu", (dist.get_world_size(),))
+    if dist.get_rank() == a["bad_rank"]:
+        state["bad"] = DTensor.from_local(torch.ones(2), mesh, [Partial()], run_check=False)
+    out = []
+    for step in (1, 2):
+        try:
+            snapcore.save(state, store_of(a), step=step)
+            out.append({"ok": True})
+        except snapcore.SnapcoreError as e:
+            out.append({"ok": False, "error": type(e).__name__, "message": str(e)})
+        state.pop("bad", None)
+    return {"saves": out}
+
+
 OPS = {
     "die": die,
+    "unsupported": unsupported,
     "peer-save": peer_save,
     "load-alone": load_alone,
     "sigterm": sigterm,

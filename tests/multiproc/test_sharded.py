@@ -373,6 +373,21 @@ def test_a_structure_change_fails_that_step_and_every_rank_replans(
     assert tree["step"] == 3 and tree["extra"].tolist() == list(range(6))
 
 
+def test_a_state_one_rank_cannot_save_raises_on_every_rank(tmp_path: Path) -> None:
+    """A Partial DTensor on rank 1 only: rank 1 cannot describe its state, and says so in
+    the plan's first exchange, so that rank 0 raises at once naming it (instead of
+    waiting in the exchange until gloo's timeout); the next save, without it, commits."""
+    store = tmp_path / "store"
+    res = run(2, [{"op": "unsupported", "kind": "fsdp2", "store": str(store), "bad_rank": 1}])
+    (zero,), (one,) = res
+    assert one["saves"][0]["error"] == "UnsupportedState", one
+    assert "bad: DTensor placement Partial" in one["saves"][0]["message"]
+    assert zero["saves"][0]["error"] == "UnsupportedState", zero
+    assert zero["saves"][0]["message"].startswith("rank 1 cannot save its state: bad: ")
+    assert zero["saves"][1] == one["saves"][1] == {"ok": True}
+    assert LocalDirectory(store).committed_steps() == [2]
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_steady_state_saves_reuse_the_part_and_each_step_holds_its_own_values(
     tmp_path: Path, overlap: bool
