@@ -11,8 +11,9 @@ tensors and tree by hand; the figure shows what that saves).
 
     python benchmarks/bench_manifest.py            # ~2 min on 2 cores: 3 runs
     python benchmarks/bench_manifest.py --runs 1 --json out.json
+    python benchmarks/bench_manifest.py --smoke    # 10,000 tensors, one run: does it run?
 
-Prints figures only: nothing here passes or fails. Never run by the test suite.
+Prints figures only: nothing here passes or fails. The test suite runs ``--smoke``.
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--smoke", action="store_true", help="10,000 tensors, one run")
     args = ap.parse_args()
-    data = largest_manifest()
+    if args.smoke:
+        args.runs = 1
+    data = manifest_with(10_000) if args.smoke else largest_manifest()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "manifest.json"
         path.write_bytes(data)

@@ -464,7 +464,6 @@ SCENARIOS: list[Scenario] = [
         "manifest",
         "bench_manifest.py",
         "parsing the largest manifest the format allows",
-        quick=("--runs", "1"),
         in_quick=False,
     ),
     Scenario(

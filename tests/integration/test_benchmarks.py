@@ -289,6 +289,16 @@ def test_bench_plan(tmp_path: Path) -> None:
     assert "| mesh | ranks |" in out
 
 
+def test_bench_manifest(tmp_path: Path) -> None:
+    raw = tmp_path / "raw.json"
+    out = run("bench_manifest.py", "--json", raw)
+    report = json.loads(raw.read_text())
+    (only,) = report["runs"]
+    assert only["tensors"] == 10_000 and report["bytes"] > 10_000 * 100
+    assert only["parse_s"] > 0 and only["json_s"] > 0 and only["schema_s"] > 0
+    assert "run  parse_s" in out
+
+
 def test_bench_peer(tmp_path: Path) -> None:
     raw = tmp_path / "raw.json"
     out = run("bench_peer.py", "--dir", tmp_path, "--json", raw, timeout=240)
