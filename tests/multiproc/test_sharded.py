@@ -194,6 +194,32 @@ def _nbytes(tree: Any) -> int:
     return 0
 
 
+def _chunk_bytes(store: Path, step: int) -> int:
+    """Bytes of every chunk of a step, as stored: what its ranks read together when each
+    chunk is read once (the data files hold alignment padding too)."""
+    m = LocalDirectory(store).read_manifest(step)
+    return sum(c.length for b in m.blobs for c in b.chunks)
+
+
+def test_tensor_parallel_reads_a_replicated_dtensor_once_per_node(tmp_path: Path) -> None:
+    """TP on 2 ranks of one node: fc2.bias and its AdamW moments are Replicate()
+    DTensors, held whole by both ranks. One rank reads each and sends it to the other, so
+    the ranks together read every chunk of the step once; each rank used to read them
+    (156 bytes more in all)."""
+    store = tmp_path / "tp"
+    saved = run(2, [{"op": "save", "kind": "tp", "store": str(store), "step": 4}])
+    res = run(2, [{"op": "restore", "kind": "tp", "store": str(store)}])
+    for rank, (r,) in enumerate(res):
+        assert r["digests"] == saved[0][0]["digests"] and r["pos"] == 100 * rank + 4, r
+    app = snapcore.load(store)["app"]
+    moments = app["optim"]["state"]["fc2.bias"]
+    replicated = [app["model"]["fc2.bias"], moments["exp_avg"], moments["exp_avg_sq"]]
+    assert sum(t.numel() * t.element_size() for t in replicated) == 156
+    read = [r["bytes"] for (r,) in res]
+    assert sum(read) == _chunk_bytes(store, 4), read
+    assert all(n > 0 for n in read), read  # each rank read its own shards
+
+
 def test_hsdp_and_two_to_four(tmp_path: Path) -> None:
     two = tmp_path / "two"
     res = run(2, [{"op": "save", "kind": "fsdp2", "store": str(two), "step": 1}])
