@@ -239,6 +239,12 @@ def test_hsdp_and_two_to_four(tmp_path: Path) -> None:
         assert s["digests"] == hsdp_saved
         assert r["digests"] == hsdp_saved and r["pos"] == 100 * rank + 2
     assert loaded_digests(hsdp) == hsdp_saved
+    # HSDP's mesh (2 replicas x 2 shards) lies within this node of 4 ranks: each shard is
+    # needed by 2 of them (ranks 0 and 2, or 1 and 3), and read by one of the two for
+    # both; the step counters and the buffer by one of the 4. So the ranks together read
+    # every chunk of the step once (each rank used to read its shards itself).
+    read = [r["bytes"] for _, _, r in res4]
+    assert sum(read) == _chunk_bytes(hsdp, 2), read
 
 
 # -- a rank dies during a save ------------------------------------------------------------
