@@ -744,11 +744,15 @@ class Reader:
                 raise error
             r, why = failed[0]
             kind, why = why[0], why[1:]
+            err: SnapcoreError
             if kind == "D":
-                raise CorruptSnapshot(
+                err = CorruptSnapshot(
                     f"step {self.m.step}: rank {r} read damage: {why}", step=self.m.step
                 )
-            raise StateMismatch(f"step {self.m.step}: rank {r} cannot restore it: {why}")
+            else:
+                err = StateMismatch(f"step {self.m.step}: rank {r} cannot restore it: {why}")
+            err.rank = r  # type: ignore[attr-defined]  # whose it is: the verdict names r
+            raise err
         works = []
         inbox: list[tuple[torch.Tensor, list[str]]] = []
         for peer in sorted({r for _, rs in share.values() for r in rs} - {me}):

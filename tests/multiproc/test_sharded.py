@@ -220,6 +220,43 @@ def test_tensor_parallel_reads_a_replicated_dtensor_once_per_node(tmp_path: Path
     assert all(n > 0 for n in read), read  # each rank read its own shards
 
 
+def test_damage_in_a_shared_read_raises_on_every_rank(tmp_path: Path) -> None:
+    """TP on 2 ranks: step 2's fc2.bias (a Replicate() DTensor, read by one rank for
+    both) has a flipped byte. The reading rank finds it and the other, which reads no
+    byte of it, hears of it instead of waiting for the tensor: both restore step 1 and
+    name the damaged file; asked for step 2 by name, both raise."""
+    store = tmp_path / "tp"
+    steps = [{"step": 1, "seed": 0}, {"step": 2, "seed": 5}]
+    saved = run(2, [{"op": "save", "kind": "tp", "store": str(store), **a} for a in steps])
+    first = saved[0][0]["digests"]
+    m = LocalDirectory(store).read_manifest(2)
+    assert m.keys is not None
+    (piece,) = m.tensors[m.keys.index("app.model.fc2.bias")].pieces
+    (chunk,) = m.blobs[piece.blob].chunks
+    victim = store / m.files[chunk.file].name
+    data = bytearray(victim.read_bytes())
+    data[chunk.offset + chunk.length // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    res = run(
+        2,
+        [
+            {"op": "restore", "kind": "tp", "store": str(store)},
+            {"op": "restore", "kind": "tp", "store": str(store), "at": 2},
+        ],
+    )
+    (r0, at0), (r1, at1) = res
+    for r in (r0, r1):
+        assert r.get("step") == 1 and r["digests"] == first, r
+        assert r["skipped"] == r0["skipped"] and len(r["skipped"]) == 1, r
+        assert r["skipped"][0].startswith("step 2: ") and victim.name in r["skipped"][0], r
+    for at in (at0, at1):
+        assert at.get("error") == "CorruptSnapshot" and "step 2" in at["message"], at
+    # the reading rank raises its own damage; the other names it, as both skips do
+    (reader,) = [r for r, at in enumerate((at0, at1)) if not at["message"].endswith(")")]
+    assert (at0, at1)[1 - reader]["message"].endswith(f"(rank {reader})"), (at0, at1)
+    assert r0["skipped"][0].endswith(f"(rank {reader})"), r0
+
+
 def test_hsdp_and_two_to_four(tmp_path: Path) -> None:
     two = tmp_path / "two"
     res = run(2, [{"op": "save", "kind": "fsdp2", "store": str(two), "step": 1}])
