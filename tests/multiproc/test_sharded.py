@@ -257,6 +257,35 @@ def test_damage_in_a_shared_read_raises_on_every_rank(tmp_path: Path) -> None:
     assert r0["skipped"][0].endswith(f"(rank {reader})"), r0
 
 
+def test_an_exception_planning_or_reading_a_shared_unit_raises_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """TP on 2 ranks: an exception that is not snapcore's, on one rank, while it lists
+    what it could share (before the plan exchange) or while it reads a unit for both
+    (before the others wait for its bytes): that rank raises it, the other raises
+    StateMismatch naming it, none waits until the timeout, and the next restore agrees."""
+    store = tmp_path / "tp"
+    restore = {"op": "restore", "kind": "tp", "store": str(store)}
+    res = run(
+        2,
+        [
+            {"op": "save", "kind": "tp", "store": str(store), "step": 1},
+            {**restore, "boom_on_rank": 1, "boom_in": "_units"},
+            {**restore, "boom_on_rank": 0, "boom_in": "tensor"},
+            restore,
+        ],
+    )
+    (saved, units0, read0, ok0), (_, units1, read1, ok1) = res
+    assert units1.get("error") == "RuntimeError" and "boom" in units1["message"], units1
+    assert units0.get("error") == "StateMismatch", units0
+    assert "rank 1 cannot restore it: RuntimeError: boom" in units0["message"], units0
+    assert read0.get("error") == "RuntimeError" and "boom" in read0["message"], read0
+    assert read1.get("error") == "StateMismatch", read1
+    assert "rank 0 cannot restore it: RuntimeError: boom" in read1["message"], read1
+    for ok in (ok0, ok1):
+        assert ok.get("step") == 1 and ok["digests"] == saved["digests"], ok
+
+
 def test_hsdp_and_two_to_four(tmp_path: Path) -> None:
     two = tmp_path / "two"
     res = run(2, [{"op": "save", "kind": "fsdp2", "store": str(two), "step": 1}])
