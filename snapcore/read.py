@@ -592,13 +592,16 @@ class Reader:
         targets: dict[int, list[torch.Tensor]] = {}
         try:
             plan = self._plan(state, strict, targets)
-        except SnapcoreError as e:
-            if job is not None:
-                self._share_plan(job, {}, None, e)  # the others must not wait for us
+            units = self._units(targets, plan.fresh) if job is not None else {}
+        except Exception as e:
+            if job is not None:  # the others must not wait for us in the exchange
+                told = (
+                    e if isinstance(e, SnapcoreError) else StateMismatch(f"{type(e).__name__}: {e}")
+                )
+                self._share_plan(job, {}, None, told)
             raise
         filled = len(targets) + len(plan.fresh)
         if job is not None:
-            units = self._units(targets, plan.fresh)
             share, group = self._share_plan(job, units, node, None)
             self._share(job, units, share, targets, group)
         self.prefetch(sorted(plan.fresh - self._tensors.keys()))
@@ -674,32 +677,11 @@ class Reader:
         every = exchange_plan(job, self.m.step, need, error, mine)
         if error is not None:
             return {}, None
-        nodes: dict[str, list[int]] = {}
-        for r, d in enumerate(every):
-            nodes.setdefault(json.dumps(d["node"]), []).append(r)
+        nodes, share = assign_units(every, job.rank)
         # Every rank knows every node's needs: the nodes' groups are made (a collective)
         # only when some node of several ranks shares a read, by every rank alike.
-        share: dict[str, tuple[int, list[int]]] = {}
-        any_shared = False
-        for members in nodes.values():
-            if len(members) < 2:
-                continue
-            holders: dict[str, list[int]] = {}
-            for r in members:
-                for name in every[r]["need"]:
-                    holders.setdefault(name, []).append(r)
-            shared = {n: rs for n, rs in holders.items() if len(rs) > 1}
-            any_shared = any_shared or bool(shared)
-            if job.rank not in members:
-                continue
-            load = dict.fromkeys(members, 0)
-            size = {n: int(every[rs[0]]["need"][n]) for n, rs in shared.items()}
-            for n in sorted(shared, key=lambda n: (-size[n], n)):
-                r = min(shared[n], key=lambda r: (load[r], r))
-                share[n] = (r, shared[n])
-                load[r] += size[n]
-        group = job.group_of(list(nodes.values())) if any_shared else job.group
-        return share, group
+        group = job.group_of(nodes) if share is not None else job.group
+        return share or {}, group
 
     def _share_key(self, i: int) -> str | None:
         """How every rank names tensor ``i`` (None: a rank-local tensor, never shared)."""
@@ -1076,6 +1058,40 @@ def exchange_plan(
         err.rank = r  # type: ignore[attr-defined]  # whose refusal this is
         raise err
     return every
+
+
+def assign_units(
+    every: list[dict[str, Any]], rank: int
+) -> tuple[list[list[int]], dict[str, tuple[int, list[int]]] | None]:
+    """From the plan exchange (each rank's ``node`` and ``need``: its units' names and
+    bytes), the job's nodes (their ranks, by the order of their first rank) and the
+    units of rank ``rank``'s node that 2 or more of its ranks need: for each, the rank
+    that reads it and the ranks that need it. Each unit goes to one of the ranks that
+    need it, the largest units first, each to the least loaded of them by bytes (ties:
+    the lower rank), so that every rank finds the same answer. None instead of the
+    units when no node of the job shares any (no node group is needed)."""
+    by_node: dict[str, list[int]] = {}
+    for r, d in enumerate(every):
+        by_node.setdefault(json.dumps(d["node"]), []).append(r)
+    nodes = list(by_node.values())
+    share: dict[str, tuple[int, list[int]]] = {}
+    any_shared = False
+    for members in nodes:
+        holders: dict[str, list[int]] = {}
+        for r in members:
+            for name in every[r]["need"]:
+                holders.setdefault(name, []).append(r)
+        shared = {n: rs for n, rs in holders.items() if len(rs) > 1}
+        any_shared = any_shared or bool(shared)
+        if rank not in members:
+            continue
+        load = dict.fromkeys(members, 0)
+        size = {n: int(every[rs[0]]["need"][n]) for n, rs in shared.items()}
+        for n in sorted(shared, key=lambda n: (-size[n], n)):
+            r = min(shared[n], key=lambda r: (load[r], r))
+            share[n] = (r, shared[n])
+            load[r] += size[n]
+    return nodes, share if any_shared else None
 
 
 def _same_chunks(a: mf.Manifest, b: mf.Manifest) -> bool:
