@@ -627,9 +627,9 @@ class Reader:
         gives it (``_unit_name``): each whole tensor it takes (a plain target, or one of
         ``fresh``, read into a new tensor) and the box of each DTensor target that
         another rank holds too (its placements replicate it over a mesh dimension).
-        A DTensor no other rank holds (FSDP2's shards) is not listed: the exchange stays
-        about as small as the ranks' plain tensors. Rank-local and empty tensors are not
-        listed."""
+        A DTensor box no other rank holds (FSDP2's shards) is not listed, so that
+        FSDP2's exchange lists its plain tensors only, as before; nor are rank-local and
+        empty tensors."""
         units: dict[str, _Unit] = {}
 
         def add(i: int, box: Box | None, target: torch.Tensor | None) -> None:
