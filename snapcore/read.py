@@ -666,22 +666,31 @@ class Reader:
         """The units this rank's node shares: for each that two or more of its ranks
         need, the rank that reads it (one of those that need it, balanced by bytes; the
         same answer on every rank) and the ranks that need it; and the node's gloo group.
-        Made from the one exchange of the restore (``exchange_plan``), which raises when
-        any rank could not plan.
+        ``exchange_plan`` raises when any rank could not plan.
 
         The ranks name the units by their tensors' global keys and boxes: the ranks of
         different nodes may read different tiers (each its node's own), whose tensor
-        indices differ."""
-        need = {name: u.nbytes for name, u in units.items()}
+        indices differ.
+
+        Two exchanges: the restore's, on the job's group (each rank's node and refusal:
+        a few dozen bytes a rank), then the units themselves among the ranks of each
+        node, on the node's group: a rank's list (about 70 bytes a unit, a unit per
+        replicated box it holds) travels to its node's ranks only, not to the job."""
         mine = job.host if node is None else node
-        every = exchange_plan(job, self.m.step, need, error, mine)
+        every = exchange_plan(job, self.m.step, error, mine)
         if error is not None:
             return {}, None
-        nodes, share = assign_units(every, job.rank)
-        # Every rank knows every node's needs: the nodes' groups are made (a collective)
-        # only when some node of several ranks shares a read, by every rank alike.
-        group = job.group_of(nodes) if share is not None else job.group
-        return share or {}, group
+        nodes: dict[str, list[int]] = {}
+        for r, d in enumerate(every):
+            nodes.setdefault(json.dumps(d["node"]), []).append(r)
+        if all(len(p) == 1 for p in nodes.values()):
+            return {}, job.group  # a rank per node: nothing to share
+        # The nodes' groups are made (a collective) the first time, by every rank alike.
+        group = job.group_of(list(nodes.values()))
+        members = nodes[json.dumps(every[job.rank]["node"])]
+        need = {name: u.nbytes for name, u in units.items()}
+        said = all_gather_bytes(job, json.dumps(need).encode(), group=group)
+        return assign_units(dict(zip(members, map(json.loads, said), strict=True))), group
 
     def _share_key(self, i: int) -> str | None:
         """How every rank names tensor ``i`` (None: a rank-local tensor, never shared)."""
@@ -1030,12 +1039,11 @@ def out_of_step(said: list[Any], kind: str, step: int) -> None:
 
 
 def exchange_plan(
-    job: Job, step: int, need: dict[str, int], error: SnapcoreError | None, node: Any = None
+    job: Job, step: int, error: SnapcoreError | None, node: Any = None
 ) -> list[dict[str, Any]]:
-    """The one exchange of a restore under a job, made by every rank that takes part in
-    the step, even one that could not open it or match its state (``error``): each
-    rank's needs (the units it could share, by name, with their bytes: ``Reader._units``)
-    and its node, or its refusal.
+    """The exchange of a restore under a job, made by every rank that takes part in the
+    step, even one that could not open it or match its state (``error``): each rank's
+    node, or its refusal.
     With no ``error`` of its own, a rank raises when another refused: ``CorruptSnapshot``
     when that rank found the step damaged (every rank then moves to an older step
     together), else ``StateMismatch``."""
@@ -1044,7 +1052,6 @@ def exchange_plan(
         "step": step,
         "error": None if error is None else str(error),
         "damaged": isinstance(error, CorruptSnapshot | SnapshotNotFound),
-        "need": need,
         "node": node,
     }
     every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
@@ -1060,38 +1067,25 @@ def exchange_plan(
     return every
 
 
-def assign_units(
-    every: list[dict[str, Any]], rank: int
-) -> tuple[list[list[int]], dict[str, tuple[int, list[int]]] | None]:
-    """From the plan exchange (each rank's ``node`` and ``need``: its units' names and
-    bytes), the job's nodes (their ranks, by the order of their first rank) and the
-    units of rank ``rank``'s node that 2 or more of its ranks need: for each, the rank
-    that reads it and the ranks that need it. Each unit goes to one of the ranks that
-    need it, the largest units first, each to the least loaded of them by bytes (ties:
-    the lower rank), so that every rank finds the same answer. None instead of the
-    units when no node of the job shares any (no node group is needed)."""
-    by_node: dict[str, list[int]] = {}
-    for r, d in enumerate(every):
-        by_node.setdefault(json.dumps(d["node"]), []).append(r)
-    nodes = list(by_node.values())
+def assign_units(needs: dict[int, dict[str, int]]) -> dict[str, tuple[int, list[int]]]:
+    """Which rank of a node reads each unit that 2 or more of its ranks need (``needs``:
+    each rank's units, by name, with their bytes): for each, the rank that reads it and
+    the ranks that need it. Each unit goes to one of the ranks that need it, the largest
+    units first, each to the least loaded of them by bytes (ties: the lower rank), so
+    that every rank of the node finds the same answer."""
+    holders: dict[str, list[int]] = {}
+    for r in sorted(needs):
+        for name in needs[r]:
+            holders.setdefault(name, []).append(r)
+    shared = {n: rs for n, rs in holders.items() if len(rs) > 1}
+    load = dict.fromkeys(needs, 0)
+    size = {n: int(needs[rs[0]][n]) for n, rs in shared.items()}
     share: dict[str, tuple[int, list[int]]] = {}
-    any_shared = False
-    for members in nodes:
-        holders: dict[str, list[int]] = {}
-        for r in members:
-            for name in every[r]["need"]:
-                holders.setdefault(name, []).append(r)
-        shared = {n: rs for n, rs in holders.items() if len(rs) > 1}
-        any_shared = any_shared or bool(shared)
-        if rank not in members:
-            continue
-        load = dict.fromkeys(members, 0)
-        size = {n: int(every[rs[0]]["need"][n]) for n, rs in shared.items()}
-        for n in sorted(shared, key=lambda n: (-size[n], n)):
-            r = min(shared[n], key=lambda r: (load[r], r))
-            share[n] = (r, shared[n])
-            load[r] += size[n]
-    return nodes, share if any_shared else None
+    for n in sorted(shared, key=lambda n: (-size[n], n)):
+        r = min(shared[n], key=lambda r: (load[r], r))
+        share[n] = (r, shared[n])
+        load[r] += size[n]
+    return share
 
 
 def _same_chunks(a: mf.Manifest, b: mf.Manifest) -> bool:
