@@ -170,7 +170,7 @@ def _read_agreed(
             reader = _reader(engine, steps, s, verify)
         except SnapcoreError as e:
             # the others enter the restore's exchange: take part in it, with the refusal
-            exchange_plan(job, s, [], e)
+            exchange_plan(job, s, e)
             damage = isinstance(e, CorruptSnapshot | SnapshotNotFound)
             mine["damaged" if damage else "refused"], error = str(e), e
             mine["missing"] = isinstance(e, SnapshotNotFound)
@@ -354,7 +354,7 @@ def restore(
             reader.select(rank, world, rank_local, keys)
         except SnapcoreError as e:
             if job is not None:  # the others are in the restore's exchange: take part
-                exchange_plan(job, reader.m.step, [], e)
+                exchange_plan(job, reader.m.step, e)
             raise
         return reader.restore(state, strict=strict, job=job, node=node)
 

@@ -150,6 +150,7 @@ class Reader:
         self._scratch = threading.local()
         self._blobs: dict[int, torch.Tensor] = {}
         self._tensors: dict[int, torch.Tensor] = {}
+        self._boxes: dict[int, Box] = {}  # a DTensor target's box, by id(), during restore
 
     @property
     def tier(self) -> str:
@@ -636,27 +637,35 @@ class Reader:
         updated, and last each object's ``load_state_dict`` called, innermost first: a
         damaged chunk found while reading leaves every object's own state untouched.
 
-        Under a job (torch.distributed), a whole tensor that every rank of a node needs
-        (replicated: DDP's parameters) is read by one rank of the node and broadcast to
-        the others on a gloo group of the node's ranks, instead of being read by every
-        rank; the ranks agree on it in one exchange, which also carries each rank's
-        refusal, so that all raise together. ``node``: this rank's node (JSON; ranks
-        with equal ones share their reads), by default its host.
+        Under a job (torch.distributed), a unit (a saved tensor's box: the whole tensor,
+        or a DTensor's local shard) that several ranks of a node need (DDP's parameters,
+        a ``Replicate()`` DTensor, an HSDP shard whose replicas share a node) is read by
+        one of them and sent to the others that need it, point to point on a gloo group of
+        the node's ranks, instead of being read by each; the ranks agree on it in one
+        exchange, which also carries each rank's refusal, so that all raise together.
+        ``node``: this rank's node (JSON; ranks with equal ones share their reads), by
+        default its host.
         """
         targets: dict[int, list[torch.Tensor]] = {}
         try:
             plan = self._plan(state, strict, targets)
-        except SnapcoreError as e:
-            if job is not None:
-                self._share_plan(job, None, set(), e)  # the others must not wait for us
+            units = self._units(targets, plan.fresh) if job is not None else {}
+        except Exception as e:
+            if job is not None:  # the others must not wait for us in the exchange
+                told = (
+                    e if isinstance(e, SnapcoreError) else StateMismatch(f"{type(e).__name__}: {e}")
+                )
+                self._share_plan(job, {}, None, told)
             raise
-        readers: dict[int, int] = {}
         filled = len(targets) + len(plan.fresh)
         if job is not None:
-            readers, group = self._share_plan(job, targets, plan.fresh, None, node)
-            self._share(job, readers, targets, group)
-        self.prefetch(sorted(plan.fresh - readers.keys()))
-        self._fill(targets)
+            share, group = self._share_plan(job, units, node, None)
+            self._share(job, units, share, targets, group)
+        self.prefetch(sorted(plan.fresh - self._tensors.keys()))
+        try:
+            self._fill(targets)
+        finally:
+            self._boxes.clear()
         with torch.no_grad():
             for obj, path, sd in plan.apply(self.tensor):
                 try:
@@ -670,53 +679,75 @@ class Reader:
                     ) from e
         return plan, filled
 
-    def _share_plan(
-        self,
-        job: Job,
-        targets: dict[int, list[torch.Tensor]] | None,
-        fresh: set[int],
-        error: SnapcoreError | None,
-        node: Any = None,
-    ) -> tuple[dict[int, int], Any]:
-        """Which whole tensors every rank of this rank's node needs, the rank of the node
-        that reads each (balanced by bytes, the same answer on every rank of the node),
-        and the node's gloo group. Raises when any rank could not plan.
+    def _units(self, targets: dict[int, list[torch.Tensor]], fresh: set[int]) -> dict[str, _Unit]:
+        """What this rank could share with the ranks of its node, by the name every rank
+        gives it (``_unit_name``): each whole tensor it takes (a plain target, or one of
+        ``fresh``, read into a new tensor) and the box of each DTensor target that
+        another rank holds too (its placements replicate it over a mesh dimension).
+        A DTensor box no other rank holds (FSDP2's shards) is not listed, so that
+        FSDP2's exchange lists its plain tensors only, as before; nor are rank-local and
+        empty tensors."""
+        units: dict[str, _Unit] = {}
 
-        The ranks name the tensors by their global keys: the ranks of different nodes
-        may read different tiers (each its node's own), whose tensor indices differ. A
-        rank-local tensor is never shared."""
-        need: set[int] = set()
-        if targets is not None:
-            need = {i for i in fresh if self.whole(i)}
-            need |= {
-                i
-                for i, ts in targets.items()
-                if self.whole(i) and not any(is_dtensor(t) for t in ts)
-            }
-        named = {k: i for i in need if (k := self._share_key(i)) is not None}
+        def add(i: int, box: Box | None, target: torch.Tensor | None) -> None:
+            e = self.m.tensors[i]
+            key = self._share_key(i)
+            whole = box is None or (not any(box.offsets) and box.shape == e.shape)
+            shape = e.shape if whole or box is None else box.shape
+            nbytes = math.prod(shape) * e.torch_dtype.itemsize
+            if key is None or nbytes == 0:
+                return
+            name = key if whole else _unit_name(key, box)  # type: ignore[arg-type]
+            u = units.setdefault(name, _Unit(i, None if whole else box, nbytes))
+            if target is None:
+                u.fresh = True
+            else:
+                u.targets.append(target)
+
+        for i in sorted(fresh):
+            add(i, None, None)
+        for i, ts in sorted(targets.items()):
+            for t in ts:
+                if not is_dtensor(t):
+                    add(i, None, t)
+                    continue
+                item = describe_local([t], [self.paths.get(i, "")])[0]
+                self._boxes[id(t)] = item.box
+                if item.replicated:
+                    add(i, item.box, t)
+        return units
+
+    def _share_plan(
+        self, job: Job, units: dict[str, _Unit], node: Any, error: SnapcoreError | None
+    ) -> tuple[dict[str, tuple[int, list[int]]], Any]:
+        """The units this rank's node shares: for each that two or more of its ranks
+        need, the rank that reads it (one of those that need it, balanced by bytes; the
+        same answer on every rank) and the ranks that need it; and the node's gloo group.
+        ``exchange_plan`` raises when any rank could not plan.
+
+        The ranks name the units by their tensors' global keys and boxes: the ranks of
+        different nodes may read different tiers (each its node's own), whose tensor
+        indices differ.
+
+        Two exchanges: the restore's, on the job's group (each rank's node and refusal:
+        a few dozen bytes a rank), then the units themselves among the ranks of each
+        node, on the node's group: a rank's list (about 70 bytes a unit, a unit per
+        replicated box it holds) travels to its node's ranks only, not to the job."""
         mine = job.host if node is None else node
-        every = exchange_plan(job, self.m.step, sorted(named), error, mine)
+        every = exchange_plan(job, self.m.step, error, mine)
         if error is not None:
             return {}, None
         nodes: dict[str, list[int]] = {}
         for r, d in enumerate(every):
             nodes.setdefault(json.dumps(d["node"]), []).append(r)
-        # Every rank knows every node's needs: the nodes' groups are made (a collective)
-        # only when some node of several ranks shares a read, by every rank alike.
-        shared = [
-            set.intersection(*(set(every[r]["need"]) for r in ranks)) if len(ranks) > 1 else set()
-            for ranks in nodes.values()
-        ]
+        if all(len(p) == 1 for p in nodes.values()):
+            return {}, job.group  # a rank per node: nothing to share
+        # The nodes' groups are made (a collective) the first time, by every rank alike.
+        group = job.group_of(list(nodes.values()))
         members = nodes[json.dumps(every[job.rank]["node"])]
-        common = shared[list(nodes.values()).index(members)]
-        group = job.group_of(list(nodes.values())) if any(shared) else job.group
-        load = dict.fromkeys(members, 0)
-        readers = {}
-        for key in sorted(common, key=lambda k: (-self.m.tensors[named[k]].nbytes, k)):
-            r = min(members, key=lambda r: (load[r], r))
-            readers[named[key]] = r
-            load[r] += self.m.tensors[named[key]].nbytes
-        return readers, group
+        need = {name: u.nbytes for name, u in units.items()}
+        said = all_gather_bytes(job, json.dumps(need).encode(), group=group)
+        return assign_units(dict(zip(members, map(json.loads, said), strict=True))), group
 
     def _share_key(self, i: int) -> str | None:
         """How every rank names tensor ``i`` (None: a rank-local tensor, never shared)."""
@@ -728,56 +759,83 @@ class Reader:
     def _share(
         self,
         job: Job,
-        readers: dict[int, int],
+        units: dict[str, _Unit],
+        share: dict[str, tuple[int, list[int]]],
         targets: dict[int, list[torch.Tensor]],
         group: Any,
     ) -> None:
-        """Read the tensors this rank reads for its node, and receive the others: one
-        broadcast on the node's ``group`` per reading rank, of its tensors' bytes one
-        after another (in the order of their keys). Every rank reads its share first and
-        the ranks of the job tell each other whether it was intact, so that damage on one
-        rank raises on all of them instead of leaving the others in a broadcast."""
+        """Read the units this rank reads for its node, and receive those others read for
+        it: one message from each reading rank to each rank of the node that needs some
+        of its units, their bytes back to back in the order of their names, sent and
+        received point to point on the node's ``group`` (every send and receive posted
+        before any is waited for). A rank receives only what it needs. Every rank reads
+        its share first and the ranks of the job tell each other whether it went well,
+        so that damage on one rank raises on all of them instead of leaving the others
+        waiting for its bytes. The targets filled here are taken out of ``targets``."""
         import torch.distributed as dist
 
-        def order(r: int) -> list[int]:  # rank r's tensors, by key: the same on every rank
-            return sorted(
-                (i for i, x in readers.items() if x == r), key=lambda i: f"{self._share_key(i)}"
-            )
-
-        own = order(job.rank)
-        error: CorruptSnapshot | None = None
-        payload = torch.empty(0, dtype=torch.uint8)
+        me = job.rank
+        mine = {n: u for n, u in units.items() if n in share}
+        own = sorted(n for n in mine if share[n][0] == me)
+        error: BaseException | None = None
+        data: dict[str, torch.Tensor] = {}
         try:
-            parts = [self.tensor(i).contiguous().reshape(-1).view(torch.uint8) for i in own]
-            if parts:
-                payload = torch.cat(parts)
-        except CorruptSnapshot as e:
+            for n in own:
+                u = mine[n]
+                data[n] = self.tensor(u.i) if u.box is None else self.read_box(u.i, u.box)
+        except Exception as e:  # told to the others: none may wait for bytes never sent
             error = e
-        said = all_gather_bytes(job, b"" if error is None else str(error).encode())
+        said = all_gather_bytes(job, _said(error))
         failed = [(r, b.decode()) for r, b in enumerate(said) if b]
         if failed:
             if error is not None:
                 raise error
             r, why = failed[0]
-            raise CorruptSnapshot(
-                f"step {self.m.step}: rank {r} read damage: {why}", step=self.m.step
-            )
-        for reader in sorted(set(readers.values())):
-            mine = order(reader)
-            sizes = [self.m.tensors[i].nbytes for i in mine]
-            mine_now = reader == job.rank
-            buf = payload if mine_now else torch.empty(sum(sizes), dtype=torch.uint8)
-            dist.broadcast(buf, src=reader, group=group)
+            kind, why = why[0], why[1:]
+            err: SnapcoreError
+            if kind == "D":
+                err = CorruptSnapshot(
+                    f"step {self.m.step}: rank {r} read damage: {why}", step=self.m.step
+                )
+            else:
+                err = StateMismatch(f"step {self.m.step}: rank {r} cannot restore it: {why}")
+            err.rank = r  # type: ignore[attr-defined]  # whose it is: the verdict names r
+            raise err
+        works = []
+        inbox: list[tuple[torch.Tensor, list[str]]] = []
+        for peer in sorted({r for _, rs in share.values() for r in rs} - {me}):
+            out = sorted(n for n in own if peer in share[n][1])
+            if out:
+                parts = [data[n].contiguous().reshape(-1).view(torch.uint8) for n in out]
+                works.append(dist.isend(torch.cat(parts), dst=peer, group=group))
+            came = sorted(n for n in mine if share[n][0] == peer)
+            if came:
+                buf = torch.empty(sum(mine[n].nbytes for n in came), dtype=torch.uint8)
+                works.append(dist.irecv(buf, src=peer, group=group))
+                inbox.append((buf, came))
+        for w in works:
+            w.wait()
+        for buf, came in inbox:
             pos = 0
-            for i, n in zip(mine, sizes, strict=True):
-                e = self.m.tensors[i]
+            for n in came:
+                u = mine[n]
+                e = self.m.tensors[u.i]
+                shape = e.shape if u.box is None else u.box.shape
                 # a copy: its own storage, aligned for the dtype whatever ``pos`` is
-                t = buf[pos : pos + n].clone().view(e.torch_dtype).reshape(e.shape)
-                pos += n
-                self._tensors[i] = t
-                with torch.no_grad():
-                    for target in targets.pop(i, []):
-                        target.copy_(t)
+                data[n] = buf[pos : pos + u.nbytes].clone().view(e.torch_dtype).reshape(shape)
+                pos += u.nbytes
+        done: set[int] = set()
+        with torch.no_grad():
+            for n, u in mine.items():
+                if u.fresh or u.box is None:
+                    self._tensors.setdefault(u.i, data[n])
+                for t in u.targets:
+                    (t.to_local() if is_dtensor(t) else t).copy_(data[n])  # type: ignore[attr-defined]
+                    done.add(id(t))
+        for i in list(targets):
+            targets[i] = [t for t in targets[i] if id(t) not in done]
+            if not targets[i]:
+                del targets[i]
 
     def _plan(
         self, state: Any, strict: bool, targets: dict[int, list[torch.Tensor]]
@@ -864,8 +922,10 @@ class Reader:
         """Fill a DTensor's local shard (or a tensor saved in pieces) with the saved
         elements of its box."""
         if is_dtensor(t):
-            item = describe_local([t], [self.paths.get(i, "")])[0]
-            box, local = item.box, t.to_local()  # type: ignore[attr-defined]
+            box = self._boxes.pop(id(t), None)  # found when the shared reads were planned
+            if box is None:
+                box = describe_local([t], [self.paths.get(i, "")])[0].box
+            local = t.to_local()  # type: ignore[attr-defined]
         else:
             box, local = Box((0,) * t.dim(), tuple(t.shape)), t
         data = self.read_box(i, box)
@@ -997,6 +1057,33 @@ def _bare(path: str) -> str:
     return ".".join(s for s in path.split(".") if s not in WRAPPER_SEGMENTS)
 
 
+@dataclass
+class _Unit:
+    """What a rank of a restore may share with the ranks of its node: saved tensor ``i``
+    whole (``box`` None) or its elements in ``box``, and where they go on this rank."""
+
+    i: int
+    box: Box | None
+    nbytes: int
+    targets: list[torch.Tensor] = field(default_factory=list)  # filled in place
+    fresh: bool = False  # read into a new tensor (``Reader.tensor``)
+
+
+def _unit_name(key: str, box: Box) -> str:
+    """A box of the tensor of global ``key``, as every rank names it."""
+    return f"{key}@{','.join(map(str, box.offsets))}+{','.join(map(str, box.shape))}"
+
+
+def _said(error: BaseException | None) -> bytes:
+    """What a rank tells the others of its shared reads: nothing when they went well,
+    else "D" and the damage or "E" and the exception."""
+    if error is None:
+        return b""
+    if isinstance(error, CorruptSnapshot | SnapshotNotFound):
+        return b"D" + str(error).encode()
+    return b"E" + f"{type(error).__name__}: {error}".encode()
+
+
 def _some(paths: list[str], n: int = 8) -> str:
     shown = ", ".join(paths[:n])
     return shown + (f" and {len(paths) - n} more" if len(paths) > n else "")
@@ -1024,11 +1111,11 @@ def out_of_step(said: list[Any], kind: str, step: int) -> None:
 
 
 def exchange_plan(
-    job: Job, step: int, need: list[str], error: SnapcoreError | None, node: Any = None
+    job: Job, step: int, error: SnapcoreError | None, node: Any = None
 ) -> list[dict[str, Any]]:
-    """The one exchange of a restore under a job, made by every rank that takes part in
-    the step, even one that could not open it or match its state (``error``): each
-    rank's needs (the keys of the whole tensors it needs) and its node, or its refusal.
+    """The exchange of a restore under a job, made by every rank that takes part in the
+    step, even one that could not open it or match its state (``error``): each rank's
+    node, or its refusal.
     With no ``error`` of its own, a rank raises when another refused: ``CorruptSnapshot``
     when that rank found the step damaged (every rank then moves to an older step
     together), else ``StateMismatch``."""
@@ -1037,7 +1124,6 @@ def exchange_plan(
         "step": step,
         "error": None if error is None else str(error),
         "damaged": isinstance(error, CorruptSnapshot | SnapshotNotFound),
-        "need": need,
         "node": node,
     }
     every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
@@ -1051,6 +1137,27 @@ def exchange_plan(
         err.rank = r  # type: ignore[attr-defined]  # whose refusal this is
         raise err
     return every
+
+
+def assign_units(needs: dict[int, dict[str, int]]) -> dict[str, tuple[int, list[int]]]:
+    """Which rank of a node reads each unit that 2 or more of its ranks need (``needs``:
+    each rank's units, by name, with their bytes): for each, the rank that reads it and
+    the ranks that need it. Each unit goes to one of the ranks that need it, the largest
+    units first, each to the least loaded of them by bytes (ties: the lower rank), so
+    that every rank of the node finds the same answer."""
+    holders: dict[str, list[int]] = {}
+    for r in sorted(needs):
+        for name in needs[r]:
+            holders.setdefault(name, []).append(r)
+    shared = {n: rs for n, rs in holders.items() if len(rs) > 1}
+    load = dict.fromkeys(needs, 0)
+    size = {n: int(needs[rs[0]][n]) for n, rs in shared.items()}
+    share: dict[str, tuple[int, list[int]]] = {}
+    for n in sorted(shared, key=lambda n: (-size[n], n)):
+        r = min(shared[n], key=lambda r: (load[r], r))
+        share[n] = (r, shared[n])
+        load[r] += size[n]
+    return share
 
 
 def _same_chunks(a: mf.Manifest, b: mf.Manifest) -> bool:

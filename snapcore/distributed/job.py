@@ -175,19 +175,22 @@ def _make() -> Job:
     )
 
 
-def all_gather_bytes(job: Job, data: bytes) -> list[bytes]:
-    """Every rank's ``data`` (a collective on snapcore's gloo group; no pickle)."""
+def all_gather_bytes(job: Job, data: bytes, group: Any = None) -> list[bytes]:
+    """Every rank's ``data`` (a collective on snapcore's gloo group, or on ``group``, one
+    of its node groups: ``Job.group_of``; in the group's rank order; no pickle)."""
     import torch.distributed as dist
 
+    group = job.group if group is None else group
+    count = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(job.world_size)]
-    dist.all_gather(sizes, size, group=job.group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(count)]
+    dist.all_gather(sizes, size, group=group)
     n = max(int(s) for s in sizes)
     buf = torch.zeros(n, dtype=torch.uint8)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = [torch.empty(n, dtype=torch.uint8) for _ in range(job.world_size)]
-    dist.all_gather(out, buf, group=job.group)
+    out = [torch.empty(n, dtype=torch.uint8) for _ in range(count)]
+    dist.all_gather(out, buf, group=group)
     return [bytes(o[: int(s)].numpy()) for o, s in zip(out, sizes, strict=True)]
 
 

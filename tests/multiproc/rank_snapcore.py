@@ -7,12 +7,13 @@ order; the report holds one entry per action.
       the digests of every global tensor of get_state_dict, and the bytes each rank's
       data files take.
   {"op": "restore", "kind": K, "store": DIR, "seed": S, "rank_local": "error"|"keep",
-   "prepare": bool}
+   "prepare": bool, "boom_on_rank": R, "boom_in": "_fill"|"_units"|"tensor"}
       build model K with other weights (seed S), restore into the same kind of state;
       report the digests, the restored step, the bytes read, the rank-local position and
       the torch RNG's next draw, or the error's type and message. "prepare": call
       snapcore.prepare first and report this rank's host slot files (name: inode) after
-      it ("prepared") and after the restore ("slots").
+      it ("prepared") and after the restore ("slots"). "boom_on_rank": R makes
+      Reader.<boom_in> (default "_fill") raise a RuntimeError on rank R.
   {"op": "kill-save", "kind": K, "store": DIR, "step": N, "victim": R, "point": P}
       save steps N then N + 1; rank R SIGKILLs itself during the second at point P
       ("staged": when async_save returns; "writing": once its data file exists; "part":
@@ -139,23 +140,26 @@ def restore(a: dict[str, Any]) -> dict[str, Any]:
         prepared = slot_inodes()
     with contextlib.ExitStack() as undo:
         if a.get("boom_on_rank") == dist.get_rank():  # not snapcore's error, mid-restore
-            undo.enter_context(_boom_while_filling())
+            undo.enter_context(_boom_while_filling(a.get("boom_in", "_fill")))
         return _restore(a, state, model, optim, prepared)
 
 
 @contextlib.contextmanager
-def _boom_while_filling() -> Iterator[None]:
+def _boom_while_filling(where: str) -> Iterator[None]:
+    """Reader.<where> raises RuntimeError: "_fill" (filling, after the exchanges),
+    "_units" (listing what to share, before the plan exchange) or "tensor" (reading a
+    whole tensor, in a shared read too)."""
     from snapcore import read
 
     def boom(*args: Any, **kw: Any) -> None:
         raise RuntimeError("boom: out of memory while filling")
 
-    fill = read.Reader._fill
-    read.Reader._fill = boom  # type: ignore[method-assign]
+    was = getattr(read.Reader, where)
+    setattr(read.Reader, where, boom)
     try:
         yield
     finally:
-        read.Reader._fill = fill  # type: ignore[method-assign]
+        setattr(read.Reader, where, was)
 
 
 def _restore(a: dict[str, Any], state: Any, model: Any, optim: Any, prepared: Any) -> Any:

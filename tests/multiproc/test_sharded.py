@@ -257,6 +257,98 @@ def _nbytes(tree: Any) -> int:
     return 0
 
 
+def _chunk_bytes(store: Path, step: int) -> int:
+    """Bytes of every chunk of a step, as stored: what its ranks read together when each
+    chunk is read once (the data files hold alignment padding too)."""
+    m = LocalDirectory(store).read_manifest(step)
+    return sum(c.length for b in m.blobs for c in b.chunks)
+
+
+def test_tensor_parallel_reads_a_replicated_dtensor_once_per_node(tmp_path: Path) -> None:
+    """TP on 2 ranks of one node: fc2.bias and its AdamW moments are Replicate()
+    DTensors, held whole by both ranks. One rank reads each and sends it to the other, so
+    the ranks together read every chunk of the step once; each rank used to read them
+    (156 bytes more in all)."""
+    store = tmp_path / "tp"
+    saved = run(2, [{"op": "save", "kind": "tp", "store": str(store), "step": 4}])
+    res = run(2, [{"op": "restore", "kind": "tp", "store": str(store)}])
+    for rank, (r,) in enumerate(res):
+        assert r["digests"] == saved[0][0]["digests"] and r["pos"] == 100 * rank + 4, r
+    app = snapcore.load(store)["app"]
+    moments = app["optim"]["state"]["fc2.bias"]
+    replicated = [app["model"]["fc2.bias"], moments["exp_avg"], moments["exp_avg_sq"]]
+    assert sum(t.numel() * t.element_size() for t in replicated) == 156
+    read = [r["bytes"] for (r,) in res]
+    assert sum(read) == _chunk_bytes(store, 4), read
+    assert all(n > 0 for n in read), read  # each rank read its own shards
+
+
+def test_damage_in_a_shared_read_raises_on_every_rank(tmp_path: Path) -> None:
+    """TP on 2 ranks: step 2's fc2.bias (a Replicate() DTensor, read by one rank for
+    both) has a flipped byte. The reading rank finds it and the other, which reads no
+    byte of it, hears of it instead of waiting for the tensor: both restore step 1 and
+    name the damaged file; asked for step 2 by name, both raise."""
+    store = tmp_path / "tp"
+    steps = [{"step": 1, "seed": 0}, {"step": 2, "seed": 5}]
+    saved = run(2, [{"op": "save", "kind": "tp", "store": str(store), **a} for a in steps])
+    first = saved[0][0]["digests"]
+    m = LocalDirectory(store).read_manifest(2)
+    assert m.keys is not None
+    (piece,) = m.tensors[m.keys.index("app.model.fc2.bias")].pieces
+    (chunk,) = m.blobs[piece.blob].chunks
+    victim = store / m.files[chunk.file].name
+    data = bytearray(victim.read_bytes())
+    data[chunk.offset + chunk.length // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    res = run(
+        2,
+        [
+            {"op": "restore", "kind": "tp", "store": str(store)},
+            {"op": "restore", "kind": "tp", "store": str(store), "at": 2},
+        ],
+    )
+    (r0, at0), (r1, at1) = res
+    for r in (r0, r1):
+        assert r.get("step") == 1 and r["digests"] == first, r
+        assert r["skipped"] == r0["skipped"] and len(r["skipped"]) == 1, r
+        assert r["skipped"][0].startswith("step 2: ") and victim.name in r["skipped"][0], r
+    for at in (at0, at1):
+        assert at.get("error") == "CorruptSnapshot" and "step 2" in at["message"], at
+    # the reading rank raises its own damage; the other names it, as both skips do
+    (reader,) = [r for r, at in enumerate((at0, at1)) if not at["message"].endswith(")")]
+    assert (at0, at1)[1 - reader]["message"].endswith(f"(rank {reader})"), (at0, at1)
+    assert r0["skipped"][0].endswith(f"(rank {reader})"), r0
+
+
+def test_an_exception_planning_or_reading_a_shared_unit_raises_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """TP on 2 ranks: an exception that is not snapcore's, on one rank, while it lists
+    what it could share (before the plan exchange) or while it reads a unit for both
+    (before the others wait for its bytes): that rank raises it, the other raises
+    StateMismatch naming it, none waits until the timeout, and the next restore agrees."""
+    store = tmp_path / "tp"
+    restore = {"op": "restore", "kind": "tp", "store": str(store)}
+    res = run(
+        2,
+        [
+            {"op": "save", "kind": "tp", "store": str(store), "step": 1},
+            {**restore, "boom_on_rank": 1, "boom_in": "_units"},
+            {**restore, "boom_on_rank": 0, "boom_in": "tensor"},
+            restore,
+        ],
+    )
+    (saved, units0, read0, ok0), (_, units1, read1, ok1) = res
+    assert units1.get("error") == "RuntimeError" and "boom" in units1["message"], units1
+    assert units0.get("error") == "StateMismatch", units0
+    assert "rank 1 cannot restore it: RuntimeError: boom" in units0["message"], units0
+    assert read0.get("error") == "RuntimeError" and "boom" in read0["message"], read0
+    assert read1.get("error") == "StateMismatch", read1
+    assert "rank 0 cannot restore it: RuntimeError: boom" in read1["message"], read1
+    for ok in (ok0, ok1):
+        assert ok.get("step") == 1 and ok["digests"] == saved["digests"], ok
+
+
 def test_hsdp_and_two_to_four(tmp_path: Path) -> None:
     two = tmp_path / "two"
     res = run(2, [{"op": "save", "kind": "fsdp2", "store": str(two), "step": 1}])
@@ -276,6 +368,12 @@ def test_hsdp_and_two_to_four(tmp_path: Path) -> None:
         assert s["digests"] == hsdp_saved
         assert r["digests"] == hsdp_saved and r["pos"] == 100 * rank + 2
     assert loaded_digests(hsdp) == hsdp_saved
+    # HSDP's mesh (2 replicas x 2 shards) lies within this node of 4 ranks: each shard is
+    # needed by 2 of them (ranks 0 and 2, or 1 and 3), and read by one of the two for
+    # both; the step counters and the buffer by one of the 4. So the ranks together read
+    # every chunk of the step once (each rank used to read its shards itself).
+    read = [r["bytes"] for _, _, r in res4]
+    assert sum(read) == _chunk_bytes(hsdp, 2), read
 
 
 # -- a rank dies during a save ------------------------------------------------------------
