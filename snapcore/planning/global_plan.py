@@ -376,7 +376,7 @@ def plan_save(per_rank: Sequence[Sequence[LocalItem]], world_size: int) -> Globa
         raise ValueError(f"{len(per_rank)} ranks' items for a world of {world_size}")
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     reported: dict[tuple[str, Box], set[int]] = {}
-    claims: dict[tuple[str, Box], list[tuple[int, frozenset[int]]]] = {}
+    claims: dict[tuple[str, Box], set[int]] = {}
     for rank, items in enumerate(per_rank):
         seen: set[str] = set()
         for item in items:
@@ -401,17 +401,13 @@ def plan_save(per_rank: Sequence[Sequence[LocalItem]], world_size: int) -> Globa
                 continue
             reported.setdefault((item.path, box), set()).add(rank)
             if item.holders is not None:
-                claims.setdefault((item.path, box), []).append((rank, item.holders))
-    # Each rank's mesh must name exactly the ranks that reported the box: two tensors of
-    # one path on different meshes (pipeline stages' layers under one name) would
-    # otherwise pass as replicas, and one of them be written for both.
-    for key, said in claims.items():
-        for rank, holders in said:
-            if holders != reported[key]:
-                raise StateMismatch(
-                    f"{key[0]}: box {key[1]} is held by ranks {sorted(holders)} according to "
-                    f"rank {rank}'s mesh, but reported by ranks {sorted(reported[key])}"
-                )
+                claims.setdefault((item.path, box), set()).update(item.holders)
+    for key, holders in claims.items():
+        if holders != reported[key]:
+            raise StateMismatch(
+                f"{key[0]}: box {key[1]} is held by ranks {sorted(holders)} according to "
+                f"their meshes, but reported by ranks {sorted(reported[key])}"
+            )
 
     by_path: dict[str, list[Box]] = {}
     for path, box in reported:
