@@ -469,10 +469,10 @@ def test_a_structure_change_fails_that_step_and_every_rank_replans(
         assert f"structure changed on ranks {', '.join(map(str, who))} " in second["message"]
         assert third["ok"], third  # every rank agreed a new plan, with no hang
         # the first plan came from ~200 bytes a rank (every rank's state alike); after a
-        # change on one rank only the ranks' states differ and the items are exchanged
-        assert r["small_exchange"] == [True, len(who) == 2], rank
-        # a DTensor of one rank's description is in the other's too: no plan per group
-        assert r["exchange"] == ("uniform" if len(who) == 2 else "items"), rank
+        # change on one rank only the ranks' states differ: a plain tensor on rank 1, the
+        # FSDP2 DTensors on one mesh in both groups: one description per group
+        assert r["small_exchange"] == [True, True], rank
+        assert r["exchange"] == ("uniform" if len(who) == 2 else "grouped"), rank
     assert LocalDirectory(store).committed_steps() == [1, 3]
     tree = snapcore.load(store, rank=who[0])
     assert tree["step"] == 3 and tree["extra"].tolist() == list(range(6))
