@@ -245,12 +245,15 @@ class UniformPlan:
     rank_bytes: tuple[int, ...] = field(default=())
 
     def writer(self, item: LocalItem) -> int | None:
-        """The rank that writes ``item``'s box (None for an empty box)."""
+        """The rank that writes ``item``'s box (None for an empty box). A box its own
+        mesh gives one holder may still have replicas elsewhere (``combine``: the same
+        DTensor on other groups' meshes): the plan's answer comes first."""
         if item.box.empty:
             return None
-        if item.holders is not None and len(item.holders) == 1:
-            return next(iter(item.holders))
-        return self.replicated[_key(item.path, item.box.offsets, item.box.shape)]
+        key = _key(item.path, item.box.offsets, item.box.shape)
+        if key in self.replicated or item.holders is None or len(item.holders) != 1:
+            return self.replicated[key]
+        return next(iter(item.holders))
 
 
 def plan_uniform(
@@ -495,52 +498,94 @@ def combine(groups: Sequence[tuple[Sequence[int], Sequence[GlobalTensor]]]) -> l
     ``groups`` lists each group of ranks that sent the same description, with it.
 
     The plan then follows from the descriptions as in a uniform job (``plan_uniform``,
-    ``uniform_copies``), and is ``plan_save``'s on every rank's items, when each tensor
-    is held by its group's ranks only: each DTensor is in one group's description, on a
-    mesh of that group's ranks; a plain tensor (held whole) may be in several, with the
-    same dtype and shape in each, and is then held by all of their ranks (its
-    ``holders``). Raises ``NotCombinable`` naming the first tensor that breaks this (a
-    DTensor in two groups, such as a weight tied across stages; a mesh that reaches
-    into another group; a plain tensor whose dtype or shape differs between groups): its
-    plan needs every rank's items (``plan_save``)."""
-    out: list[GlobalTensor] = []
-    plain: dict[str, tuple[int, set[int]]] = {}  # path -> (its index in out, holders)
-    dtensor: dict[str, int] = {}  # path -> the group that has it
-    for g, (ranks, tensors) in enumerate(groups):
-        members = set(ranks)
-        checked: set[int] = set()  # meshes (by identity) inside this group
+    ``uniform_copies``), and is ``plan_save``'s on every rank's items, when every
+    tensor that several groups list is the same there (dtype, shape, placements, mesh
+    shape) and:
+
+    - a plain tensor (held whole) is held by the ranks of every group that lists it
+      (its ``holders``);
+    - a DTensor on one mesh in every group that lists it needs that mesh's ranks to be
+      in those groups (a 2-D mesh of FSDP2 over tensor parallel, when the groups differ
+      by another tensor);
+    - a DTensor on a mesh of each group's own ranks (FSDP2 over tensor parallel: a
+      parameter TP does not split is a DTensor on each TP rank's own data-parallel
+      mesh, the copies replicas of each other, as ``plan_save`` takes equal boxes)
+      becomes one DTensor on the groups' meshes stacked along a new first dimension,
+      ``Replicate()`` there.
+
+    Raises ``NotCombinable`` naming the first tensor that breaks this (a mesh that
+    reaches into a group that does not list the tensor; a tensor whose dtype, shape,
+    placements or mesh shape differ between groups, or that is plain in one and a
+    DTensor in another): its plan needs every rank's items (``plan_save``)."""
+    from torch.distributed.tensor import Replicate
+
+    members = [set(ranks) for ranks, _ in groups]
+    every = set().union(*members) if members else set()
+    listed: dict[str, list[tuple[int, GlobalTensor]]] = {}  # path -> its groups' copies
+    for g, (_, tensors) in enumerate(groups):
         for t in tensors:
-            if t.mesh is None:
-                if t.path in dtensor:
-                    raise NotCombinable(f"{t.path}: a DTensor on some ranks, plain on others")
-                if t.path not in plain:
-                    plain[t.path] = (len(out), set(members))
-                    out.append(t)
-                    continue
-                k, holders = plain[t.path]
-                first = out[k]
+            listed.setdefault(t.path, []).append((g, t))
+    ranks_of: dict[int, set[int]] = {}  # id(mesh) -> its ranks
+    same: dict[tuple[int, int], bool] = {}  # (id(mesh), id(mesh)) -> equal
+    stacked: dict[tuple[int, ...], torch.Tensor] = {}  # the same meshes: one tensor
+
+    def mesh_ranks(m: torch.Tensor) -> set[int]:
+        got = ranks_of.get(id(m))
+        if got is None:
+            got = ranks_of[id(m)] = set(m.reshape(-1).tolist())
+        return got
+
+    def equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+        key = (id(a), id(b))
+        if key not in same:
+            same[key] = a is b or torch.equal(a, b)
+        return same[key]
+
+    out: list[GlobalTensor] = []
+    for path, copies in listed.items():
+        first = copies[0][1]
+        holders = set().union(*(members[g] for g, _ in copies))
+        if first.mesh is None:
+            for _, t in copies:
+                if t.mesh is not None:
+                    raise NotCombinable(f"{path}: a DTensor on some ranks, plain on others")
                 if (first.dtype, first.global_shape) != (t.dtype, t.global_shape):
                     raise NotCombinable(
-                        f"{t.path}: {first.dtype}{list(first.global_shape)} on some ranks, "
+                        f"{path}: {first.dtype}{list(first.global_shape)} on some ranks, "
                         f"{t.dtype}{list(t.global_shape)} on others"
                     )
-                holders |= members
-                continue
-            if t.path in plain:
-                raise NotCombinable(f"{t.path}: a DTensor on some ranks, plain on others")
-            if dtensor.setdefault(t.path, g) != g:
-                raise NotCombinable(f"{t.path}: held by ranks whose descriptions differ")
-            if id(t.mesh) not in checked:
-                outside = set(t.mesh.reshape(-1).tolist()) - members
-                if outside:
-                    raise NotCombinable(
-                        f"{t.path}: its mesh holds ranks {sorted(outside)[:8]}, whose "
-                        "description differs"
-                    )
-                checked.add(id(t.mesh))
-            out.append(t)
-    every = set().union(*(set(r) for r, _ in groups)) if groups else set()
-    for k, holders in plain.values():
-        if holders != every:
-            out[k] = dataclasses.replace(out[k], holders=tuple(sorted(holders)))
+            held = None if holders == every else tuple(sorted(holders))
+            out.append(first if held is None else dataclasses.replace(first, holders=held))
+            continue
+        spec = (first.dtype, first.global_shape, first.placements, tuple(first.mesh.shape))
+        for _, t in copies:
+            if t.mesh is None:
+                raise NotCombinable(f"{path}: a DTensor on some ranks, plain on others")
+            if (t.dtype, t.global_shape, t.placements, tuple(t.mesh.shape)) != spec:
+                raise NotCombinable(
+                    f"{path}: a DTensor of another dtype, shape, placement or mesh shape "
+                    "on some ranks"
+                )
+        if all(equal(first.mesh, t.mesh) for _, t in copies):  # one mesh: one DTensor
+            outside = mesh_ranks(first.mesh) - holders
+            if outside:
+                raise NotCombinable(
+                    f"{path}: its mesh holds ranks {sorted(outside)[:8]}, whose description differs"
+                )
+            out.append(first)
+            continue
+        for g, t in copies:  # each group's own mesh: replicas of each other
+            assert t.mesh is not None
+            outside = mesh_ranks(t.mesh) - members[g]
+            if outside:
+                raise NotCombinable(
+                    f"{path}: its mesh holds ranks {sorted(outside)[:8]}, whose description differs"
+                )
+        meshes = [t.mesh.to(torch.int64) for _, t in copies if t.mesh is not None]
+        ids = tuple(id(t.mesh) for _, t in copies)
+        mesh = stacked.get(ids)
+        if mesh is None:
+            mesh = stacked[ids] = torch.stack(meshes)
+        placements = (Replicate(), *first.placements)
+        out.append(dataclasses.replace(first, mesh=mesh, placements=placements))
     return out

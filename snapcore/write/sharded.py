@@ -110,6 +110,7 @@ class Sharder:
     # how the last plan was made: "uniform" (one description), "grouped" (one per group
     # of ranks, ``uniform.combine``) or "items" (every rank's items, ``plan_save``)
     exchange: str = ""
+    exchange_why: str = ""  # why the descriptions did not combine ("items")
     with_rank0: dict[str, bool] = field(default_factory=dict)
     # The last save's part (a structure the plan knows) and the tensors it was made from:
     # a save of the same tensors reuses it (``_Last``).
@@ -233,8 +234,8 @@ class Sharder:
                     combined = combine([(ranks, decode_description(d)) for ranks, d in groups])
                     digest = hashlib.sha256(json.dumps(hashes).encode()).hexdigest()
                     self.exchange = "grouped"
-                except NotCombinable:
-                    pass
+                except NotCombinable as e:
+                    self.exchange_why = str(e)
         self.small_exchange = self.exchange != "items"
         copies: dict[str, frozenset[tuple[str, Box]]] = {}
         gplan: GlobalPlan | UniformPlan

@@ -119,6 +119,7 @@ def save(a: dict[str, Any]) -> dict[str, Any]:
         "rng_next": torch.rand(1).item(),
         "data_bytes": sum(os.path.getsize(p) for p in mine),
         "exchange": sharder.exchange if sharder is not None else None,
+        "exchange_why": sharder.exchange_why if sharder is not None else None,
     }
 
 

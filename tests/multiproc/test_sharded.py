@@ -144,7 +144,14 @@ def test_fsdp2_to_tensor_parallel_and_to_fsdp2_with_tensor_parallel(fsdp4) -> No
     for rank, (r, saved) in enumerate(res):
         assert r["digests"] == out[0][0]["digests"] and r["pos"] == 100 * rank + 5
         assert saved["digests"] == res[0][1]["digests"]
+        # `scale`, which TP does not split, is a DTensor on each TP rank's own FSDP mesh
+        # ([0, 2] or [1, 3]): two groups of ranks, whose copies are replicas (combine)
+        assert saved["exchange"] == "grouped", (rank, saved["exchange_why"])
     assert loaded_digests(two_d) == res[0][1]["digests"]
+    data = sum(p.stat().st_size for p in (two_d / "step-000000000009").glob("data-*.bin"))
+    unique = _nbytes(snapcore.load(two_d)["app"])
+    own = [_nbytes(snapcore.load(two_d, rank=r)["rng"]) for r in range(4)]
+    assert unique + sum(own) <= data <= unique + sum(own) + 64 * 64  # `scale` once
 
 
 def test_ddp_writes_replicated_tensors_once_and_restores_into_fsdp2(tmp_path: Path) -> None:
@@ -462,10 +469,10 @@ def test_a_structure_change_fails_that_step_and_every_rank_replans(
         assert f"structure changed on ranks {', '.join(map(str, who))} " in second["message"]
         assert third["ok"], third  # every rank agreed a new plan, with no hang
         # the first plan came from ~200 bytes a rank (every rank's state alike); after a
-        # change on one rank only the ranks' states differ and the items are exchanged
-        assert r["small_exchange"] == [True, len(who) == 2], rank
-        # a DTensor of one rank's description is in the other's too: no plan per group
-        assert r["exchange"] == ("uniform" if len(who) == 2 else "items"), rank
+        # change on one rank only the ranks' states differ: a plain tensor on rank 1, the
+        # FSDP2 DTensors on one mesh in both groups: one description per group
+        assert r["small_exchange"] == [True, True], rank
+        assert r["exchange"] == ("uniform" if len(who) == 2 else "grouped"), rank
     assert LocalDirectory(store).committed_steps() == [1, 3]
     tree = snapcore.load(store, rank=who[0])
     assert tree["step"] == 3 and tree["extra"].tolist() == list(range(6))

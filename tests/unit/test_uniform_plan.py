@@ -95,7 +95,8 @@ def _derived(groups: Groups, world: int) -> list[list[LocalItem]]:
             for r, item in describe_sharded(
                 t.path, t.dtype, t.global_shape, t.mesh, t.placements
             ).items():
-                per_rank[r].append(item)
+                if r in ranks:  # each rank reports its own (others' groups list it too)
+                    per_rank[r].append(item)
     return per_rank
 
 
@@ -262,15 +263,28 @@ def test_grouped_descriptions_plan_as_plan_save_on_random_stages() -> None:
     description gives every box the writer ``plan_save`` gives it, the same bytes per
     rank, and the same node copies with homes that span groups."""
     rng = random.Random(23)
-    for _ in range(80):
+    for _ in range(120):
         world = rng.choice([2, 3, 4, 6, 8])
         ranks = list(range(world))
         rng.shuffle(ranks)
         cuts = sorted(rng.sample(range(1, world), rng.randint(1, min(3, world - 1))))
         parts = [ranks[a:b] for a, b in zip([0, *cuts], [*cuts, world], strict=True)]
         groups = []
+        # a DTensor every group of one size holds on its own mesh (FSDP2 over TP's
+        # parameters TP does not split): replicas across the groups
+        size = rng.choice([len(p) for p in parts])
+        common = _plannable(rng, 99, size) if rng.random() < 0.5 else None
+        # and a DTensor on a mesh of every rank, which every group lists (FSDP2 over TP's
+        # 2-D weights, when the groups differ by another tensor)
+        wide = _plannable(rng, 98, world) if rng.random() < 0.5 else None
         for members in parts:
             tensors = [_group_tensor(rng, t, members) for t in range(rng.randint(0, 6))]
+            if common is not None and common.mesh is not None and len(members) == size:
+                own = [members[r] for r in common.mesh.reshape(-1).tolist()]
+                mesh = torch.tensor(own).reshape(common.mesh.shape)
+                tensors.append(dataclasses.replace(common, path="common", mesh=mesh))
+            if wide is not None:
+                tensors.append(dataclasses.replace(wide, path="wide"))
             unique = {t.path: t for t in tensors}  # a path once per state
             groups.append((sorted(members), _round_trip(list(unique.values()))))
         _assert_same_grouped_plan(groups, world, node=rng.choice([1, 2, 3]))
@@ -292,11 +306,11 @@ def test_a_plain_tensor_of_some_groups_is_held_by_their_ranks_only() -> None:
 
 
 def test_descriptions_that_need_every_ranks_items_are_not_combined() -> None:
-    mesh_a, mesh_b = torch.tensor([0, 1]), torch.tensor([2, 3])
+    mesh_a = torch.tensor([0, 1])
     tied_a = GlobalTensor("emb", "float32", (8, 2), mesh_a, (Shard(0),))
-    tied_b = GlobalTensor("emb", "float32", (8, 2), mesh_b, (Shard(0),))
-    with pytest.raises(NotCombinable, match="emb: held by ranks whose descriptions differ"):
-        combine([([0, 1], [tied_a]), ([2, 3], [tied_b])])  # a weight tied across stages
+    other = GlobalTensor("emb", "float32", (8, 2), torch.tensor([2, 3, 4]), (Shard(0),))
+    with pytest.raises(NotCombinable, match="emb: a DTensor of another dtype, shape, place"):
+        combine([([0, 1], [tied_a]), ([2, 3, 4], [other])])  # boxes that overlap
     wide = GlobalTensor("w", "float32", (8,), torch.tensor([0, 1, 2, 3]), (Shard(0),))
     with pytest.raises(NotCombinable, match=r"w: its mesh holds ranks \[2, 3\]"):
         combine([([0, 1], [wide]), ([2, 3], [])])
@@ -308,6 +322,22 @@ def test_descriptions_that_need_every_ranks_items_are_not_combined() -> None:
     odd = {"meshes": [[0, 1]], "tensors": [["x", "float32", [4], 0, [["?", "Partial(sum)"]]]]}
     with pytest.raises(NotCombinable, match=r"x: placement \['\?', 'Partial\(sum\)'\]"):
         decode_description(odd)
+
+
+def test_replicas_on_each_groups_own_mesh_combine_into_one_stacked_mesh() -> None:
+    """FSDP2 over TP on a (dp=2, tp=2) mesh: a parameter TP does not split is a DTensor
+    on each TP rank's own data-parallel mesh ([0, 2] and [1, 3]); the two groups' copies
+    are replicas: one DTensor on the stacked meshes, Replicate() first, whose boxes are
+    each held by a rank of each group and written once."""
+    a = GlobalTensor("scale", "float32", (3,), torch.tensor([0, 2]), (Shard(0),))
+    b = GlobalTensor("scale", "float32", (3,), torch.tensor([1, 3]), (Shard(0),))
+    (out,) = combine([([0, 2], [a]), ([1, 3], [b])])
+    assert out.mesh is not None and out.mesh.tolist() == [[0, 2], [1, 3]]
+    assert out.placements == (Replicate(), Shard(0))
+    _assert_same_grouped_plan([([0, 2], [a]), ([1, 3], [b])], 4, node=2)
+    plan = plan_uniform([out], 4, "d")
+    rows01 = plan.replicated[_key("scale", (0,), (2,))]
+    assert rows01 in (0, 1) and plan.replicated[_key("scale", (2,), (1,))] in (2, 3)
 
 
 def test_placements_survive_the_description() -> None:
