@@ -51,15 +51,15 @@ from torch.distributed.tensor.placement_types import _StridedShard
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, fmt_s, write_figures
 
-from snapcore.planning.global_plan import LocalItem, describe_sharded, plan_copies, plan_save
+from snapcore.planning.global_plan import plan_copies, plan_save
 from snapcore.planning.uniform import (
     GlobalTensor,
     combine,
+    items_of,
     local_items,
     plan_uniform,
     uniform_copies,
 )
-from snapcore.sharding import Box
 
 MESHES = ("fsdp2", "hsdp", "fsdp2+tp", "ddp", "pp")
 TP = 8
@@ -161,18 +161,7 @@ def now(groups: Groups, world: int, rank: int) -> tuple[float, Any]:
 
 def before(groups: Groups, world: int) -> tuple[float, Any]:
     t0 = time.perf_counter()
-    per_rank: list[list[LocalItem]] = [[] for _ in range(world)]
-    for ranks, tensors in groups:
-        for t in tensors:
-            if t.mesh is None:
-                box = Box((0,) * len(t.global_shape), t.global_shape)
-                for r in ranks:
-                    per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
-                continue
-            for r, item in describe_sharded(
-                t.path, t.dtype, t.global_shape, t.mesh, t.placements
-            ).items():
-                per_rank[r].append(item)
+    per_rank = items_of(groups, world)  # every rank's items, as before
     plan = plan_save(per_rank, world)
     plan_copies(plan, [r // NODE for r in range(world)], only=0)
     return time.perf_counter() - t0, (per_rank, plan)

@@ -46,7 +46,7 @@ from .. import sharding
 from ..errors import UnsupportedState
 from ..manifest import DTYPES
 from ..sharding import Box
-from .global_plan import LocalItem, check_placements, is_sharding, is_strided
+from .global_plan import LocalItem, check_placements, describe_sharded, is_sharding, is_strided
 
 __all__ = [
     "GlobalTensor",
@@ -55,6 +55,7 @@ __all__ = [
     "combine",
     "decode_description",
     "encode_placement",
+    "items_of",
     "local_items",
     "plan_uniform",
     "shard_table",
@@ -377,6 +378,30 @@ def local_items(tensors: Sequence[GlobalTensor], rank: int) -> list[LocalItem]:
         box = Box(tuple(offsets[coordinate].tolist()), tuple(sizes[coordinate].tolist()))
         out.append(LocalItem(t.path, t.dtype, shape, box, len(holders) > 1, holders))
     return out
+
+
+def items_of(
+    groups: Sequence[tuple[Sequence[int], Sequence[GlobalTensor]]], world_size: int
+) -> list[list[LocalItem]]:
+    """Every rank's items as ``global_plan.plan_save`` takes them, derived from the
+    groups' descriptions with torch's own computation (``describe_sharded`` per DTensor,
+    a plain tensor held by every rank of each group that lists it): the reference the
+    plans above are checked against (``tests/unit/test_uniform_plan.py``,
+    ``benchmarks/bench_plan.py``). O(ranks x tensors)."""
+    per_rank: list[list[LocalItem]] = [[] for _ in range(world_size)]
+    for ranks, tensors in groups:
+        members = set(ranks)
+        for t in tensors:
+            if t.mesh is None:
+                box = Box((0,) * len(t.global_shape), t.global_shape)
+                for r in ranks:
+                    per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
+                continue
+            described = describe_sharded(t.path, t.dtype, t.global_shape, t.mesh, t.placements)
+            for r, item in described.items():
+                if r in members:  # each rank reports its own (other groups may list it)
+                    per_rank[r].append(item)
+    return per_rank
 
 
 def uniform_copies(

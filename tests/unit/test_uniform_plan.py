@@ -18,8 +18,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from snapcore.errors import UnsupportedState
 from snapcore.planning.global_plan import (
-    LocalItem,
-    describe_sharded,
     plan_copies,
     plan_save,
     shard_box,
@@ -31,12 +29,12 @@ from snapcore.planning.uniform import (
     combine,
     decode_description,
     encode_placement,
+    items_of,
     local_items,
     plan_uniform,
     shard_table,
     uniform_copies,
 )
-from snapcore.sharding import Box
 
 
 def _random_tensor(rng: random.Random, t: int, world: int) -> GlobalTensor:
@@ -80,26 +78,6 @@ def _plannable(rng: random.Random, t: int, world: int) -> GlobalTensor:
 Groups = list[tuple[list[int], list[GlobalTensor]]]
 
 
-def _derived(groups: Groups, world: int) -> list[list[LocalItem]]:
-    """Every rank's items as write/sharded.py derives them for ``plan_save``: one
-    describe_sharded per DTensor (every coordinate's box, with torch's own computation),
-    a plain tensor held by every rank of each group that lists it."""
-    per_rank: list[list[LocalItem]] = [[] for _ in range(world)]
-    for ranks, tensors in groups:
-        for t in tensors:
-            if t.mesh is None:
-                box = Box((0,) * len(t.global_shape), t.global_shape)
-                for r in ranks:
-                    per_rank[r].append(LocalItem(t.path, t.dtype, t.global_shape, box, True))
-                continue
-            for r, item in describe_sharded(
-                t.path, t.dtype, t.global_shape, t.mesh, t.placements
-            ).items():
-                if r in ranks:  # each rank reports its own (others' groups list it too)
-                    per_rank[r].append(item)
-    return per_rank
-
-
 def _assert_same_plan(tensors: list[GlobalTensor], world: int, node: int = 2) -> None:
     _assert_same_grouped_plan([(list(range(world)), tensors)], world, node)
 
@@ -109,7 +87,7 @@ def _assert_same_grouped_plan(groups: Groups, world: int, node: int) -> None:
     there are several) against ``plan_save`` and ``plan_copies`` on every rank's items:
     the same writer for every box, bytes per rank, and node copies (homes of ``node``
     ranks each, which may span groups)."""
-    per_rank = _derived(groups, world)
+    per_rank = items_of(groups, world)
     old = plan_save(per_rank, world)
     tensors = groups[0][1] if len(groups) == 1 else combine(groups)
     new = plan_uniform(tensors, world, "digest")
