@@ -658,11 +658,11 @@ class Reader:
                 self._share_plan(job, {}, None, told)
             raise
         filled = len(targets) + len(plan.fresh)
-        if job is not None:
-            share, group = self._share_plan(job, units, node, None)
-            self._share(job, units, share, targets, group)
-        self.prefetch(sorted(plan.fresh - self._tensors.keys()))
-        try:
+        try:  # the boxes found for the shared reads are this restore's only
+            if job is not None:
+                share, group = self._share_plan(job, units, node, None)
+                self._share(job, units, share, targets, group)
+            self.prefetch(sorted(plan.fresh - self._tensors.keys()))
             self._fill(targets)
         finally:
             self._boxes.clear()
@@ -739,12 +739,12 @@ class Reader:
             return {}, None
         nodes: dict[str, list[int]] = {}
         for r, d in enumerate(every):
-            nodes.setdefault(json.dumps(d["node"]), []).append(r)
+            nodes.setdefault(json.dumps(d["node"], sort_keys=True), []).append(r)
         if all(len(p) == 1 for p in nodes.values()):
             return {}, job.group  # a rank per node: nothing to share
         # The nodes' groups are made (a collective) the first time, by every rank alike.
         group = job.group_of(list(nodes.values()))
-        members = nodes[json.dumps(every[job.rank]["node"])]
+        members = nodes[json.dumps(every[job.rank]["node"], sort_keys=True)]
         need = {name: u.nbytes for name, u in units.items()}
         said = all_gather_bytes(job, json.dumps(need).encode(), group=group)
         return assign_units(dict(zip(members, map(json.loads, said), strict=True))), group

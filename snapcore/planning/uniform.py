@@ -367,7 +367,9 @@ def local_items(tensors: Sequence[GlobalTensor], rank: int) -> list[LocalItem]:
         mesh = t.mesh.to(torch.int64)
         at = (mesh == rank).nonzero()
         if at.shape[0] != 1:
-            raise UnsupportedState(f"{t.path}: rank {rank} is not in the DTensor's mesh")
+            raise UnsupportedState(
+                f"{t.path}: rank {rank} is not in the DTensor's mesh", path=t.path
+            )
         coordinate = tuple(at[0].tolist())
         offsets, sizes, _ = _table(tables, t)
         index = tuple(
