@@ -178,10 +178,11 @@ class Sharder:
         which is the case of FSDP2, TP, HSDP and DDP, the plan follows from it, and each
         rank computes what it needs of it alone (``planning.uniform``: its writes and its
         home's copies, never every rank's boxes). When the descriptions differ, the
-        lowest rank of each group of ranks that sent the same hash sends its description
-        (a pipeline's stages: one per stage), and the plan follows from them when each
-        tensor is its group's alone (``uniform.combine``). Only when it is not are the
-        items themselves exchanged, and ``plan_save`` run on every rank's."""
+        lowest rank of each group of ranks that sent the same hash broadcasts its
+        description (a pipeline's stages, or FSDP2 over TP's TP ranks: one per group),
+        and the plan follows from them when they combine (``uniform.combine``: a tensor
+        several groups list is the same there). Only when they do not are the items
+        themselves exchanged, and ``plan_save`` run on every rank's."""
         job = self.job
         try:  # a state this rank cannot save is told to the others: all raise together
             items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
@@ -216,7 +217,7 @@ class Sharder:
         tiers = [t for t, f in (("local", "local"), ("host", "area")) if mine[f] is not None]
         combined: list[GlobalTensor] | None = tensors
         digest = mine["g"]
-        self.exchange = "uniform"
+        self.exchange, self.exchange_why = "uniform", ""
         if len(set(hashes)) > 1:
             combined, self.exchange = None, "items"
             leads = sorted({g: r for r, g in reversed(list(enumerate(hashes)))}.values())
