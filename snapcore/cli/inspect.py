@@ -40,12 +40,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     with open_store(args) as st:
         tier, m = st.manifest(args.step, args.tier)
-    m = whole(m)
+    m, differ, stages = view(m)
     if args.json:
-        json.dump(inspect_json(m, tier, args.only), sys.stdout, indent=1, allow_nan=False)
+        doc = inspect_json(m, tier, differ, args.only)
+        json.dump(doc, sys.stdout, indent=1, allow_nan=False)
         print()
         return 0
-    print(clean(header(m, tier)))
+    print(clean(header(m, tier, differ, stages)))
     if args.only:
         for path, text in leaves(m.tree, m, ""):
             if fnmatch.fnmatchcase(path, args.only):
@@ -56,22 +57,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def whole(m: mf.Manifest) -> mf.Manifest:
-    """``m`` with the tree ``snapcore.load`` reads: rank 0's, or for ranks that saved
-    different tensors (pipeline stages) every group's merged (``assemble.merged_view``)."""
-    if m.rank_trees is None or len(groups := layouts(m)) < 2:
-        return m
-    return dataclasses.replace(m, tree=merged_view(m, groups)[0])
+def view(m: mf.Manifest) -> tuple[mf.Manifest, list[str], bool]:
+    """``m`` with the tree ``snapcore.load`` reads (rank 0's, or for ranks that saved
+    different tensors, as pipeline stages do, every group's merged:
+    ``assemble.merged_view``), the paths whose values differ between the ranks of a
+    sharded step, and whether its ranks saved different tensors."""
+    if m.rank_trees is None:
+        return m, [], False
+    groups = layouts(m)
+    if len(groups) < 2:
+        return m, differing_paths(m), False
+    tree, differ = merged_view(m, groups)
+    return dataclasses.replace(m, tree=tree), differ, True
 
 
-def rank_local(m: mf.Manifest) -> list[str]:
-    """The paths whose values differ between the ranks of a sharded step."""
-    if m.rank_trees is None or len(groups := layouts(m)) < 2:
-        return differing_paths(m)
-    return merged_view(m, groups)[1]
-
-
-def header(m: mf.Manifest, tier: str) -> str:
+def header(m: mf.Manifest, tier: str, differ: list[str], stages: bool) -> str:
     """``step N (tier): T tensors, S of tensor data``, and for a sharded step its world
     size, the ranks this tier lacks and the values that differ between ranks."""
     text = (
@@ -82,8 +82,6 @@ def header(m: mf.Manifest, tier: str) -> str:
     text += f"; sharded, saved by {m.world_size} ranks"
     if m.missing_ranks:
         text += f" (this tier holds the parts of {m.world_size - len(m.missing_ranks)})"
-    differ = rank_local(m)
-    stages = len(layouts(m)) > 1
     if stages:
         text += "; its ranks saved different tensors (pipeline stages?): every rank's shown"
     if differ:
@@ -94,7 +92,9 @@ def header(m: mf.Manifest, tier: str) -> str:
     return text
 
 
-def inspect_json(m: mf.Manifest, tier: str, only: str | None = None) -> dict[str, Any]:
+def inspect_json(
+    m: mf.Manifest, tier: str, differ: list[str], only: str | None = None
+) -> dict[str, Any]:
     """What ``inspect --json`` prints (docs/cli.md): the step, every leaf (or those
     ``only`` matches) and the tensor bytes of every subtree holding tensors."""
     sharded = m.rank_trees is not None
@@ -110,7 +110,7 @@ def inspect_json(m: mf.Manifest, tier: str, only: str | None = None) -> dict[str
     }
     if sharded:
         doc["missing_ranks"] = list(m.missing_ranks)
-        doc["rank_local"] = rank_local(m)
+        doc["rank_local"] = differ
     doc["leaves"] = [
         leaf_json(path, kind, value, m)
         for path, kind, value in leaf_nodes(m.tree)
