@@ -172,3 +172,150 @@ def test_overlap_mode_is_refused_inside_cuda_graph_capture(tmp_path):
         model(x).sum()
         snapcore.async_save({"m": model, "o": opt}, tmp_path, step=1, overlap=True)
     assert snapcore.committed(tmp_path)["local"] == []
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes on the CPU, in its logical order (compares fp8, bool, 0-d alike)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _views_and_dtypes() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CUDA tensors of the dtypes and layouts staging must copy bit-exact: bf16, both fp8
+    formats, bool, float64 0-d, empty; contiguous views at a storage offset, strided and
+    transposed views, a 2-d slice with a step. Two of them are views into ``base``."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(1 << 20, device="cuda", generator=g)
+    state = {
+        "bf16": torch.randn(1000, 77, device="cuda", generator=g).to(torch.bfloat16),
+        "e4m3": torch.randn(513, device="cuda", generator=g).to(torch.float8_e4m3fn),
+        "e5m2": torch.randn(129, 3, device="cuda", generator=g).to(torch.float8_e5m2),
+        "offset": base[12345 : 12345 + 4097],  # contiguous, at a storage offset
+        "strided": base[: 4096 * 2].view(4096, 2)[:, 1],  # every other element
+        "transposed": torch.randn(64, 48, device="cuda", generator=g).t(),
+        "slice2d": torch.randn(256, 256, device="cuda", generator=g)[3:200:3, 7:100],
+        "bool": torch.rand(1000, device="cuda", generator=g) > 0.5,
+        "empty": torch.empty(0, 5, device="cuda"),
+        "scalar": torch.tensor(3.5, device="cuda", dtype=torch.float64),
+    }
+    return base, state
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_dtypes_and_views_round_trip_bit_exact(tmp_path, overlap):
+    """bf16/fp8 tensors and non-contiguous and offset views on the device are staged
+    bit-exact (load), and restored in place into the same views without writing a byte
+    of their storage outside them."""
+    base, state = _views_and_dtypes()
+    expected = {k: _bits(v) for k, v in state.items()}
+    snapcore.async_save(state, tmp_path, step=1, overlap=overlap).wait()
+    out = snapcore.load(tmp_path)
+    for k, v in state.items():
+        assert out[k].dtype == v.dtype and out[k].shape == v.shape, k
+        assert torch.equal(_bits(out[k]), expected[k]), k
+
+    with torch.no_grad():
+        base.zero_()
+        for v in state.values():
+            if v._base is not base:  # fp8 through its bytes: fill kernels may lack it
+                (v.view(torch.uint8) if v.element_size() == 1 else v).zero_()
+    info = snapcore.restore(state, tmp_path)
+    assert info.step == 1
+    for k, v in state.items():
+        assert v.device.type == "cuda" and torch.equal(_bits(v), expected[k]), k
+    # base's elements outside the two views are as the zeroing left them
+    outside = torch.ones(base.numel(), dtype=torch.bool, device="cuda")
+    outside[12345 : 12345 + 4097] = False
+    outside[1 : 4096 * 2 : 2] = False
+    assert not base[outside].any()
+
+
+def test_an_optimizer_tensor_freed_while_its_copy_is_queued_is_saved_as_it_was(tmp_path):
+    """Overlap mode queues the copies of the optimizer's tensors and returns before they
+    ran. A state tensor the caller drops then (its block back in the caching allocator,
+    handed to the next allocation of its size on the same stream and overwritten there)
+    must still be saved with the values it had at the call: snapcore holds a reference to
+    every source until its copy has run."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048).cuda()  # 16 MiB of weights and of each moment
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 2048, device="cuda")).sum().backward()
+    opt.step()
+    st = opt.state[model.weight]
+    expected = st["exp_avg"].cpu()
+    torch.cuda._sleep(200_000_000)  # the side stream's copies wait behind this
+    h = snapcore.async_save({"m": model, "o": opt}, tmp_path, step=1, overlap=True)
+    st["exp_avg"] = torch.zeros_like(st["exp_avg"])  # the caller's last reference to it
+    reused = [torch.full_like(expected, 7.0, device="cuda") for _ in range(4)]
+    h.wait()
+    del reused
+    model2 = torch.nn.Linear(2048, 2048).cuda()
+    opt2 = torch.optim.Adam(model2.parameters())
+    snapcore.restore({"m": model2, "o": opt2}, tmp_path)
+    assert torch.equal(opt2.state[model2.weight]["exp_avg"].cpu(), expected)
+
+
+def test_copies_are_ordered_after_the_callers_current_stream(tmp_path):
+    """Work queued on the current stream before the call, on a stream that is not the
+    default one, is in the snapshot; and a tensor written on another stream that the
+    current stream was made to wait for (as torch asks of such code) is too."""
+    n = 1 << 22
+    user = torch.cuda.Stream()
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        w = torch.zeros(n, device="cuda")
+        torch.cuda._sleep(100_000_000)
+        w.fill_(5.0)
+    with torch.cuda.stream(user):
+        t = torch.zeros(n, device="cuda")
+        torch.cuda._sleep(100_000_000)
+        t.fill_(3.0)  # pending on `user` when async_save is called
+        user.wait_stream(other)
+        h = snapcore.async_save({"t": t, "w": w}, tmp_path, step=1)
+    h.wait()
+    out = snapcore.load(tmp_path)
+    assert torch.equal(out["t"], torch.full((n,), 3.0))
+    assert torch.equal(out["w"], torch.full((n,), 5.0))
+
+
+DEVICE_FAILURE = r"""
+import sys, torch, snapcore
+root = sys.argv[1]
+model = torch.nn.Linear(1024, 1024).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(4, 1024, device="cuda")).sum().backward()
+opt.step()
+torch.cuda._sleep(50_000_000)
+bad = model.weight.view(-1)[torch.tensor([1 << 40], device="cuda")]  # a device-side assert
+where = "async_save"
+try:
+    h = snapcore.async_save({"m": model, "o": opt}, root, step=1, overlap=True)
+    where = "wait"
+    h.wait(timeout=120)
+except Exception as e:
+    print(f"raised in {where}: {type(e).__module__}.{type(e).__name__}: {e}")
+else:
+    print("no error")
+print("committed:", snapcore.committed(root)["local"])
+"""
+
+
+def test_a_device_side_failure_surfaces_and_commits_nothing(tmp_path):
+    """A kernel that fails on the device (a device-side assert: CUDA's sticky error) before
+    the copies ran makes the save fail with an error naming CUDA, on the call or on the
+    handle, within the wait's timeout, and nothing is committed. In a child process: the
+    error ends its CUDA context."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", DEVICE_FAILURE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout
+    assert "no error" not in out, out + proc.stderr
+    raised = next((ln for ln in out.splitlines() if ln.startswith("raised in ")), None)
+    assert raised is not None, out + proc.stderr
+    assert "cuda" in raised.lower(), raised  # the error names what failed
+    assert "committed: []" in out, out + proc.stderr
