@@ -258,6 +258,38 @@ def plot_scaling(doc: Result, out: Path) -> list[Path]:
     return _save_figure(plt, fig, doc, out, dpi=100, title="bench_save across state sizes; ")
 
 
+def plot_gpu(doc: Result, out: Path) -> list[Path]:
+    """bench_gpu against state size: D2H staging and restore H2D (GB/s; best, with the
+    median as a second point) beside the pinned copy probes, and overlap mode's stall."""
+    r = doc["runs"][0].get("result") if doc["runs"] else None
+    if not r or not r.get("sizes"):
+        return []
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    gb = [x["state_bytes"] / 1e9 for x in r["sizes"]]
+    f = [x["figures"] for x in r["sizes"]]
+    for key, label, style in (
+        ("d2h_probe_Bps", "pinned D2H (probe)", "k^--"),
+        ("staging_Bps", "snapcore D2H staging", "o-"),
+        ("h2d_probe_Bps", "pinned H2D (probe)", "kv:"),
+        ("restore_Bps", "snapcore restore H2D", "s-"),
+    ):
+        a.plot(gb, [x[key] / 1e9 for x in f], style, label=label)
+    a.set_xlabel("state size, GB")
+    a.set_ylabel("GB/s (best run)")
+    a.set_title("copies against the pinned-copy probes")
+    a.legend(fontsize=7)
+    a.grid(True, alpha=0.3)
+    b.plot(gb, [x["blocked_s"] * 1e3 for x in f], "o-", label="overlap=True: blocked (best)")
+    b.plot(gb, [x["copy_s"] * 1e3 * 0.05 for x in f], "k_--", label="5% of the D2H copy")
+    b.set_xlabel("state size, GB")
+    b.set_ylabel("ms")
+    b.set_title("what async_save(overlap=True) blocks the training thread")
+    b.legend(fontsize=7)
+    b.grid(True, alpha=0.3)
+    return _save_figure(plt, fig, doc, out, title="bench_gpu; ")
+
+
 def plot_tiers(doc: Result, out: Path) -> list[Path]:
     """Time to durable per tier and restore per tier (bench_tiers)."""
     r = doc["runs"][0].get("result")
@@ -490,6 +522,16 @@ SCENARIOS: list[Scenario] = [
         "snapcore convert between formats",
         markdown=True,
         in_quick=False,
+    ),
+    Scenario(
+        "gpu",
+        "bench_gpu.py",
+        "the CUDA path: D2H staging, overlap mode's stall and restore H2D against pinned "
+        "cudaMemcpy probes, at 4 and 16 GB; the ABI check (needs a CUDA device)",
+        quick=("--sizes-gb", "1", "--repeats", "2"),
+        markdown=True,
+        in_quick=False,
+        plot=plot_gpu,
     ),
     Scenario(
         "peer",

@@ -333,6 +333,43 @@ def test_bench_peer(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("snapcore-bench-*"))
 
 
+def test_bench_gpu_plumbing_on_a_cpu(tmp_path: Path) -> None:
+    """bench_gpu's measurements, verdicts and report, run on the CPU (the GPU machine
+    runs it for real, benchmarks/gpu_check.sh): no verdict is given off a GPU."""
+    raw, table = tmp_path / "raw.json", tmp_path / "table.md"
+    out = run("bench_gpu.py", "--device", "cpu", "--json", raw, "--markdown", table)
+    report = json.loads(raw.read_text())
+    (size,) = report["sizes"]
+    assert size["state_bytes"] > 0 and size["device_bytes"] == size["state_bytes"]
+    assert len(size["saves"]) == 2 and size["saves"][0]["first"] and len(size["overlap"]) == 1
+    assert all(s["staged_s"] > 0 for s in size["saves"])
+    assert [r["matches"] for r in size["restores"]] == [True]  # the restore got the save back
+    f = size["figures"]
+    assert f["d2h_probe_Bps"] > 0 and f["h2d_probe_Bps"] > 0 and f["staging_Bps"] > 0
+    assert f["restore_Bps"] > 0 and f["blocked_s"] > 0 and f["copy_s"] > 0
+    assert [t["status"] for t in report["targets"]] == ["N/A", "N/A", "N/A", "PASS"]
+    assert report["abi"]["ok"] is True
+    assert "| target | measured |" in out and table.read_text() in out
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks import harness
+
+    doc = {"scenario": "gpu", "runs": [{"result": report}], "machine": harness.machine()}
+    doc.update(date="2026-11-26", command="python -m benchmarks run gpu")
+    assert harness.plot_gpu(doc, tmp_path) == [tmp_path / "gpu.png"]
+    assert (tmp_path / "gpu.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA"
+)
+def test_bench_gpu_refuses_to_run_without_a_gpu() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_gpu.py")], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "needs one" in proc.stderr, proc.stderr
+
+
 def test_bench_distributed_goes_on_without_its_disk_probe(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
