@@ -7,7 +7,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test lint demo bench bench-quick clean
+.PHONY: install test lint demo bench bench-quick gpu-wheels clean
 
 $(PYTHON):
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,14 @@ bench: install
 bench-quick: install
 	$(PIP) install -q -e ".[bench]" --no-build-isolation
 	$(PYTHON) -m benchmarks run --quick
+
+# What benchmarks/gpu_check.sh needs on the GPU machine and its image lacks (it has Python
+# 3.12 and reaches no package index): zstandard's wheel, into .whl/ (git-ignored), which
+# the device call carries.
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 -d .whl zstandard
 
 clean:
 	rm -rf build $(VENV)

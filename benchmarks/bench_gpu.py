@@ -99,8 +99,8 @@ def machine(device: torch.device) -> Result:
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True, text=True, check=True, cwd=Path(__file__).parent,
         ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        commit = "?"
+    except (OSError, subprocess.SubprocessError):  # no .git: the GPU machine's copy
+        commit = os.environ.get("SNAPCORE_COMMIT", "?")
     info["commit"] = commit
     return info
 

@@ -70,8 +70,13 @@ def machine() -> Result:
     mem = 0
     with contextlib.suppress(OSError), open("/proc/meminfo") as f:
         mem = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal")), 0)
-    commit = _git("rev-parse", "HEAD")
+    # A copy of the tree without .git (the GPU machine's) is told its commit by the caller.
+    commit = _git("rev-parse", "HEAD") or os.environ.get("SNAPCORE_COMMIT", "")
     dirty = bool(_git("status", "--porcelain", "-uno", "--", "snapcore", "csrc", "benchmarks"))
+    gpus = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        gpus = "; ".join(ln.split(" (UUID")[0] for ln in smi.stdout.splitlines() if ln.strip())
     return {
         "host": socket.gethostname(),
         "cpu": cpu,
@@ -84,6 +89,7 @@ def machine() -> Result:
         "snapcore": _version("snapcore"),
         "git_commit": commit,
         "git_dirty": dirty,
+        "gpus": gpus,
     }
 
 
@@ -165,8 +171,9 @@ def _bars(ax: Any, names: list[str], figures: list[Result | None], label: str, p
 
 def _subtitle(doc: Result) -> str:
     m = doc["machine"]
+    gpus = f"{m['gpus']}, " if m.get("gpus") else ""
     return (
-        f"{m['cores']} cores ({m['cpu']}), {m['memory_bytes'] / 2**30:.0f} GiB; "
+        f"{gpus}{m['cores']} cores ({m['cpu']}), {m['memory_bytes'] / 2**30:.0f} GiB; "
         f"torch {m['torch']}, snapcore {m['snapcore']} at {(m['git_commit'] or '?')[:9]}; "
         f"{doc['date']}"
     )
@@ -554,8 +561,11 @@ def _tail(text: str, n: int = 4000) -> str:
     return text[-n:]
 
 
-def run_scenario(sc: Scenario, quick: bool, out: Path, command: str, info: Result) -> Result:
-    """Run every invocation of ``sc``; write OUT/NAME.json and its plots; return the doc."""
+def run_scenario(
+    sc: Scenario, quick: bool, out: Path, command: str, info: Result, opts: Sequence[str] = ()
+) -> Result:
+    """Run every invocation of ``sc`` (with ``opts`` after its own options); write
+    OUT/NAME.json and its plots; return the doc."""
     started = datetime.datetime.now(datetime.UTC)
     doc: Result = {
         "schema": SCHEMA,
@@ -571,7 +581,8 @@ def run_scenario(sc: Scenario, quick: bool, out: Path, command: str, info: Resul
     tmp = out / f".{sc.name}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
-    for i, (label, args) in enumerate(sc.invocations(quick)):
+    for i, (label, own) in enumerate(sc.invocations(quick)):
+        args = [*own, *opts]
         raw, md = tmp / f"{i}.json", tmp / f"{i}.md"
         extra: list[str] = []
         if sc.json:
@@ -924,6 +935,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument("--quick", action="store_true", help="each scenario's tiny run (--smoke)")
     r.add_argument("--out", type=Path, default=None, help="default benchmarks/results/DATE-HOST/")
+    r.add_argument(
+        "--opts",
+        action="append",
+        default=[],
+        metavar="NAME=OPTIONS",
+        help="more options for one scenario's script, after its own (repeatable), e.g. "
+        "training='--rounds 2 --steps 40'",
+    )
     d = sub.add_parser("docs", help="rewrite the marked regions of the docs from a results folder")
     d.add_argument("results", type=Path)
     d.add_argument("--doc", type=Path, default=DOC)
@@ -970,6 +989,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in known]
     if unknown:
         p.error(f"unknown scenarios {unknown}; `python -m benchmarks list` shows them")
+    extra: dict[str, list[str]] = {}
+    for item in args.opts:
+        name, sep, opts = item.partition("=")
+        if not sep or name not in names:
+            p.error(f"--opts {item!r}: give NAME=OPTIONS for a scenario of this run")
+        extra.setdefault(name, []).extend(shlex.split(opts))
     out = args.out or default_out()
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", "-m", "benchmarks", *(sys.argv[1:] if argv is None else argv)])
@@ -977,7 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     t0 = time.perf_counter()
     for name in names:
-        doc = run_scenario(known[name], args.quick, out, command, info)
+        doc = run_scenario(known[name], args.quick, out, command, info, extra.get(name, []))
         if not doc["ok"]:
             failed.append(name)
     print(f"{len(names)} scenario(s) in {time.perf_counter() - t0:.0f} s; results in {out}")

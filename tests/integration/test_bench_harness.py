@@ -53,6 +53,22 @@ def test_run_quick_writes_json_and_png(tmp_path: Path) -> None:
     assert (tmp_path / "checkpointer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_run_passes_opts_to_one_scenarios_script(tmp_path: Path) -> None:
+    """--opts NAME=OPTIONS goes after the scenario's own options (the GPU run sizes the
+    training scenario so); an --opts for a scenario not in the run is refused."""
+    proc = harness_cli("run", "checkpointer", "--quick", "--opts", "checkpointer=--calls 2000",
+                       "--out", tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "checkpointer.json").read_text())
+    (run,) = doc["runs"]
+    assert run["command"] == "python benchmarks/bench_checkpointer.py --smoke --calls 2000"
+    assert "--opts 'checkpointer=--calls 2000'" in doc["command"]
+    proc = harness_cli("run", "checkpointer", "--quick", "--opts", "training=--steps 4",
+                       "--out", tmp_path / "no")  # fmt: skip
+    assert proc.returncode != 0 and "--opts 'training=--steps 4'" in proc.stderr
+    assert not (tmp_path / "no").exists()
+
+
 def test_run_refuses_unknown_scenarios(tmp_path: Path) -> None:
     proc = harness_cli("run", "no-such-scenario", "--out", tmp_path)
     assert proc.returncode != 0 and "unknown scenarios" in proc.stderr

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 12's GPU checks in one command, sized for one call of a 15-minute device lease
+# (under 10 minutes): build the native extension there, the GPU tests, the ABI check,
+# bench_gpu (4 and 16 GB) and the training scenario on the GPU. From a checkout, with the
+# device tool (docs/benchmarks.md, "On a GPU"):
+#
+#   make gpu-wheels      # once per checkout: zstandard for the GPU image's Python, in .whl/
+#   run(command="SNAPCORE_COMMIT=<git rev-parse HEAD> bash benchmarks/gpu_check.sh",
+#       carry=[".whl"], timeout_s=600)
+#
+# Results in $OUT (the device tool brings back 8 files at most): summary.txt (versions,
+# build, ABI check, each step's exit status and time), pytest-gpu.txt, gpu.json and
+# gpu.png, training.json and training.png (the harness's documents: copy the JSON into
+# docs/figures/ and run `python -m benchmarks docs docs/figures`). Each step has its share
+# of the time and the script goes on after a failed step.
+set -uo pipefail
+OUT=${OUT:-${1:-/tmp/gpu-check}}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+end=$((SECONDS + ${GPU_CHECK_BUDGET_S:-560}))
+summary="$OUT/summary.txt"
+say() { echo "$*" | tee -a "$summary"; }
+# at most $1 seconds, and never past the end of the budget (10 s kept for the summary)
+limit() { local l=$((end - SECONDS - 10)); echo $(($1 < l ? $1 : (l > 1 ? l : 1))); }
+
+say "gpu_check $(date -u +%FT%TZ), commit ${SNAPCORE_COMMIT:-?}"
+nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv 2>&1 | tee -a "$summary"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >>"$summary" 2>&1 && export PYTHONPATH=/tmp/site
+fi
+python3 -c "import zstandard" 2>/dev/null ||
+    say "zstandard is missing: run 'make gpu-wheels' and carry .whl"
+
+t=$SECONDS
+if ! CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps -e . \
+    >"$OUT/build.log" 2>&1; then
+    say "build FAILED in $((SECONDS - t)) s:"
+    tail -60 "$OUT/build.log" | tee -a "$summary"
+    exit 1
+fi
+rm -f "$OUT/build.log"
+say "build: ok in $((SECONDS - t)) s"
+python3 -c "import torch, snapcore._native as n; print('torch', torch.__version__, 'CUDA',
+torch.version.cuda, '| snapcore CUDA:', n.cuda_status())" 2>&1 | tee -a "$summary"
+python3 benchmarks/abi.py 2>&1 | tee -a "$summary"
+
+t=$SECONDS
+timeout "$(limit 200)" python3 -m pytest -m gpu tests/gpu tests/unit/test_native.py -q -rs \
+    -p no:cacheprovider >"$OUT/pytest-gpu.txt" 2>&1
+say "pytest -m gpu: exit $? in $((SECONDS - t)) s: $(tail -1 "$OUT/pytest-gpu.txt")"
+
+t=$SECONDS
+timeout "$(limit 150)" python3 -m benchmarks run gpu --out "$OUT" >>"$summary" 2>&1
+say "benchmarks run gpu: exit $? in $((SECONDS - t)) s"
+
+t=$SECONDS
+timeout "$(limit 600)" python3 -m benchmarks run training --out "$OUT" \
+    --opts "training=--rounds 2 --steps 40 --quiet-wait 0" >>"$summary" 2>&1
+say "benchmarks run training: exit $? in $((SECONDS - t)) s"
+ls -la "$OUT" >>"$summary"
