@@ -424,6 +424,12 @@ class _Planner:
                 return lambda tensor: tuple(value(tensor))
             return self.live_sequence(current, inner_value, path)
         if is_stateful(current):
+            holder = getattr(type(current), "__snapcore_holds__", None)
+            if holder is not None and inner_kind == "dict":
+                # a holder of one value (RankLocal): its value is planned as the state's
+                # own, strictly and in place (the caller's dict stays the same object)
+                self.live_dict(vars(current), inner_value, path, normalise=False)
+                return _const(current)
             if isinstance(current, torch.nn.Module):
                 if inner_kind != "dict":
                     raise self.mismatch(current, node, path)

@@ -11,13 +11,17 @@ class RankLocal:
     restored to the same rank, never shared or deduplicated across ranks.
 
     ``value`` is anything snapcore saves (a dict, a tensor, an object with
-    ``state_dict()``); ``RankLocal(v).value`` is updated in place by a restore when it
-    can be, else replaced. Restoring into another world size refuses a rank-local value
+    ``state_dict()``). A restore treats ``.value`` as it would the same value in the
+    state: a dict or list is filled in place, key by key (the caller's object stays the
+    one it holds), tensors are copied into, and with ``strict=True`` a key the snapshot
+    lacks raises ``StateMismatch``; a plain value (a number, a string) is replaced.
+    Restoring into another world size refuses a rank-local value
     whose ranks saved different values (``restore(..., rank_local="keep")`` leaves it
     as it is instead). Outside torch.distributed it is an ordinary value.
     """
 
     __snapcore_rank_local__ = True
+    __snapcore_holds__ = "value"  # restore plans ``.value`` as part of the state (tree.py)
 
     def __init__(self, value: Any) -> None:
         self.value = value

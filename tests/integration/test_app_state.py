@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import snapcore
@@ -166,3 +167,27 @@ def test_app_state_snapshots_see_a_changed_learning_rate(tmp_path: Path) -> None
     got = _everything(other, other_optim)
     assert all(torch.equal(got[k], saved[k]) for k in saved)
     assert other_optim.param_groups[0]["lr"] == 0.125
+
+
+def test_rank_local_is_restored_in_place_and_strictly(tmp_path: Path) -> None:
+    """RankLocal's value is restored as the same value in the state would be: a dict keeps
+    its identity and gets every saved key (numbers, lists and tensors alike), and a key the
+    snapshot lacks is refused with strict=True, listed with strict=False."""
+    pos = {"epoch": 3, "i": 7, "seen": [1, 2], "t": torch.tensor([7.0, 7.0]), "name": "a"}
+    snapcore.save({"loader": RankLocal(pos), "n": RankLocal(5)}, tmp_path, step=1)
+
+    live = {"epoch": 0, "i": 0, "seen": [0], "t": torch.zeros(2), "name": "b"}
+    t = live["t"]
+    holder, n = RankLocal(live), RankLocal(0)
+    info = snapcore.restore({"loader": holder, "n": n}, tmp_path)
+    assert info.step == 1 and info.missing == []
+    assert holder.value is live and live["t"] is t  # the caller's objects, filled
+    assert live["epoch"] == 3 and live["i"] == 7 and live["seen"] == [1, 2] and live["name"] == "a"
+    assert torch.equal(t, torch.tensor([7.0, 7.0])) and n.value == 5
+
+    extra = RankLocal({"epoch": 0, "i": 0, "seen": [], "t": torch.zeros(2), "name": "", "new": 1})
+    with pytest.raises(snapcore.StateMismatch, match=r"loader\.value\.new"):
+        snapcore.restore({"loader": extra, "n": RankLocal(0)}, tmp_path)
+    assert extra.value["epoch"] == 0  # refused before anything changed
+    info = snapcore.restore({"loader": extra, "n": RankLocal(0)}, tmp_path, strict=False)
+    assert info.missing == ["loader.value.new"] and extra.value["epoch"] == 3
