@@ -329,8 +329,8 @@ def targets(r: Result, cuda: bool) -> list[Result]:
             f"restore H2D >= 0.9 x pinned H2D ({gb})", f["restore_Bps"], h2d_limit,
             f["restore_Bps"] / f["h2d_probe_Bps"],
             f["restore_Bps"] >= h2d_limit and f["restores_match"],
-            f"best restore from the {r['tier']} tier (bytes / wall time to synchronize) against the "
-            f"best pinned H2D probe; every restore bit-exact: {f['restores_match']}",
+            f"best restore from the {r['tier']} tier (bytes / wall time to synchronize) "
+            f"against the best pinned H2D probe; every restore bit-exact: {f['restores_match']}",
         ),
     ]  # fmt: skip
 
