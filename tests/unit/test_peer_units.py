@@ -186,6 +186,65 @@ def test_a_copy_that_would_exceed_max_bytes_is_refused_before_anything_changes(
     assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
 
 
+def test_a_copy_into_the_newest_copys_file_leaves_it_committed_until_the_new_one_is(
+    area: Path,
+) -> None:
+    """A peer save every other host save sends the same sender slot each time (step 4
+    and step 6 both in slot-r1-0.bin): the newest committed copy names the very file the
+    next one arrives in. It is received beside it and renamed over it only once whole:
+    a copy cut short leaves the previous one committed and intact."""
+    root = peer_root(area, 1)
+    old, old_data = make_copy(4)
+    receive(root, old, old_data)
+    new, data = make_copy(6, seed=5)
+    assert new.files == old.files  # the same slot file
+    dest = Destination(root, step=6, rank=1, identity=IDENTITY)
+    dest.prepare(new.meta())
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]  # still, mid-transfer
+    dest.write(0, 0, torch.frombuffer(bytearray(data[:40]), dtype=torch.uint8))
+    with pytest.raises(InvalidManifest, match="did not arrive whole"):
+        dest.finish()
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
+    assert (root / "slot-r1-0.bin").read_bytes() == old_data
+    assert Copy.read(root, 4, 1).part_bytes == old.part_bytes
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
+
+    receive(root, new, data)  # whole: it replaces the newest copy, then commits
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [6]
+    assert (root / "slot-r1-0.bin").read_bytes() == data
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
+    again, _ = make_copy(6, seed=9)  # the same step again (a re-send): the newest stays
+    dest = Destination(root, step=6, rank=1, identity=IDENTITY)
+    dest.prepare(again.meta())
+    dest.abort()
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [6]
+    assert (root / "slot-r1-0.bin").read_bytes() == data
+
+
+def test_max_bytes_caps_all_of_a_ranks_copies_together(area: Path) -> None:
+    """``PeerSpec.max_bytes`` is what all of one rank's copies take: the namespaces of
+    each of its sources (k=2, or nodes of unequal size), and the copies accepted earlier
+    in the same round (whose memory is not filled yet), counted together."""
+    from snapcore.peer.area import Budget
+
+    copy, data = make_copy(4)
+    roots = [peer_root(area, 1), peer_root(area, 3)]
+    cap = 20 << 10
+    first = Destination(roots[0], step=4, rank=1, identity=IDENTITY, budget=Budget(cap, roots))
+    first.prepare(copy.meta())  # accepted: its file holds no memory yet
+    second = Destination(roots[1], step=4, rank=1, identity=IDENTITY, budget=first.budget)
+    with pytest.raises(SnapcoreError, match="partner memory full"):
+        second.prepare(copy.meta())
+    first.abort()
+    # a later round: the copy held in one namespace counts against the other's
+    receive(roots[0], copy, data, budget=Budget(cap, roots))
+    with pytest.raises(SnapcoreError, match="partner memory full"):
+        receive(roots[1], copy, data, budget=Budget(cap, roots))
+    assert PeerArea(area, 3).committed_steps(IDENTITY) == []
+    receive(roots[1], copy, data, budget=Budget(2 * cap, roots))  # room for both
+    assert PeerArea(area, 3).committed_steps(IDENTITY) == [4]
+
+
 def test_a_stale_area_of_another_store_or_a_newer_step_is_dropped_and_said(area: Path) -> None:
     root = peer_root(area, 1)
     copy, data = make_copy(8)
