@@ -33,7 +33,7 @@ from ..distributed.job import Job, all_gather_bytes, kv_get
 from ..errors import SnapcoreError, SnapshotFailed
 from ..staging.handle import SaveHandle
 from ..tiers import HostTier, PeerSpec, Store
-from .area import Copy, Destination, PeerArea, PeerCopies, peer_root
+from .area import Budget, Copy, Destination, PeerArea, PeerCopies, peer_root
 from .topology import Home, Topology
 from .wire import Incoming, Outgoing, PeerLinkError, exchange
 
@@ -226,6 +226,8 @@ class PeerLink:
         topo = self.conn.topology
         partners, sources = topo.partners(self.rank), topo.sources(self.rank)
         outgoing = [self._outgoing(p, step, index_key) for p in partners]
+        cap = self.spec.max_bytes  # over every source's copies together
+        budget = None if cap is None else Budget(cap, [peer_root(self.area, s) for s in sources])
         incoming = [
             Incoming(
                 s,
@@ -234,7 +236,7 @@ class PeerLink:
                     step=step,
                     rank=s,
                     identity=self.identity,
-                    max_bytes=self.spec.max_bytes,
+                    budget=budget,
                 ),
             )
             for s in sources

@@ -30,7 +30,7 @@ from ..distributed.job import Job, all_gather_bytes
 from ..errors import SnapcoreError
 from ..tiers import HostTier, Store
 from . import wire
-from .area import Copy, Destination, PeerArea, drop_mappings, hold_mapping, peer_root
+from .area import Budget, Copy, Destination, PeerArea, drop_mappings, hold_mapping, peer_root
 from .link import PeerLink, area_root, peer_identity
 from .wire import Incoming, Outgoing, PeerLinkError, exchange
 
@@ -192,6 +192,9 @@ def _fetch_and_resend(
     ]
     if pairs:
         identity = peer_identity(store, world)
+        cap = spec.max_bytes  # over every source's copies together
+        roots = [peer_root(area, s) for s in topo.sources(rank)]
+        budget = None if cap is None else Budget(cap, roots)
         outgoing = []
         for r, p in pairs:
             if r != rank:
@@ -209,7 +212,7 @@ def _fetch_and_resend(
                     step=target,
                     rank=r,
                     identity=identity,
-                    max_bytes=spec.max_bytes,
+                    budget=budget,
                 ),
             )
             for r, p in pairs
