@@ -390,6 +390,14 @@ class Destination:
             if s != protected and (s == copy.step or (step_names(d, s) or names) & names)
         ]
         overwritten = names - staged
+        if self.identity is not None:  # a peer namespace: files no copy will name go
+            named = names | set().union(
+                *((step_names(d, s) or set()) for s in committed if s not in replaced)
+            )
+            garbage = {p.name for p in _data_files(self.root) if p.name not in named}
+        else:  # a host area at restore: its own files are not ours to drop
+            garbage = set()
+        overwritten |= garbage
         need = sum(n for _, n in copy.files)
         what = f"the copy of rank {copy.rank}'s step {copy.step}"
         if self.budget is not None:  # the memory it takes: whole pages, with its manifests
@@ -414,6 +422,9 @@ class Destination:
         # (never the newest: its files are received beside it).
         for s in replaced:
             d.uncommit(s)
+        for name in garbage:
+            with contextlib.suppress(OSError):
+                (self.root / name).unlink()
         if protected is not None and (staged or copy.step == protected):
             self._protected = protected
         try:
@@ -669,6 +680,20 @@ def _bytes_of(root: Path, *, exclude: frozenset[str] | set[str] = frozenset(),
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
     return total
+
+
+def _data_files(root: Path) -> list[Path]:
+    """The data files of a peer namespace (its top-level files but ``peer.json``, and
+    those arriving or being written)."""
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [
+        Path(e.path)
+        for e in entries
+        if e.is_file(follow_symlinks=False) and e.name != IDENTITY and not e.name.startswith(".")
+    ]
 
 
 def _free_bytes(path: Path) -> int:

@@ -206,11 +206,13 @@ def test_a_copy_into_the_newest_copys_file_leaves_it_committed_until_the_new_one
         dest.finish()
     assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
     assert (root / "slot-r1-0.bin").read_bytes() == old_data
+    (root / "slot-r1-1.bin").write_bytes(b"x" * 4096)  # a file no committed copy names
     assert Copy.read(root, 4, 1).part_bytes == old.part_bytes
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
 
     receive(root, new, data)  # whole: it replaces the newest copy, then commits
     assert PeerArea(area, 1).committed_steps(IDENTITY) == [6]
+    assert not (root / "slot-r1-1.bin").exists()  # dropped: its memory is not held
     assert (root / "slot-r1-0.bin").read_bytes() == data
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
     again, _ = make_copy(6, seed=9)  # the same step again (a re-send): the newest stays
@@ -572,3 +574,50 @@ def test_a_fetch_cut_short_into_a_held_mapping_commits_nothing_and_unmaps_it(
     finally:
         drop_mappings()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_round_whose_partner_gave_up_is_abandoned_and_what_gloo_holds_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A partner that is alive but gave up the round (its own partner died) never
+    completes this rank's operations: the round asks the job's store (``stop``) while it
+    waits and gives up once the peer tier is disabled elsewhere, instead of waiting for
+    the group's timeout. What gloo may still touch (the operations, with their buffers)
+    is kept, never freed under it."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from snapcore.peer import wire
+    from snapcore.peer.wire import Outgoing, PeerLinkError, exchange
+
+    release = threading.Event()
+
+    class Pending:  # an operation whose partner never takes part
+        def wait(self) -> bool:
+            release.wait()
+            return True
+
+    posted: list[Pending] = []
+
+    def post(*a: Any, **k: Any) -> Pending:
+        posted.append(Pending())
+        return posted[-1]
+
+    monkeypatch.setattr(dist, "isend", post)
+    monkeypatch.setattr(dist, "irecv", post)
+    t0 = time.monotonic()
+    asked: list[float] = []
+
+    def stop() -> str | None:
+        asked.append(time.monotonic() - t0)
+        return "partner rank(s) [2] lost at step 7" if len(asked) >= 3 else None
+
+    try:
+        with pytest.raises(PeerLinkError, match=r"gave up .* disabled on another rank"):
+            exchange(None, [Outgoing(1, None, [], "none")], [], piece_bytes=1 << 20, stop=stop)
+        assert time.monotonic() - t0 < 5 and len(asked) == 3
+        assert posted and all(any(p is k for k in wire._kept) for p in posted)
+    finally:
+        release.set()
