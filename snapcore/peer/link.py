@@ -248,6 +248,7 @@ class PeerLink:
                 incoming,
                 piece_bytes=self.spec.piece_bytes,
                 rate=self.spec.max_bytes_per_s,
+                stop=self._disabled_elsewhere,  # a partner gave up: do not wait in vain
             )
         except PeerLinkError as e:
             for s in sources:

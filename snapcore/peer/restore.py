@@ -150,7 +150,7 @@ def _fetch_and_resend(
             incoming.append(Incoming(fetch[rank], dest))
         t0 = time.perf_counter()
         sent, got, failure = link.run(
-            lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes)
+            lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes, link)
         )
         out.seconds = time.perf_counter() - t0
         if dest is not None:  # unmapped on the peer thread while the restore goes on
@@ -220,7 +220,7 @@ def _fetch_and_resend(
         ]
 
         def resend() -> list[str]:
-            sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes)
+            sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes, link)
             for i in incoming:
                 i.dest.release()
             if failure:
@@ -258,10 +258,12 @@ def _read_copy(root: Path, step: int, rank: int, *, dst: int) -> Outgoing:
 
 
 def _round(
-    group: Any, outgoing: list[Outgoing], incoming: list[Incoming], piece: int
+    group: Any, outgoing: list[Outgoing], incoming: list[Incoming], piece: int, link: PeerLink
 ) -> tuple[dict[int, str | None], dict[int, str | None], str | None]:
     try:
-        sent, got = exchange(group, outgoing, incoming, piece_bytes=piece)
+        sent, got = exchange(
+            group, outgoing, incoming, piece_bytes=piece, stop=link._disabled_elsewhere
+        )
     except PeerLinkError as e:
         return {}, {}, str(e)
     return sent, got, None
