@@ -7,8 +7,9 @@ training thread, at the first sharded save or restore of a store with a peer tie
 every rank makes (as snapcore's job itself is made). After that, nothing on the training
 thread is a collective: the transfers are point-to-point sends and receives between
 partners, on the peer thread, on a gloo group that neither the training nor snapcore's
-commit uses, in the order of the saves (every rank transfers the saves whose host commit
-succeeded, which every rank learns alike from the coordinator's verdict).
+commit uses, in the order of the saves (every rank transfers the saves that committed in
+host memory, which every rank learns alike from the coordinator's verdict; a rank whose
+own part of such a step failed after the verdict sends "no copy" and still receives).
 
 One transfer at a time per rank; the slot it reads stays reserved until it is done, so
 a rank is never more than two snapshots behind (the next save after that waits for the

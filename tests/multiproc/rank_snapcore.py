@@ -597,6 +597,24 @@ def linger(a: dict[str, Any]) -> dict[str, Any]:
     return {"lingered": len(list(here.iterdir()))}
 
 
+def fail_node_index(a: dict[str, Any]) -> dict[str, Any]:
+    """On the ranks ``a["ranks"]``, writing a host-memory index of step ``a["step"]``
+    fails (ENOSPC): a node leader's write of its node's index, after the coordinator's
+    verdict committed the step."""
+    from snapcore import directory
+
+    if launch.rank() in a["ranks"]:  # (before the process group, made at the first save)
+        real = directory.Pending.commit
+
+        def commit(self: Any, *args: Any, **kw: Any) -> Any:
+            if self.step == a["step"] and "/dev/shm/" in str(self.store.root):
+                raise OSError(28, "No space left on device (injected)")
+            return real(self, *args, **kw)
+
+        directory.Pending.commit = commit  # type: ignore[method-assign]
+    return {}
+
+
 def unsupported(a: dict[str, Any]) -> dict[str, Any]:
     """Save step 1 with a Partial DTensor on rank ``a["bad_rank"]`` only (a state that
     rank cannot save), then step 2 without it; report how each save ended."""
@@ -620,6 +638,7 @@ def unsupported(a: dict[str, Any]) -> dict[str, Any]:
 OPS = {
     "die": die,
     "linger": linger,
+    "fail-node-index": fail_node_index,
     "unsupported": unsupported,
     "peer-save": peer_save,
     "load-alone": load_alone,

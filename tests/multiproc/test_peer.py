@@ -259,6 +259,34 @@ def test_a_partner_lost_in_a_ring_of_four_fails_every_round_at_once(tmp_path: Pa
     assert all(runs[rank][1][2] == {"lingered": 3} for rank in (0, 1, 3)), runs
 
 
+def test_a_host_commit_failing_on_one_rank_keeps_the_peer_rounds_in_step(
+    nodes: PeerNodes,
+) -> None:
+    """Node 1's leader (rank 2) cannot write its node's index of step 2 (ENOSPC), after
+    the coordinator committed the step: its host tier fails, yet it still takes part in
+    step 2's round (sending no copy, receiving rank 0's), so rank 0 is not left waiting
+    for it, and step 3 reaches every partner."""
+    spec = {"host": "$SNAPCORE_TEST_HOST", "peer": True}
+    save = {"op": "peer-save", "kind": "fsdp2", "store": spec}
+    res = nodes.launch(
+        [
+            {"op": "fail-node-index", "step": 2, "ranks": [2]},
+            *({**save, "step": s} for s in (1, 2, 3)),
+        ]
+    )
+    for rank, (_, first, second, third) in enumerate(res):
+        assert set(first["tiers"].values()) == {"ok"}, (rank, first)
+        assert set(third["tiers"].values()) == {"ok"}, (rank, third)
+        if rank == 2:
+            assert "No space left on device" in second["tiers"]["host"], second
+            assert "peer tier failed" in second["tiers"]["peer"], second
+        else:
+            assert set(second["tiers"].values()) == {"ok"}, (rank, second)
+        assert second["peer_s"] < 15, (rank, second)  # nobody waited for a partner
+    assert any("rank 2's part was not received" in w for w in res[0][2]["warnings"]), res[0]
+    assert nodes.copies(0, 2)[-1] == nodes.copies(1, 0)[-1] == 3
+
+
 def test_a_full_partner_memory_and_a_stale_partner_area_are_reported(nodes: PeerNodes) -> None:
     """Partner copies are capped at 64 KiB (PeerSpec.max_bytes) and each rank's part
     takes 1 MiB: every rank's peer tier fails with "partner memory full", each receiver
