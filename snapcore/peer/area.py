@@ -40,6 +40,7 @@ from ..durable import allocated_bytes, fsync_dir
 from ..errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound
 
 __all__ = [
+    "Budget",
     "Copy",
     "Destination",
     "PeerArea",
@@ -51,6 +52,8 @@ __all__ = [
 ]
 
 IDENTITY = "peer.json"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+INCOMING = ".incoming-"  # a copy's file received beside the newest copy's, renamed at commit
 FAULT_STEP = 4 << 20  # a received copy's memory is faulted in ahead of the wire by this much
 MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels answer EINVAL
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -261,6 +264,39 @@ def step_names(d: LocalDirectory, step: int) -> set[str] | None:
         return None
 
 
+class Budget:
+    """What all of one rank's received copies may take (``PeerSpec.max_bytes``): the
+    files of every namespace ``roots`` names (the rank's sources'), counted together,
+    with the copies accepted earlier in the same round (their files fill up while the
+    round runs: their sizes are counted, not their memory so far)."""
+
+    def __init__(self, max_bytes: int, roots: list[Path]) -> None:
+        self.max_bytes = max_bytes
+        self.roots = list(roots)
+        self._accepted: dict[Path, tuple[set[str], int]] = {}  # root: (files replaced, size)
+
+    def claim(self, root: Path, replaced: set[str], need: int, what: str) -> None:
+        """Count ``need`` bytes arriving in ``root`` (its files ``replaced`` go), or raise
+        "partner memory full" when they would exceed the cap."""
+        held = 0
+        for r in dict.fromkeys([*self.roots, root]):
+            gone = replaced if r == root else self._accepted.get(r, (set(), 0))[0]
+            held += _bytes_of(r, exclude=gone)
+        pending = sum(n for r, (_, n) in self._accepted.items() if r != root)
+        if held + pending + need > self.max_bytes:
+            where = ", ".join(str(r) for r in self.roots) or str(root)
+            raise SnapcoreError(
+                f"partner memory full: {what} needs {need} bytes, {held + pending} are held "
+                f"or arriving of the {self.max_bytes} allowed (PeerSpec.max_bytes) in this "
+                f"rank's copies ({where})"
+            )
+        self._accepted[root] = (set(replaced), need)
+
+    def release(self, root: Path) -> None:
+        """``root``'s copy was not accepted after all."""
+        self._accepted.pop(root, None)
+
+
 class Destination:
     """Receives one copy into a store directory ``root`` (a peer namespace, or a host
     area at restore): ``prepare`` checks the copy and makes its files, the wire receives
@@ -279,8 +315,11 @@ class Destination:
         max_bytes: int | None = None,
         commit_index: bool = True,
         reserved: list[Path] | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.root = root
+        # what all of this rank's copies may take (max_bytes alone: this namespace's)
+        self.budget = budget or (Budget(max_bytes, [root]) if max_bytes is not None else None)
         # files of this root faulted in ahead, that no committed snapshot names: the
         # copy's files that do not exist yet are these, renamed (peer/restore.py)
         self.reserved = list(reserved or [])
@@ -293,6 +332,11 @@ class Destination:
         self.fds: list[int] = []
         self.notes: list[str] = []  # what was dropped on the way (stale copies)
         self.failed: BaseException | None = None  # the first failure while writing
+        # where each file is received: its own path, or beside it (``INCOMING``) when the
+        # newest committed copy names it; those are renamed over it at ``finish``
+        self._paths: list[Path] = []
+        self._staged: list[tuple[Path, Path]] = []
+        self._protected: int | None = None  # the newest committed step, uncommitted at finish
         # per file: its chunks (offset, length, xxh3, where), a streaming hash of each
         self._chunks: list[list[tuple[int, int, str, str]]] = []
         self._hashers: dict[tuple[int, int], Any] = {}
@@ -327,42 +371,77 @@ class Destination:
                     d.uncommit(s)
                 if newer:
                     self.notes.append(f"dropped stale copies of steps {newer} in {self.root}")
+        for p in self.root.glob(INCOMING + "*"):  # of a round that failed
+            with contextlib.suppress(OSError):
+                p.unlink()
         names = {n for n, _ in copy.files}
         committed = d.committed_steps()
-        replaced = [s for s in committed if s == copy.step or (step_names(d, s) or names) & names]
-        need = sum(n for _, n in copy.files)
-        if self.max_bytes is not None:
-            kept = _bytes_of(self.root, exclude=names)
-            if kept + need > self.max_bytes:
-                raise SnapcoreError(
-                    f"partner memory full: the copy of rank {copy.rank}'s step {copy.step} "
-                    f"needs {need} bytes, {kept} are held of the {self.max_bytes} allowed "
-                    f"(PeerSpec.max_bytes) in {self.root}"
-                )
-        self.root.mkdir(parents=True, exist_ok=True)
-        free = _free_bytes(self.root) + _bytes_of(self.root, only=names)
-        if need > free:
-            raise SnapcoreError(
-                f"partner memory full: the copy of rank {copy.rank}'s step {copy.step} needs "
-                f"{need} bytes, {free} are free in {self.root}"
+        # The newest committed copy stays whole and committed until this one is: a file it
+        # names is received beside it and renamed over it at ``finish``. (The sender's
+        # slots alternate on every host save, whatever the tiers: a peer tier every other
+        # host save sends the same slot each time, and a failed round repeats one.)
+        newest = max(committed, default=None)
+        kept_names = step_names(d, newest) if newest is not None else None
+        protected = newest if kept_names is not None else None
+        staged = names & kept_names if kept_names is not None else set()
+        replaced = [
+            s
+            for s in committed
+            if s != protected and (s == copy.step or (step_names(d, s) or names) & names)
+        ]
+        overwritten = names - staged
+        if self.identity is not None:  # a peer namespace: files no copy will name go
+            named = names | set().union(
+                *((step_names(d, s) or set()) for s in committed if s not in replaced)
             )
-        if self.identity is not None:
-            _write_atomic(self.root / IDENTITY, json.dumps(self.identity).encode())
+            garbage = {p.name for p in _data_files(self.root) if p.name not in named}
+        else:  # a host area at restore: its own files are not ours to drop
+            garbage = set()
+        overwritten |= garbage
+        need = sum(n for _, n in copy.files)
+        what = f"the copy of rank {copy.rank}'s step {copy.step}"
+        if self.budget is not None:  # the memory it takes: whole pages, with its manifests
+            pages = [n for _, n in copy.files] + [len(copy.part_bytes), len(copy.index_bytes)]
+            taken = sum(-(-n // PAGE) * PAGE for n in pages)
+            self.budget.claim(self.root, overwritten, taken, what)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            free = _free_bytes(self.root) + _bytes_of(self.root, only=overwritten)
+            if need > free:
+                raise SnapcoreError(
+                    f"partner memory full: {what} needs {need} bytes, {free} are free in "
+                    f"{self.root}"
+                )
+            if self.identity is not None:
+                _write_atomic(self.root / IDENTITY, json.dumps(self.identity).encode())
+        except BaseException:
+            if self.budget is not None:
+                self.budget.release(self.root)
+            raise
         # The files about to be overwritten: the copies naming them become invisible first
-        # (the sender alternates its two slots, so the newest copy is not among them).
+        # (never the newest: its files are received beside it).
         for s in replaced:
             d.uncommit(s)
+        for name in garbage:
+            with contextlib.suppress(OSError):
+                (self.root / name).unlink()
+        if protected is not None and (staged or copy.step == protected):
+            self._protected = protected
         try:
             for name, size in copy.files:
                 # The file of the copy before last is reused (cut to size): its memory is
                 # taken already; so is a file reserved ahead, renamed.
-                path = self.root / name
+                final = self.root / name
+                path = self.root / (INCOMING + name) if name in staged else final
+                self._paths.append(path)
+                if path != final:
+                    self._staged.append((path, final))
                 spare = [p for p in self.reserved if p != path and p.exists()]
                 if spare and not path.exists():
                     os.rename(spare[0], path)
                     _move_mapping(spare[0], path)
                     self.reserved.remove(spare[0])
-                fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
                 self.fds.append(fd)
                 os.ftruncate(fd, size)
             self._map(copy)
@@ -385,14 +464,15 @@ class Destination:
         MADV_POPULATE_WRITE reports a full /dev/shm as an error where a store into the
         mapping would be a SIGBUS: a piece is received into the mapping only once its
         range is populated."""
-        for f, (name, size) in enumerate(copy.files):
+        for f, (_, size) in enumerate(copy.files):
             if size == 0:
                 self._maps.append(None)
                 self._views.append(None)
                 continue
-            arena = _take_mapping(self.root / name, size, self.fds[f]) or _native.Arena(
+            path = self._paths[f]
+            arena = _take_mapping(path, size, self.fds[f]) or _native.Arena(
                 size,
-                shm_path=str(self.root / name),
+                shm_path=str(path),
                 huge_pages=False,
                 pin=False,
                 prefault=False,
@@ -422,7 +502,7 @@ class Destination:
                     elif err:
                         self.failed = self.failed or SnapcoreError(
                             "partner memory full: faulting in the copy of rank "
-                            f"{self.rank}'s part in {self.root / self._sizes[f][0]}: "
+                            f"{self.rank}'s part in {self._paths[f]}: "
                             f"{os.strerror(err)}"
                         )
                         return
@@ -519,6 +599,14 @@ class Destination:
             self.abort()
             raise
         self._close(unmap=False)  # the mapping goes later (release): off the fetch's path
+        if self._protected is not None:  # the new copy is whole: the newest one goes now
+            LocalDirectory(self.root).uncommit(self._protected)
+        for path, final in self._staged:
+            os.replace(path, final)
+            _move_mapping(path, final)
+        if self._staged:
+            fsync_dir(self.root)
+        self._staged = []
         step_dir = self.root / step_dir_name(copy.step)
         _write_atomic(self.root / copy.part_name, copy.part_bytes)
         if self.commit_index:
@@ -531,8 +619,26 @@ class Destination:
             _write_atomic(path, self.copy.index_bytes)
 
     def abort(self) -> None:
-        """Nothing of this copy is committed; its files are left to be overwritten."""
+        """Nothing of this copy is committed; its files are left to be overwritten (a file
+        received beside the newest copy's is removed)."""
         self._close()
+        self._drop_staged()
+        if self.budget is not None:
+            self.budget.release(self.root)
+
+    def abandon(self) -> list[Any]:
+        """``abort``, but the mappings stay: returned, for the caller to keep until the
+        process ends (a transfer that failed may still have gloo writing into them)."""
+        self._close(unmap=False)
+        self._drop_staged()
+        kept, self._maps, self._views = [*self._maps, *self._views], [], []
+        return kept
+
+    def _drop_staged(self) -> None:
+        for path, _ in self._staged:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self._staged = []
 
     def release(self) -> None:
         """Unmap the copy's files once it is committed (``finish`` leaves them mapped:
@@ -567,11 +673,27 @@ def _bytes_of(root: Path, *, exclude: frozenset[str] | set[str] = frozenset(),
     for dirpath, _, files in os.walk(root):
         for f in files:
             rel = os.path.relpath(os.path.join(dirpath, f), root)
+            if f.startswith(INCOMING):  # arriving: counted by its size (Budget)
+                continue
             if rel in exclude or (only is not None and rel not in only):
                 continue
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
     return total
+
+
+def _data_files(root: Path) -> list[Path]:
+    """The data files of a peer namespace (its top-level files but ``peer.json``, and
+    those arriving or being written)."""
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [
+        Path(e.path)
+        for e in entries
+        if e.is_file(follow_symlinks=False) and e.name != IDENTITY and not e.name.startswith(".")
+    ]
 
 
 def _free_bytes(path: Path) -> int:

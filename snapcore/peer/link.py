@@ -7,8 +7,9 @@ training thread, at the first sharded save or restore of a store with a peer tie
 every rank makes (as snapcore's job itself is made). After that, nothing on the training
 thread is a collective: the transfers are point-to-point sends and receives between
 partners, on the peer thread, on a gloo group that neither the training nor snapcore's
-commit uses, in the order of the saves (every rank transfers the saves whose host commit
-succeeded, which every rank learns alike from the coordinator's verdict).
+commit uses, in the order of the saves (every rank transfers the saves that committed in
+host memory, which every rank learns alike from the coordinator's verdict; a rank whose
+own part of such a step failed after the verdict sends "no copy" and still receives).
 
 One transfer at a time per rank; the slot it reads stays reserved until it is done, so
 a rank is never more than two snapshots behind (the next save after that waits for the
@@ -33,7 +34,7 @@ from ..distributed.job import Job, all_gather_bytes, kv_get
 from ..errors import SnapcoreError, SnapshotFailed
 from ..staging.handle import SaveHandle
 from ..tiers import HostTier, PeerSpec, Store
-from .area import Copy, Destination, PeerArea, PeerCopies, peer_root
+from .area import Budget, Copy, Destination, PeerArea, PeerCopies, peer_root
 from .topology import Home, Topology
 from .wire import Incoming, Outgoing, PeerLinkError, exchange
 
@@ -226,6 +227,8 @@ class PeerLink:
         topo = self.conn.topology
         partners, sources = topo.partners(self.rank), topo.sources(self.rank)
         outgoing = [self._outgoing(p, step, index_key) for p in partners]
+        cap = self.spec.max_bytes  # over every source's copies together
+        budget = None if cap is None else Budget(cap, [peer_root(self.area, s) for s in sources])
         incoming = [
             Incoming(
                 s,
@@ -234,7 +237,7 @@ class PeerLink:
                     step=step,
                     rank=s,
                     identity=self.identity,
-                    max_bytes=self.spec.max_bytes,
+                    budget=budget,
                 ),
             )
             for s in sources
@@ -246,6 +249,7 @@ class PeerLink:
                 incoming,
                 piece_bytes=self.spec.piece_bytes,
                 rate=self.spec.max_bytes_per_s,
+                stop=self._disabled_elsewhere,  # a partner gave up: do not wait in vain
             )
         except PeerLinkError as e:
             for s in sources:

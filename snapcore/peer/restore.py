@@ -30,7 +30,7 @@ from ..distributed.job import Job, all_gather_bytes
 from ..errors import SnapcoreError
 from ..tiers import HostTier, Store
 from . import wire
-from .area import Copy, Destination, PeerArea, drop_mappings, hold_mapping, peer_root
+from .area import Budget, Copy, Destination, PeerArea, drop_mappings, hold_mapping, peer_root
 from .link import PeerLink, area_root, peer_identity
 from .wire import Incoming, Outgoing, PeerLinkError, exchange
 
@@ -150,7 +150,7 @@ def _fetch_and_resend(
             incoming.append(Incoming(fetch[rank], dest))
         t0 = time.perf_counter()
         sent, got, failure = link.run(
-            lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes)
+            lambda: _round(conn.group, outgoing, incoming, spec.piece_bytes, link)
         )
         out.seconds = time.perf_counter() - t0
         if dest is not None:  # unmapped on the peer thread while the restore goes on
@@ -192,6 +192,9 @@ def _fetch_and_resend(
     ]
     if pairs:
         identity = peer_identity(store, world)
+        cap = spec.max_bytes  # over every source's copies together
+        roots = [peer_root(area, s) for s in topo.sources(rank)]
+        budget = None if cap is None else Budget(cap, roots)
         outgoing = []
         for r, p in pairs:
             if r != rank:
@@ -209,7 +212,7 @@ def _fetch_and_resend(
                     step=target,
                     rank=r,
                     identity=identity,
-                    max_bytes=spec.max_bytes,
+                    budget=budget,
                 ),
             )
             for r, p in pairs
@@ -217,7 +220,7 @@ def _fetch_and_resend(
         ]
 
         def resend() -> list[str]:
-            sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes)
+            sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes, link)
             for i in incoming:
                 i.dest.release()
             if failure:
@@ -255,10 +258,12 @@ def _read_copy(root: Path, step: int, rank: int, *, dst: int) -> Outgoing:
 
 
 def _round(
-    group: Any, outgoing: list[Outgoing], incoming: list[Incoming], piece: int
+    group: Any, outgoing: list[Outgoing], incoming: list[Incoming], piece: int, link: PeerLink
 ) -> tuple[dict[int, str | None], dict[int, str | None], str | None]:
     try:
-        sent, got = exchange(group, outgoing, incoming, piece_bytes=piece)
+        sent, got = exchange(
+            group, outgoing, incoming, piece_bytes=piece, stop=link._disabled_elsewhere
+        )
     except PeerLinkError as e:
         return {}, {}, str(e)
     return sent, got, None

@@ -17,7 +17,19 @@ deadlock:
    committed (or why not).
 
 A rank that dies mid-round makes the ranks talking to it fail at once (gloo reports the
-reset connection) or after the group's timeout; that is ``PeerLinkError``.
+reset connection) or after the group's timeout; that is ``PeerLinkError``. A rank whose
+partners are alive but gave up the round (their own partner died) learns it from the
+job's store (``stop``: the peer tier disabled on another rank), which it asks every
+``STOP_POLL_S`` while it waits, and gives up too, rather than waiting for the group's
+timeout: the operations are waited for on a thread of their own (``snapcore-peer-wait``),
+since gloo's point-to-point operations say they are done only to ``wait()``, and a
+``wait()`` with a timeout of its own fails the whole group.
+
+After a failed round, gloo may still read from the sender's mappings and write into the
+receiver's (an operation pending on a live pair is not cancelled; one on a reset pair
+may still be in its I/O thread's hands): nothing it may touch is unmapped or freed.
+The round's operations, buffers and mappings are kept until the process ends
+(``_kept``); the peer tier is disabled for the rest of the job, so that happens once.
 """
 
 from __future__ import annotations
@@ -27,8 +39,10 @@ import contextlib
 import ctypes
 import mmap
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +59,13 @@ REPLY_BYTES = 1024
 WINDOW = 4  # the data's pieces in flight per copy (unpaced)
 POPULATE_STEP = 4 << 20  # a sent file's pages are mapped ahead of the wire by this much
 MADV_POPULATE_READ = 22  # Linux 5.14
+STOP_POLL_S = 0.25  # how often a rank waiting on its partners asks whether to give up
+
+# What the operations of a failed round may still use (their Work objects, whose tensors
+# own the buffers; the sent files' mappings; the received copies' mappings): never
+# unmapped or freed, until the process ends.
+_kept: list[Any] = []
+_kept_lock = threading.Lock()
 
 
 # The stages' times of this process's last round, in seconds (what benchmarks/bench_peer.py
@@ -118,10 +139,14 @@ class Mapping:
             self._progress.wait_for(lambda: self._mapped >= offset + nbytes)
         return self.tensor[offset : offset + nbytes]
 
+    def stop(self) -> None:
+        """Stop mapping ahead (the mapping stays)."""
+        self._stop = True
+        self._thread.join()
+
     def close(self) -> None:
         if self.addr is not None:
-            self._stop = True
-            self._thread.join()
+            self.stop()
             del self.tensor
             _libc.munmap(self.addr, self.size)
             self.addr = None
@@ -129,6 +154,53 @@ class Mapping:
 
 class PeerLinkError(SnapcoreError):
     """The transport failed mid-round (a partner died, or did not answer in time)."""
+
+
+class _Waiter:
+    """Waits for a round's operations on a thread of its own, batch after batch, while
+    the peer thread asks ``stop`` every ``STOP_POLL_S`` whether to give up. Every
+    operation it was handed stays in ``works`` (kept after a failure)."""
+
+    def __init__(self, stop: Callable[[], str | None] | None, peers: list[int]) -> None:
+        self.stop = stop
+        self.peers = peers
+        self.works: list[Any] = []
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="snapcore-peer-wait", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            works, done, failed = item
+            for w in works:
+                try:
+                    w.wait()
+                except BaseException as e:  # the first failure ends the batch's wait
+                    if not failed:
+                        failed.append(e)
+                        done.set()
+            done.set()
+
+    def run(self, works: list[Any]) -> None:
+        """Wait for ``works``; raises the first failure, or ``PeerLinkError`` once
+        ``stop`` says why to give up."""
+        self.works.extend(works)
+        done = threading.Event()
+        failed: list[BaseException] = []
+        self._queue.put((works, done, failed))
+        while not done.wait(STOP_POLL_S):
+            why = self.stop() if self.stop is not None else None
+            if why is not None:
+                raise PeerLinkError(
+                    f"gave up the peer transfer with ranks {self.peers}: the peer tier was "
+                    f"disabled on another rank ({why})"
+                )
+        if failed:
+            raise failed[0]
+
+    def close(self) -> None:
+        """No more batches (the thread ends once the one it waits for is done)."""
+        self._queue.put(None)
 
 
 @dataclass
@@ -178,10 +250,13 @@ def exchange(
     *,
     piece_bytes: int,
     rate: float | None = None,
+    stop: Callable[[], str | None] | None = None,
 ) -> tuple[dict[int, str | None], dict[int, str | None]]:
     """Run one round; returns, per destination and per source, None when the copy was
-    committed there, else why not. Raises ``PeerLinkError`` when the transport fails
-    (every copy of the round is then lost; nothing half-received is committed)."""
+    committed there, else why not. Raises ``PeerLinkError`` when the transport fails, or
+    once ``stop`` (asked while waiting) says why to give up: every copy of the round is
+    then lost, nothing half-received is committed, and what gloo may still touch is kept
+    (``_kept``)."""
     import torch.distributed as dist
 
     sent: dict[int, str | None] = {o.dst: None for o in outgoing}
@@ -189,6 +264,8 @@ def exchange(
     peers = sorted({o.dst for o in outgoing} | {i.src for i in incoming})
     times: dict[str, float] = {}
     t0 = time.perf_counter()
+    waiter = _Waiter(stop, peers)
+    _run = waiter.run
     try:
         # 1. headers, 2. descriptions
         metas: dict[int, bytes] = {}
@@ -245,7 +322,7 @@ def exchange(
         t0 = time.perf_counter()
         # 4. the data, piece by piece, from the sender's file mappings straight into the
         # receiver's, a piece hashed while the next ones travel
-        times.update(_data(group, accepted_out, accepted_in, piece_bytes, Pacer(rate)))
+        times.update(_data(group, accepted_out, accepted_in, piece_bytes, Pacer(rate), _run))
         times["data"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         # 5. the receivers' verdicts
@@ -269,16 +346,20 @@ def exchange(
         last_round.clear()
         last_round.update(times)
     except PeerLinkError:
-        _abort(incoming)
+        _keep(waiter, outgoing, incoming)
         raise
     except Exception as e:  # gloo: a reset connection, a timeout
-        _abort(incoming)
+        _keep(waiter, outgoing, incoming)
         raise PeerLinkError(
             f"the peer transfer with ranks {peers} failed: {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else e}"
         ) from e
+    except BaseException:
+        _keep(waiter, outgoing, incoming)
+        raise
     finally:
-        _unmap(outgoing)
+        waiter.close()
+    _unmap(outgoing)
     return sent, got
 
 
@@ -302,7 +383,12 @@ def _describe(o: Outgoing) -> tuple[bytes, int, int]:
 
 
 def _data(
-    group: Any, out: list[Outgoing], inc: list[Incoming], piece: int, pacer: Pacer
+    group: Any,
+    out: list[Outgoing],
+    inc: list[Incoming],
+    piece: int,
+    pacer: Pacer,
+    run: Callable[[list[Any]], None],
 ) -> dict[str, float]:
     """The data, piece by piece, ``WINDOW`` pieces in flight per copy (one when paced):
     a sender's pieces go straight from its files' mappings, a receiver's straight into
@@ -351,18 +437,12 @@ def _data(
     window = 1 if pacer.rate is not None else WINDOW  # paced: one piece at a time
     posted: collections.deque[list[Any]] = collections.deque()
     for k in range(rounds):
-        try:
-            while len(posted) < window and k + len(posted) < rounds:
-                posted.append(post(k + len(posted)))
-            t0 = time.perf_counter()
-            _run(posted.popleft())
-            spent["wire_wait"] += time.perf_counter() - t0
-        except BaseException:
-            for works in posted:  # gloo must be done with the mappings before they go
-                for w in works:
-                    with contextlib.suppress(BaseException):
-                        w.wait()
-            raise
+        # (a failure leaves the pieces posted in gloo's hands: exchange keeps them)
+        while len(posted) < window and k + len(posted) < rounds:
+            posted.append(post(k + len(posted)))
+        t0 = time.perf_counter()
+        run(posted.popleft())
+        spent["wire_wait"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         for s, p in recvs.items():  # hashed while the next pieces travel
             if k < len(p):
@@ -414,18 +494,19 @@ def _why(t: torch.Tensor) -> str | None:
     return bytes(t[3 : 3 + n].numpy()).decode(errors="replace") or "refused"
 
 
-def _run(works: list[Any]) -> None:
-    first: BaseException | None = None
-    for w in works:
-        try:
-            w.wait()
-        except BaseException as e:  # wait for the others too: their buffers are in use
-            first = first or e
-    if first is not None:
-        raise first
-
-
-def _abort(incoming: list[Incoming]) -> None:
+def _keep(waiter: _Waiter, outgoing: list[Outgoing], incoming: list[Incoming]) -> None:
+    """A round failed: nothing of it is committed, and nothing gloo may still read or
+    write (the operations posted, their buffers, the sent files' mappings, the received
+    copies' mappings) is unmapped or freed: kept until the process ends."""
+    kept: list[Any] = list(waiter.works)
+    for o in outgoing:
+        for m in o.maps:
+            with contextlib.suppress(Exception):
+                m.stop()
+        kept.extend(o.maps)
+        o.maps = []
     for i in incoming:
         with contextlib.suppress(Exception):
-            i.dest.abort()
+            kept.extend(i.dest.abandon())
+    with _kept_lock:
+        _kept.extend(kept)

@@ -239,17 +239,29 @@ def commit_part(
             tier=tier,
         )
     if node_index:  # another node's directory: its leader commits it there too
-        data = kv_get(job, index_key(job, eid, spec.seq, tier), job.timeout_s)
-        if data is None:
-            raise SnapshotFailed(
-                f"step {step}: the index of the {tier} tier did not arrive from rank 0",
-                step=step,
-                tier=tier,
-            )
-        index = mf.parse_any(data, where=f"the index of step {step} from rank 0")
-        if not isinstance(index, mf.Index) or index.step != step:
-            raise SnapshotFailed(f"step {step}: rank 0 sent no index of it", step=step)
-        write_index(index)
+        try:
+            data = kv_get(job, index_key(job, eid, spec.seq, tier), job.timeout_s)
+            if data is None:
+                raise SnapshotFailed(
+                    f"step {step}: the index of the {tier} tier did not arrive from rank 0",
+                    step=step,
+                    tier=tier,
+                )
+            index = mf.parse_any(data, where=f"the index of step {step} from rank 0")
+            if not isinstance(index, mf.Index) or index.step != step:
+                raise SnapshotFailed(f"step {step}: rank 0 sent no index of it", step=step)
+            write_index(index)
+        except Exception as e:  # the step is committed on the other ranks all the same
+            with contextlib.suppress(AttributeError):
+                e.snapcore_verdict_ok = True  # type: ignore[attr-defined]
+            raise
+
+
+def verdict_ok(e: BaseException) -> bool:
+    """Whether ``e`` failed a rank's part of a step that the coordinator committed (this
+    rank's own node index not written): what follows every rank's verdict alike (the
+    peer tier's round) still runs on this rank."""
+    return bool(getattr(e, "snapcore_verdict_ok", False))
 
 
 def _coordinate(

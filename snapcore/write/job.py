@@ -22,7 +22,7 @@ from ..planning.layout import Layout
 from ..staging.copy import settle_window
 from ..staging.handle import SaveHandle
 from .chunks import Staged, chunk_list, hash_chunks, hash_window
-from .commit import OutcomeUnknown, ShardedSave, part_ref
+from .commit import OutcomeUnknown, ShardedSave, part_ref, verdict_ok
 from .local import LocalWriter, commit_host
 from .manifest_builder import BlobRecord, ChunkRecord, build_manifest, staged_manifest
 from .upload import Upload
@@ -220,6 +220,17 @@ class PersistJob:
             self.handle.mark_staged()
         return w
 
+    def _peer_round(self, h: SaveHandle) -> None:
+        """The step's peer round, on a rank whose host commit failed after the
+        coordinator's verdict committed the step (its node's index not written): every
+        rank runs one round per such step, so the rounds stay in step; this one sends no
+        copy (its part is gone) and receives its sources'."""
+        assert self.sharded is not None
+        try:
+            self.peer = self.engine.peer_submit(h, self.sharded)
+        except BaseException as e:  # e.g. the engine is closing
+            h.resolve("peer", e)
+
     def _run_whole(self) -> Future[None] | None:
         engine, h = self.engine, self.handle
         w = self._take_window()
@@ -250,7 +261,9 @@ class PersistJob:
                     commit_host(engine.host, s, h, self.sharded)
                 except BaseException as e:
                     h.resolve("host", e)
-                    if "peer" in h.tiers:  # peer tier: nothing to send
+                    if "peer" in h.tiers and verdict_ok(e):  # committed on the other ranks:
+                        self._peer_round(h)  # the round still runs (it sends no copy)
+                    elif "peer" in h.tiers:  # peer tier: nothing to send
                         h.resolve("peer", SnapshotFailed(
                             f"step {h.step}: not sent to the peer tier: the host tier failed "
                             f"({e})", step=h.step, tier="peer"))  # fmt: skip

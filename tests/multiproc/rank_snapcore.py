@@ -530,7 +530,9 @@ def peer_save(a: dict[str, Any]) -> dict[str, Any]:
     outcome, the handle's warnings and the digests. With ``die_when`` (a glob, or a list of
     globs, "$NAME" expanded) and this rank in ``die_ranks``: SIGKILL this process as soon
     as a file matching each exists (the peer tier's receiving file of the step:
-    mid-transfer)."""
+    mid-transfer), or ``die_delay_s`` seconds after. ``tiers``: the save's tiers (all of
+    the store's by default). ``peer_s``: how long the peer tier took to resolve, from the
+    return of ``async_save``."""
     step = a["step"]
     state, model, optim = state_of(a["kind"], a.get("seed", 0), step, a.get("pad_mb", 0))
     torch.manual_seed(1234 + dist.get_rank())
@@ -543,23 +545,28 @@ def peer_save(a: dict[str, Any]) -> dict[str, Any]:
         def watch() -> None:
             while not all(glob.glob(p) for p in patterns):
                 time.sleep(0.0005)
+            time.sleep(a.get("die_delay_s", 0))
             print(f"rank {dist.get_rank()}: SIGKILL mid-transfer ({patterns})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, daemon=True).start()
     try:
-        handle = snapcore.async_save(state, store, step=step)
+        handle = snapcore.async_save(state, store, step=step, tiers=a.get("tiers"))
     except ValueError as e:  # a store this job cannot save to (a peer tier on one node)
         return {"error": f"{type(e).__name__}: {e}"}
+    t0 = time.monotonic()
     tiers: dict[str, str] = {}
+    seconds: dict[str, float] = {}
     for tier in handle.tiers:
         try:
             handle.wait(tier=tier)
             tiers[tier] = "ok"
         except snapcore.SnapcoreError as e:
             tiers[tier] = f"{type(e).__name__}: {e}"
+        seconds[tier] = time.monotonic() - t0
     return {
         "tiers": tiers,
+        "peer_s": seconds.get("peer"),
         "warnings": handle.stats.warnings,
         "digests": saved,
         "pad": models.digest(state["pad"].value) if "pad" in state else None,
@@ -574,6 +581,38 @@ def die(a: dict[str, Any]) -> dict[str, Any]:
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     return {"survived": True}
+
+
+def linger(a: dict[str, Any]) -> dict[str, Any]:
+    """Stay alive (without a collective: a rank may be dead) until ``count`` ranks have
+    come here, or ``max_s`` seconds, then ``after_s`` seconds more: a survivor's exit does
+    not cut the others' rounds."""
+    here = launch.workdir() / "linger"
+    here.mkdir(exist_ok=True)
+    (here / str(dist.get_rank())).touch()
+    deadline = time.monotonic() + a.get("max_s", 60)
+    while len(list(here.iterdir())) < a["count"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(a.get("after_s", 0))  # then a while longer: what gloo does meanwhile
+    return {"lingered": len(list(here.iterdir()))}
+
+
+def fail_node_index(a: dict[str, Any]) -> dict[str, Any]:
+    """On the ranks ``a["ranks"]``, writing a host-memory index of step ``a["step"]``
+    fails (ENOSPC): a node leader's write of its node's index, after the coordinator's
+    verdict committed the step."""
+    from snapcore import directory
+
+    if launch.rank() in a["ranks"]:  # (before the process group, made at the first save)
+        real = directory.Pending.commit
+
+        def commit(self: Any, *args: Any, **kw: Any) -> Any:
+            if self.step == a["step"] and "/dev/shm/" in str(self.store.root):
+                raise OSError(28, "No space left on device (injected)")
+            return real(self, *args, **kw)
+
+        directory.Pending.commit = commit  # type: ignore[method-assign]
+    return {}
 
 
 def unsupported(a: dict[str, Any]) -> dict[str, Any]:
@@ -598,6 +637,8 @@ def unsupported(a: dict[str, Any]) -> dict[str, Any]:
 
 OPS = {
     "die": die,
+    "linger": linger,
+    "fail-node-index": fail_node_index,
     "unsupported": unsupported,
     "peer-save": peer_save,
     "load-alone": load_alone,

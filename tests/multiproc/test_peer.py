@@ -180,6 +180,113 @@ def test_a_partner_killed_mid_transfer_leaves_the_previous_copy_usable(
     assert nodes.copies(1, 0)[-1] == nodes.copies(0, 2)[-1] == 8
 
 
+def test_a_peer_save_every_other_host_save_keeps_the_newest_copy_through_a_failed_transfer(
+    nodes: PeerNodes, tmp_path: Path
+) -> None:
+    """Steps 1 and 3 go to host and peer, step 2 to host only: the sender's slots
+    alternate on every host save, so steps 1 and 3 are in the same slot file. Node 1 is
+    SIGKILLed a second into step 3's transfer (paced to 2 MiB/s, 8 MiB a rank): node 0
+    still holds step 1's copies of node 1's ranks, committed, and its ranks say so."""
+    spec = {
+        "host": "$SNAPCORE_TEST_HOST",
+        "peer": {"max_bytes_per_s": 2 << 20, "piece_bytes": 1 << 20},
+    }
+    save = {"op": "peer-save", "kind": "fsdp2", "store": spec, "pad_mb": 8}
+    runs = nodes.spawn_ranks(
+        [
+            {**save, "step": 1, "tiers": ["host", "peer"]},
+            {**save, "step": 2, "tiers": ["host"]},
+            {
+                **save,
+                "step": 3,
+                "tiers": ["host", "peer"],
+                "die_when": "$SNAPCORE_TEST_SHM/step-000000000003/manifest.json",
+                "die_delay_s": 1.0,
+                "die_ranks": [2, 3],
+                "no_barrier": True,
+            },
+        ],
+        tmp_path / "save",
+    )
+    assert [code for code, _ in runs] == [0, 0, -9, -9], nodes.logs(tmp_path / "save")
+    for rank in (0, 1):
+        first, second, third = runs[rank][1]
+        assert set(first["tiers"].values()) == {"ok"}, first
+        assert set(second["tiers"]) == {"host"}, second
+        assert third["tiers"]["host"] == "ok"
+        assert "peer tier failed" in third["tiers"]["peer"], third
+        assert any("the copy of step 1 stays" in w for w in third["warnings"]), third
+    assert nodes.copies(0, 2) == nodes.copies(0, 3) == [1]  # not uncommitted mid-transfer
+
+
+def test_a_partner_lost_in_a_ring_of_four_fails_every_round_at_once(tmp_path: Path) -> None:
+    """Four nodes of one rank, a ring 0 -> 1 -> 2 -> 3 -> 0; rank 2 is SIGKILLed a second
+    into step 2's transfer (paced). Rank 3, whose source died while it was sending to
+    rank 0, goes on (gloo is never left reading memory that was unmapped); rank 0, whose
+    partner and source are alive but gave up the round, learns it from the job's store
+    and gives up in seconds, not after the peer group's timeout (60 s here)."""
+    spec = {
+        "host": "$SNAPCORE_TEST_HOST",
+        "peer": {"max_bytes_per_s": 2 << 20, "piece_bytes": 1 << 20},
+    }
+    save = {"op": "peer-save", "kind": "fsdp2", "store": spec, "pad_mb": 8}
+    actions = [
+        {**save, "step": 1},
+        {
+            **save,
+            "step": 2,
+            "die_when": "$SNAPCORE_TEST_SHM/step-000000000002/manifest.json",
+            "die_delay_s": 1.0,
+            "die_ranks": [2],
+            "no_barrier": True,
+        },
+        {"op": "linger", "count": 3, "max_s": 90, "after_s": 5},  # no survivor's exit cuts a round
+    ]
+    env = {**ENV, "SNAPCORE_PEER_TIMEOUT_S": "60"}
+    with Nodes(tmp_path / "ring", 4) as ring:
+        runs = ring.spawn(
+            SCRIPT, 1, [json.dumps(actions)], timeout=TIMEOUT, env=env, workdir=tmp_path / "w"
+        )
+    logs = spawn_logs(tmp_path / "w", 4)
+    assert [code for code, _ in runs] == [0, 0, -9, 0], logs
+    for rank in (0, 1, 3):
+        first, second, _ = runs[rank][1]
+        assert set(first["tiers"].values()) == {"ok"}, first
+        assert second["tiers"]["host"] == "ok", second
+        assert "peer tier failed" in second["tiers"]["peer"], second
+        assert second["peer_s"] < 20, (rank, second)
+    assert "gave up the peer transfer" in runs[0][1][1]["tiers"]["peer"], runs[0][1][1]
+    assert all(runs[rank][1][2] == {"lingered": 3} for rank in (0, 1, 3)), runs
+
+
+def test_a_host_commit_failing_on_one_rank_keeps_the_peer_rounds_in_step(
+    nodes: PeerNodes,
+) -> None:
+    """Node 1's leader (rank 2) cannot write its node's index of step 2 (ENOSPC), after
+    the coordinator committed the step: its host tier fails, yet it still takes part in
+    step 2's round (sending no copy, receiving rank 0's), so rank 0 is not left waiting
+    for it, and step 3 reaches every partner."""
+    spec = {"host": "$SNAPCORE_TEST_HOST", "peer": True}
+    save = {"op": "peer-save", "kind": "fsdp2", "store": spec}
+    res = nodes.launch(
+        [
+            {"op": "fail-node-index", "step": 2, "ranks": [2]},
+            *({**save, "step": s} for s in (1, 2, 3)),
+        ]
+    )
+    for rank, (_, first, second, third) in enumerate(res):
+        assert set(first["tiers"].values()) == {"ok"}, (rank, first)
+        assert set(third["tiers"].values()) == {"ok"}, (rank, third)
+        if rank == 2:
+            assert "No space left on device" in second["tiers"]["host"], second
+            assert "peer tier failed" in second["tiers"]["peer"], second
+        else:
+            assert set(second["tiers"].values()) == {"ok"}, (rank, second)
+        assert second["peer_s"] < 15, (rank, second)  # nobody waited for a partner
+    assert any("rank 2's part was not received" in w for w in res[0][2]["warnings"]), res[0]
+    assert nodes.copies(0, 2)[-1] == nodes.copies(1, 0)[-1] == 3
+
+
 def test_a_full_partner_memory_and_a_stale_partner_area_are_reported(nodes: PeerNodes) -> None:
     """Partner copies are capped at 64 KiB (PeerSpec.max_bytes) and each rank's part
     takes 1 MiB: every rank's peer tier fails with "partner memory full", each receiver

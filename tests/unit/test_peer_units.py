@@ -186,6 +186,67 @@ def test_a_copy_that_would_exceed_max_bytes_is_refused_before_anything_changes(
     assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
 
 
+def test_a_copy_into_the_newest_copys_file_leaves_it_committed_until_the_new_one_is(
+    area: Path,
+) -> None:
+    """A peer save every other host save sends the same sender slot each time (step 4
+    and step 6 both in slot-r1-0.bin): the newest committed copy names the very file the
+    next one arrives in. It is received beside it and renamed over it only once whole:
+    a copy cut short leaves the previous one committed and intact."""
+    root = peer_root(area, 1)
+    old, old_data = make_copy(4)
+    receive(root, old, old_data)
+    new, data = make_copy(6, seed=5)
+    assert new.files == old.files  # the same slot file
+    dest = Destination(root, step=6, rank=1, identity=IDENTITY)
+    dest.prepare(new.meta())
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]  # still, mid-transfer
+    dest.write(0, 0, torch.frombuffer(bytearray(data[:40]), dtype=torch.uint8))
+    with pytest.raises(InvalidManifest, match="did not arrive whole"):
+        dest.finish()
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [4]
+    assert (root / "slot-r1-0.bin").read_bytes() == old_data
+    (root / "slot-r1-1.bin").write_bytes(b"x" * 4096)  # a file no committed copy names
+    assert Copy.read(root, 4, 1).part_bytes == old.part_bytes
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
+
+    receive(root, new, data)  # whole: it replaces the newest copy, then commits
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [6]
+    assert not (root / "slot-r1-1.bin").exists()  # dropped: its memory is not held
+    assert (root / "slot-r1-0.bin").read_bytes() == data
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
+    again, _ = make_copy(6, seed=9)  # the same step again (a re-send): the newest stays
+    dest = Destination(root, step=6, rank=1, identity=IDENTITY)
+    dest.prepare(again.meta())
+    dest.abort()
+    assert PeerArea(area, 1).committed_steps(IDENTITY) == [6]
+    assert (root / "slot-r1-0.bin").read_bytes() == data
+
+
+def test_max_bytes_caps_all_of_a_ranks_copies_together(area: Path) -> None:
+    """``PeerSpec.max_bytes`` is what all of one rank's copies take: the namespaces of
+    each of its sources (k=2, or nodes of unequal size), and the copies accepted earlier
+    in the same round (whose memory is not filled yet), counted together."""
+    from snapcore.peer.area import Budget
+
+    copy, data = make_copy(4)
+    roots = [peer_root(area, 1), peer_root(area, 3)]
+    cap = 20 << 10
+    first = Destination(roots[0], step=4, rank=1, identity=IDENTITY, budget=Budget(cap, roots))
+    first.prepare(copy.meta())  # accepted: its file holds no memory yet
+    second = Destination(roots[1], step=4, rank=1, identity=IDENTITY, budget=first.budget)
+    with pytest.raises(SnapcoreError, match="partner memory full"):
+        second.prepare(copy.meta())
+    first.abort()
+    # a later round: the copy held in one namespace counts against the other's
+    receive(roots[0], copy, data, budget=Budget(cap, roots))
+    with pytest.raises(SnapcoreError, match="partner memory full"):
+        receive(roots[1], copy, data, budget=Budget(cap, roots))
+    assert PeerArea(area, 3).committed_steps(IDENTITY) == []
+    receive(roots[1], copy, data, budget=Budget(2 * cap, roots))  # room for both
+    assert PeerArea(area, 3).committed_steps(IDENTITY) == [4]
+
+
 def test_a_stale_area_of_another_store_or_a_newer_step_is_dropped_and_said(area: Path) -> None:
     root = peer_root(area, 1)
     copy, data = make_copy(8)
@@ -513,3 +574,50 @@ def test_a_fetch_cut_short_into_a_held_mapping_commits_nothing_and_unmaps_it(
     finally:
         drop_mappings()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_round_whose_partner_gave_up_is_abandoned_and_what_gloo_holds_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A partner that is alive but gave up the round (its own partner died) never
+    completes this rank's operations: the round asks the job's store (``stop``) while it
+    waits and gives up once the peer tier is disabled elsewhere, instead of waiting for
+    the group's timeout. What gloo may still touch (the operations, with their buffers)
+    is kept, never freed under it."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from snapcore.peer import wire
+    from snapcore.peer.wire import Outgoing, PeerLinkError, exchange
+
+    release = threading.Event()
+
+    class Pending:  # an operation whose partner never takes part
+        def wait(self) -> bool:
+            release.wait()
+            return True
+
+    posted: list[Pending] = []
+
+    def post(*a: Any, **k: Any) -> Pending:
+        posted.append(Pending())
+        return posted[-1]
+
+    monkeypatch.setattr(dist, "isend", post)
+    monkeypatch.setattr(dist, "irecv", post)
+    t0 = time.monotonic()
+    asked: list[float] = []
+
+    def stop() -> str | None:
+        asked.append(time.monotonic() - t0)
+        return "partner rank(s) [2] lost at step 7" if len(asked) >= 3 else None
+
+    try:
+        with pytest.raises(PeerLinkError, match=r"gave up .* disabled on another rank"):
+            exchange(None, [Outgoing(1, None, [], "none")], [], piece_bytes=1 << 20, stop=stop)
+        assert time.monotonic() - t0 < 5 and len(asked) == 3
+        assert posted and all(any(p is k for k in wire._kept) for p in posted)
+    finally:
+        release.set()
