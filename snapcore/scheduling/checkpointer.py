@@ -148,6 +148,9 @@ class Checkpointer:
     A snapshot that fails in the background is logged and raised once, as
     ``SnapshotFailed``, by the next ``step()`` (or ``snapshot_now``/``close``) that sees
     it; training may catch it and go on, and the next snapshot is tried at its usual time.
+    A call that has a snapshot to take takes it first and raises after it: under
+    torch.distributed every rank makes every agreed snapshot, in the same order (the
+    engine pairs the ranks' saves by number; docs/distributed.md).
     """
 
     def __init__(
