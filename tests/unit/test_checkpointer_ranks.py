@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -282,3 +283,35 @@ def test_a_decision_heard_late_is_saved_at_the_current_step(job: Any) -> None:
     assert len(r0.saves) == len(r1.saves) >= 6
     late = [i for i, (a, b) in enumerate(zip(r0.saves, r1.saves, strict=True)) if a != b]
     assert late == [2] and r1.saves[2][0] > r0.saves[2][0]
+
+
+def test_close_sends_the_same_tiers_on_every_rank_whichever_saw_a_failure(job: Any) -> None:
+    """The last step's snapshot failed, and rank 0 saw it before close() (its schedule
+    polls between agreed steps) while rank 1 did not: close() sends it again on no rank
+    rather than on rank 0 alone."""
+    make, clock = job
+    r0, r1 = make()
+    r0.fail_nth.add(2)  # the first decided snapshot fails (seen at once on rank 0)
+    step = 0
+    while len(r0.saves) < 2:
+        run([r0, r1], clock, range(step, step + 1))
+        step += 1
+    r0.ckpt._next_check = -math.inf  # its poll (every 0.5 s) falls at this step
+    run([r0, r1], clock, range(step - 1, step))  # step() again with the same step
+    assert r0.errors and not r1.errors  # rank 0 saw it at that step, rank 1 not yet
+    r0.ckpt.close()
+    r1.ckpt.close()
+    assert r0.saves == r1.saves and len(r0.saves) == 2
+
+
+def test_snapshot_now_is_made_on_every_rank_before_an_earlier_failure_is_raised(
+    job: Any,
+) -> None:
+    make, clock = job
+    r0, r1 = make()
+    r1.fail_nth.add(1)  # the first snapshot fails on rank 1
+    run([r0, r1], clock, range(2))
+    r0.ckpt.snapshot_now({"step": 1}, 1)
+    with pytest.raises(SnapshotFailed, match="step 0"):
+        r1.ckpt.snapshot_now({"step": 1}, 1)
+    assert r0.saves == r1.saves == [(0, ("local",)), (1, ("local",))]
