@@ -397,8 +397,9 @@ class Checkpointer:
         """Snapshot ``state`` as ``step`` to every tier and wait until durable.
 
         Raises ``TimeoutError`` if it is not durable within ``grace_s`` (it goes on in
-        the background), ``SnapshotFailed`` if it (or an earlier one nobody was told of)
-        failed.
+        the background), ``SnapshotFailed`` if it (or an earlier one nobody was told of,
+        raised once this one is durable) failed. Under torch.distributed every rank
+        calls it at the same point, and every rank makes the snapshot.
         """
         if self._closed:
             raise ValueError("snapshot_now() after close() (or after a SIGTERM was handled)")
@@ -666,7 +667,7 @@ class Checkpointer:
             self._made[t] = step
         earlier: SnapshotFailed | None = None
         for _ in range(64):  # each try takes one unreported failure: a few at most
-            number = self._save_number()
+            number = self._save_number() if self._decisions is not None else None
             try:
                 h = api.async_save(
                     state,
