@@ -148,6 +148,9 @@ class Checkpointer:
     A snapshot that fails in the background is logged and raised once, as
     ``SnapshotFailed``, by the next ``step()`` (or ``snapshot_now``/``close``) that sees
     it; training may catch it and go on, and the next snapshot is tried at its usual time.
+    A call that has a snapshot to take takes it first and raises after it: under
+    torch.distributed every rank makes every agreed snapshot, in the same order (the
+    engine pairs the ranks' saves by number; docs/distributed.md).
     """
 
     def __init__(
@@ -233,6 +236,7 @@ class Checkpointer:
         self._last_step: int | None = None  # the last step() call's step and state
         self._last_state: Any = None
         self._sent: dict[str, int] = {}  # tier -> step of the newest snapshot sent there
+        self._made: dict[str, int] = {}  # the same, failed ones too (torch.distributed)
 
         # counters
         self._trained = False  # a slow step() call was seen: a later restore() rolls back
@@ -251,6 +255,7 @@ class Checkpointer:
         self._rank: int | None = None  # None: one process; else this rank (at _begin)
         self._decisions: Decisions | None = None
         self._planned: Decision | None = None  # the next snapshot every rank takes
+        self._final_at: int | None = None  # rank 0: a final snapshot published, not taken
 
         # SIGTERM
         self._sigterm = SigtermGuard(
@@ -324,62 +329,95 @@ class Checkpointer:
         self._tick(step, state, now)
 
     def _follow(self, step: int, state: Any, now: float) -> bool:
-        """Under torch.distributed: take the snapshot every rank agreed to take at
-        ``step`` (rank 0's decision, published ``lead_steps`` ahead). Returns True on a
-        rank other than 0, whose own schedule is not consulted."""
+        """Under torch.distributed: take the snapshots every rank agreed to take at
+        ``step`` (rank 0's decisions, published ``lead_steps`` ahead, in the order
+        published), then the first snapshot of the run (or after a restore), which needs
+        no decision. Returns True on a rank other than 0, whose own schedule is not
+        consulted.
+
+        The engine pairs the ranks' saves by their number, so every rank makes every one
+        of these saves, whatever happened before: a background failure seen meanwhile is
+        raised after them, never instead of them."""
         decisions = self._decisions
         assert decisions is not None
-        planned = self._planned or decisions.next()
-        if planned is not None and step >= planned.step:
-            self._planned = None
-            if step > planned.step:  # the decision came late: the ranks cannot agree now
-                log.error(
-                    "step %d: the snapshot agreed for step %d was missed (the decision "
-                    "arrived late; raise lead_steps): skipped",
-                    step,
-                    planned.step,
-                )
-            elif planned.final:
-                self._agreed_final(step, state)
-                return True
-            else:
-                failure = self._poll()
-                if failure is not None:
-                    raise failure
-                self._save(step, state, planned.tiers, now)
-        elif planned is not None:
-            self._planned = planned
-        if self._rank == 0:
+        if self._closed:
             return False
-        if self._sigterm.pending:  # rank 0 decides the final snapshot: ask it
-            decisions.request_final()
+        failure: SnapshotFailed | None = None
+        while (planned := self._planned or decisions.next()) is not None:
+            if step < planned.step:
+                self._planned = planned
+                break
+            self._planned = None
+            failure = self._take(planned, step, state, now) or failure
+            if self._closed:  # a final snapshot ended this process's Checkpointer
+                return True
         if self._first_due:  # every rank's first step snapshots, with no decision needed
-            self._tick(step, state, now)
-        return True
+            failure = self._first_snapshot(step, state, now) or failure
+        if self._rank != 0 and self._sigterm.pending:  # rank 0 decides the final: ask it
+            decisions.request_final()
+        if failure is not None:
+            raise failure
+        return self._rank != 0
+
+    def _take(self, planned: Decision, step: int, state: Any, now: float) -> SnapshotFailed | None:
+        """Make the agreed snapshot ``planned`` at ``step``; returns an earlier failure
+        to raise once the step's agreed saves are made."""
+        if step > planned.step:
+            # The decision came late: save anyway, at this step, so that the ranks' saves
+            # stay paired; the coordinator refuses a save whose ranks saved other steps,
+            # so this snapshot fails whole (rank 0 saved planned.step).
+            log.error(
+                "step %d: the snapshot agreed for step %d was missed (the decision arrived "
+                "late; raise lead_steps): saved at step %d, where it fails whole",
+                step,
+                planned.step,
+                step,
+            )
+        if planned.final:
+            if self._rank == 0:
+                self._final_at = None
+            self._agreed_final(step, state)
+            return None
+        failure = self._poll()
+        _, earlier = self._save(step, state, planned.tiers, now)
+        return failure or earlier
+
+    def _first_snapshot(self, step: int, state: Any, now: float) -> SnapshotFailed | None:
+        """Under torch.distributed: the first snapshot of the run, or the first after a
+        ``restore()``, which every rank takes at the same call without a decision: to
+        every tier, busy or not (one rank's tiers may be busy and another's not), even
+        with a SIGTERM pending (rank 0 decides the final snapshot after it). Returns an
+        earlier failure to raise after it."""
+        self._first_due = False  # made whatever happens: the saves stay paired
+        failure = self._poll()
+        _, earlier = self._save(step, state, self._tiers, now)
+        return failure or earlier
 
     def snapshot_now(self, state: Any, step: int) -> SaveStats:
         """Snapshot ``state`` as ``step`` to every tier and wait until durable.
 
         Raises ``TimeoutError`` if it is not durable within ``grace_s`` (it goes on in
-        the background), ``SnapshotFailed`` if it (or an earlier one nobody was told of)
-        failed.
+        the background), ``SnapshotFailed`` if it (or an earlier one nobody was told of,
+        raised once this one is durable) failed. Under torch.distributed every rank
+        calls it at the same point, and every rank makes the snapshot.
         """
         if self._closed:
             raise ValueError("snapshot_now() after close() (or after a SIGTERM was handled)")
         self._begin()
         now = self._clock()
-        failure = self._poll()
-        if failure is not None:
-            raise failure
-        h = self._save(step, state, self._tiers, now)
+        failure = self._poll()  # raised after the snapshot (every rank makes it)
+        h, earlier = self._save(step, state, self._tiers, now)
+        failure = failure or earlier
         self._first_due = False
         try:
             stats = h.wait(timeout=self.grace_s)
         except SnapshotFailed:
             self._told(h)  # reaches the caller here: not again from step() or close()
             raise
-        self._poll()
+        failure = failure or self._poll()
         self._schedule_next(self._clock())
+        if failure is not None:
+            raise failure
         return stats
 
     def wait(self, timeout: float | None = None) -> None:
@@ -439,21 +477,20 @@ class Checkpointer:
         step, state = self._last_step, self._last_state
         if step is None:
             return None
-        tiers = [t for t in self._tiers if self._sent.get(t) != step]
+        # Under torch.distributed every rank must make the same saves: the tiers not
+        # tried at that step, which every rank knows alike (whether a snapshot failed
+        # yet is seen at different times on different ranks: it is not sent again).
+        sent = self._made if self._decisions is not None else self._sent
+        tiers = [t for t in self._tiers if sent.get(t) != step]
         if not tiers:
             return None
         failure = self._poll()  # a snapshot of this step that failed is sent again
-        tiers = [t for t in self._tiers if self._sent.get(t) != step]
+        tiers = [t for t in self._tiers if sent.get(t) != step]
         if not tiers:
             return failure
-        try:
-            self._save(step, state, tiers, self._clock())
-        except SnapshotFailed as e:  # an earlier failure, now told: try again once
-            log.error("before the final snapshot: %s", e)
-            failure = failure or e
-            self._save(step, state, tiers, self._clock())
+        _, earlier = self._save(step, state, tiers, self._clock())
         log.info("close: final snapshot of step %d to %s", step, ",".join(tiers))
-        return failure
+        return failure or earlier
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -504,17 +541,13 @@ class Checkpointer:
             self._next_check = math.inf
             log.warning("step() after close(): nothing is snapshotted any more")
             return
-        self._begin()
-        if self._decisions is not None and (
-            self._sigterm.pending or self._decisions.final_requested
-        ):
-            # rank 0 under torch.distributed: every rank takes the final snapshot at
-            # step + lead_steps (once; a planned ordinary snapshot gives way to it)
-            if self._planned is None or not self._planned.final:
-                at = step + self.lead_steps
-                self._decisions.publish(at, self._tiers, final=True)
-                self._planned = Decision(at, self._tiers, final=True)
-            self._next_check = -math.inf
+        if not self._begun:
+            self._begin()
+            # under torch.distributed from now on: this step follows the ranks' agreement
+            if self._decisions is not None and self._follow(step, state, now):
+                return
+        if self._decisions is not None:
+            self._lead(step, state, now)
             return
         if self._sigterm.pending:
             self._final_snapshot(step, state)
@@ -531,16 +564,44 @@ class Checkpointer:
         if now - self._planned_at >= self.replan_s:
             self._replan(now)
         due = self._due(now)
-        if due and self._decisions is not None and not self._first_due:
-            # rank 0: every rank snapshots these tiers at step + lead_steps
-            at = step + self.lead_steps
-            self._decisions.publish(at, due)
-            self._planned = Decision(at, due)
+        earlier = None
+        if due:
+            _, earlier = self._save(step, state, due, now)
+            self._first_due = False
+        self._schedule_next(now)
+        if earlier is not None:  # the snapshot is made; the earlier failure is news
+            raise earlier
+
+    def _lead(self, step: int, state: Any, now: float) -> None:
+        """Rank 0 under torch.distributed: decide. Every rank takes what is published
+        (rank 0 too, in ``_follow``), ``lead_steps`` ahead and after what was published
+        before, so that the agreed steps only grow."""
+        decisions = self._decisions
+        assert decisions is not None
+        if self._sigterm.pending or decisions.final_requested:
+            # a final snapshot to every tier, after any snapshot published before (it is
+            # kept: the other ranks have it queued), once until it is taken
+            if self._final_at is None:
+                self._final_at = max(step + self.lead_steps, decisions.last_step + 1)
+                decisions.publish(self._final_at, self._tiers, final=True)
+            self._next_check = -math.inf
+            return
+        self._trained = True
+        self._meter.steps(step, now)
+        failure = self._poll()
+        if failure is not None:
+            self._next_check = -math.inf  # what was due is still due at the next call
+            raise failure
+        if now >= self._next_alive:
+            self._journal_event("alive")
+            self._next_alive = now + HEARTBEAT_S
+        if now - self._planned_at >= self.replan_s:
+            self._replan(now)
+        due = self._due(now)
+        if due:  # every rank snapshots these tiers lead_steps ahead
+            decisions.publish(max(step + self.lead_steps, decisions.last_step + 1), due)
             for t in due:  # begun, as far as the schedule is concerned
                 self._last_begin[t] = now
-        elif due:
-            self._save(step, state, due, now)
-            self._first_due = False
         self._schedule_next(now)
 
     def _due(self, now: float) -> tuple[str, ...]:
@@ -592,34 +653,63 @@ class Checkpointer:
         if self._sigterm.pending:  # a SIGTERM between the two lines above
             self._next_check = -math.inf
 
-    def _save(self, step: int, state: Any, tiers: Iterable[str], now: float) -> SaveHandle:
+    def _save(
+        self, step: int, state: Any, tiers: Iterable[str], now: float
+    ) -> tuple[SaveHandle, SnapshotFailed | None]:
+        """Snapshot ``state`` as ``step`` to ``tiers``. Returns the handle and an earlier
+        snapshot's failure that the engine raised instead of saving (told now, for the
+        caller to raise once the save is made): the save is then tried again, unless the
+        engine's sharded save number moved (the save was begun and failed on every rank,
+        snapcore/write: trying again would pair this rank's next save with the others'
+        next agreed one)."""
         tiers = with_peer(self.store, tuple(tiers), planned=self._tiers)
-        try:
-            h = api.async_save(
-                state,
-                self.store,
-                step=step,
-                tiers=tiers,
-                overlap=self.overlap,
-                budget_bytes=self.budget_bytes,
-            )
-        except SnapshotFailed as e:
-            # An earlier snapshot failed after our last look: the engine raises it now.
-            # Its other tiers' failures are the same news, so they are not raised again.
-            for r in self._pending:
-                if r.handle.step == e.step:
-                    self._drain(r)
-                    r.told = True
-            raise
+        for t in tiers:  # tried, whatever comes of it (close() under torch.distributed)
+            self._made[t] = step
+        earlier: SnapshotFailed | None = None
+        for _ in range(64):  # each try takes one unreported failure: a few at most
+            number = self._save_number() if self._decisions is not None else None
+            try:
+                h = api.async_save(
+                    state,
+                    self.store,
+                    step=step,
+                    tiers=tiers,
+                    overlap=self.overlap,
+                    budget_bytes=self.budget_bytes,
+                )
+                break
+            except SnapshotFailed as e:
+                if e.tier is None:  # this save's own failure (a rank's refusal, say)
+                    raise
+                # An earlier snapshot failed after our last look: the engine raises it now.
+                # Its other tiers' failures are the same news, so they are not raised again.
+                for r in self._pending:
+                    if r.handle.step == e.step:
+                        self._drain(r)
+                        r.told = True
+                if self._decisions is not None and self._save_number() != number:
+                    raise  # begun: the engine failed it on every rank
+                log.error("before the snapshot of step %d: %s", step, e)
+                earlier = earlier or e
+        else:
+            raise earlier or SnapshotFailed(f"cannot save step {step}", step=step)
         self._meter.stalled(h.stats.stall_s)
         for t in h.tiers:  # the engine adds local to a remote snapshot (uploads read it)
             self._last_begin[t] = now
             self._per_tier[t] = self._per_tier.get(t, 0) + 1
             self._sent[t] = step
+            self._made[t] = step
         self._snapshots += 1
         self._pending.append(_InFlight(h))
         log.debug("step %d: snapshot to %s (stall %.3fs)", step, ",".join(h.tiers), h.stats.stall_s)
-        return h
+        return h, earlier
+
+    def _save_number(self) -> int | None:
+        """The engine's count of sharded saves of this store (None before the first)."""
+        from ..write.engine import engine_for
+
+        sharder = getattr(engine_for(self.store), "_sharder", None)
+        return getattr(sharder, "seq", None)
 
     def _poll(self) -> SnapshotFailed | None:
         """Record snapshots that finished (without blocking): persist latency per tier, a
@@ -756,7 +846,9 @@ class Checkpointer:
         job = current_job()  # a collective the first time: every rank begins alike
         if job is not None:
             self._rank = job.rank
-            self._decisions = Decisions(job, on_final_request=self._on_sigterm)
+            self._decisions = Decisions(
+                job, on_final_request=self._on_sigterm, linger_s=max(60.0, 2 * self.grace_s)
+            )
         self._run_start = self._clock()
         for t in self._intervals:
             self._last_begin[t] = self._run_start
@@ -807,7 +899,7 @@ class Checkpointer:
         if self._decisions is not None:
             self._decisions.final_requested = False  # answered
         try:
-            h = self._save(step, state, self._tiers, self._clock())
+            h, _ = self._save(step, state, self._tiers, self._clock())  # earlier: logged
             self._told(h)
             h.wait(timeout=self.grace_s)
         except (SnapcoreError, OSError) as e:  # TimeoutError is an OSError
@@ -824,11 +916,7 @@ class Checkpointer:
         try:
             if (failure := self._poll()) is not None:
                 log.error("before the final snapshot: %s", failure)
-            try:
-                h = self._save(step, state, self._tiers, self._clock())
-            except SnapshotFailed as e:  # an earlier failure, now told: try again once
-                log.error("before the final snapshot: %s", e)
-                h = self._save(step, state, self._tiers, self._clock())
+            h, _ = self._save(step, state, self._tiers, self._clock())  # earlier: logged
             self._told(h)
             h.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - term_at)))
             durable = True
@@ -839,7 +927,9 @@ class Checkpointer:
             self._journal_event(
                 "exit", clean=True, reason="sigterm", step=step, durable=durable, grace_left=left
             )
-            self._shutdown()
+            # the signal ends this process next: a rank other than 0 does not wait for
+            # rank 0's next decision (its listener stops within a short slice, or is left)
+            self._shutdown(join_s=1.0)
         self._sigterm.resend()  # now handled as it would have been
 
     def _grace_expired(self) -> None:
@@ -847,14 +937,15 @@ class Checkpointer:
         guard hands the signal on without a snapshot (the state may be mid-update)."""
         self._journal_event("exit", clean=False, reason="sigterm: no step() within grace")
 
-    def _shutdown(self) -> None:
-        """Stop for good: no more snapshots, the handler given back, the journal closed."""
+    def _shutdown(self, join_s: float | None = None) -> None:
+        """Stop for good: no more snapshots, the handler given back, the journal closed.
+        ``join_s``: how long a rank other than 0 waits for its decisions' listener."""
         self._closed = True
         self._next_check = math.inf
         self._last_state = None  # the state is the caller's again (no reference kept)
         self._sigterm.release()
         if self._decisions is not None:
-            self._decisions.close()
+            self._decisions.close(join_s=join_s)
         if self._journal is not None:
             self._journal.close()
             self._journal = None

@@ -6,15 +6,21 @@ tiers at step ``s + lead``" under a numbered key in snapcore's key-value store (
 TCPStore rank 0 serves, never a collective). Every other rank has a thread that waits
 for the next numbered key and queues the decision; its ``Checkpointer.step()`` only
 compares its step with the queued one, so a step with nothing due costs a few attribute
-reads, and no rank ever talks to another on the training thread. A rank that reaches the
-agreed step before the decision arrived (steps shorter than the store's latency times
-``lead``) logs it and skips that snapshot; the commit of a step needs every rank's part,
-so a snapshot the ranks disagree on fails whole instead of mixing steps.
+reads, and no rank ever talks to another on the training thread. Rank 0 queues what it
+publishes for itself too, so every rank takes the same decisions in the same order: the
+engine pairs the ranks' saves by their number, not their step, so every rank must make
+every agreed save. A rank that passed the agreed step before the decision arrived
+(steps shorter than the store's latency times ``lead``) logs it and saves at its current
+step anyway: the coordinator refuses a save whose ranks saved different steps, so that
+snapshot fails whole, and the saves stay paired.
 
 A SIGTERM is a decision too: a rank that receives one asks rank 0 (an atomic add on a
 key rank 0's watcher thread waits for); rank 0, at its next step, publishes a *final*
-snapshot at ``step + lead`` that every rank takes; the ranks that received the signal
-then pass it on, as one process does.
+snapshot, after any snapshot it published before, that every rank takes; the ranks that
+received the signal then pass it on, as one process does. After a final decision a
+listener waits for the next one in short slices (``FINAL_POLL_S``) for a while
+(``linger_s``), so that a rank ending by its signal can stop its listener at once
+instead of waiting for rank 0 to publish again.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import datetime
 import itertools
 import json
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,6 +43,9 @@ if TYPE_CHECKING:  # the scheduling package stays torch-free below the Checkpoin
 log = logging.getLogger(__name__)
 
 _ids = itertools.count(1)  # Checkpointers of this process, in creation order
+
+LONG_WAIT = datetime.timedelta(hours=1)  # a listener's wait for the next decision
+FINAL_POLL_S = 0.2  # ... in slices of this after a final decision (for ``linger_s``)
 
 
 @dataclass(frozen=True)
@@ -49,10 +60,18 @@ class Decision:
 class Decisions:
     """The snapshot decisions of one Checkpointer of the job (see the module docstring)."""
 
-    def __init__(self, job: Job, on_final_request: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        job: Job,
+        on_final_request: Callable[[], None] | None = None,
+        *,
+        linger_s: float = 60.0,
+    ) -> None:
         self.job = job
         self.cid = next(_ids)  # the same on every rank: they make Checkpointers alike
         self._sent = 0
+        self.last_step = -1  # rank 0: the step of the newest decision published
+        self.linger_s = linger_s  # how long a listener polls after a final decision
         self._queue: collections.deque[Decision] = collections.deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -67,8 +86,11 @@ class Decisions:
         return self.job.key("ckpt", self.cid, n)
 
     def publish(self, step: int, tiers: tuple[str, ...], *, final: bool = False) -> None:
-        """Rank 0: every rank snapshots ``tiers`` at ``step`` (``final``: a SIGTERM's)."""
+        """Rank 0: every rank snapshots ``tiers`` at ``step`` (``final``: a SIGTERM's).
+        Rank 0 queues it for itself too: it takes the decisions as every rank does."""
         self._send({"step": step, "tiers": list(tiers), "final": final})
+        self._queue.append(Decision(step, tuple(tiers), final))
+        self.last_step = max(self.last_step, step)
 
     def request_final(self) -> None:
         """This rank received a SIGTERM: ask rank 0 for a final snapshot (once)."""
@@ -109,10 +131,13 @@ class Decisions:
 
     def _listen(self) -> None:
         n = 0
+        short_until = -math.inf  # after a final decision: short waits until then
         while not self._stop.is_set():
             key = self._key(n)
+            short = self._asked or time.monotonic() < short_until
             try:
-                self.job.kv.wait([key], datetime.timedelta(hours=1))
+                wait = datetime.timedelta(seconds=FINAL_POLL_S) if short else LONG_WAIT
+                self.job.kv.wait([key], wait)
                 got = json.loads(self.job.kv.get(key))
             except Exception as e:  # a timeout: wait again; a lost store: the job is over
                 if self._stop.is_set() or "timeout" not in str(e).lower():
@@ -122,15 +147,21 @@ class Decisions:
                 continue
             if got.get("stop"):
                 return
-            self._queue.append(
-                Decision(int(got["step"]), tuple(got["tiers"]), bool(got.get("final")))
-            )
+            decision = Decision(int(got["step"]), tuple(got["tiers"]), bool(got.get("final")))
+            if decision.final:
+                # A rank that ends by its signal after this snapshot stops its listener
+                # (close()): it must not be blocked in the store for long then.
+                short_until = time.monotonic() + self.linger_s
+            self._queue.append(decision)
             n += 1
 
-    def close(self) -> None:
+    def close(self, join_s: float | None = None) -> None:
         """Rank 0 tells the other ranks that no decision follows; they wait for that (up
         to the commit timeout), so that no thread is left blocked in the store when the
-        process exits (torch aborts the process then)."""
+        process exits (torch aborts the process then). After a final decision another
+        rank's listener waits in short slices (also once this rank asked for a final
+        snapshot): its ``close()`` returns within one. ``join_s`` bounds the wait (a rank
+        ending by its signal: the listener is a daemon thread)."""
         self._stop.set()
         if self.job.rank == 0:
             try:
@@ -140,4 +171,4 @@ class Decisions:
             except Exception as e:  # the others' listeners end with their processes
                 log.warning("cannot tell the ranks that the Checkpointer closed: %s", e)
         if self._thread is not None:
-            self._thread.join(self.job.timeout_s)
+            self._thread.join(self.job.timeout_s if join_s is None else join_s)

@@ -525,6 +525,94 @@ def sigterm(a: dict[str, Any]) -> dict[str, Any]:
     return {"last_step": a["steps"] - 1, "survived": True}
 
 
+def ckpt_across(a: dict[str, Any]) -> dict[str, Any]:
+    """A training loop of ``a["steps"]`` steps (an all_reduce each, ``step_s`` apart) with
+    a Checkpointer (``max_interval_s``, ``lead``, ``grace_s``), and one thing going wrong:
+
+    ``fail``: ``[R, N]``: rank R's local directory cannot begin its Nth step (ENOSPC);
+    the loop catches the SnapshotFailed that follows, as the docs advise, and goes on.
+    ``late``: ``[R, N, K]``: rank R hears rank 0's Nth decision K ``step()`` calls late.
+    ``term_at``: each rank's step (or None) before whose ``step()`` it sends itself a
+    SIGTERM. ``term_when_planned``: every rank sends itself a SIGTERM at the first step
+    after 20 at which rank 0 has an ordinary snapshot published but not yet taken.
+
+    Reports (before each ``step()``, which may end the process by the signal) the steps
+    snapshotted, the step and time of the current call, and the errors raised."""
+    from snapcore.directory import LocalDirectory
+    from snapcore.scheduling import decisions as dmod
+
+    state, _, _ = state_of(a["kind"], a.get("seed", 0), 0)
+    rank = dist.get_rank()
+    if a.get("fail") and a["fail"][0] == rank:
+        real_begin, calls = LocalDirectory.begin, [0]
+
+        def begin(self: Any, step: int) -> Any:
+            calls[0] += 1
+            if calls[0] == a["fail"][1]:
+                print(f"rank {rank}: injected ENOSPC beginning step {step}", flush=True)
+                raise OSError(28, "No space left on device (injected)")
+            return real_begin(self, step)
+
+        LocalDirectory.begin = begin  # type: ignore[method-assign]
+    if a.get("late") and a["late"][0] == rank:
+        real_next, held = dmod.Decisions.next, {"got": 0, "d": None, "calls": 0}
+
+        def next_(self: Any) -> Any:
+            if held["d"] is not None:
+                held["calls"] += 1
+                if held["calls"] <= a["late"][2]:
+                    return None
+                d, held["d"] = held["d"], None
+                return d
+            d = real_next(self)
+            if d is not None:
+                held["got"] += 1
+                if held["got"] == a["late"][1]:
+                    print(f"rank {rank}: holding the decision for step {d.step}", flush=True)
+                    held["d"] = d
+                    return None
+            return d
+
+        dmod.Decisions.next = next_  # type: ignore[method-assign]
+    terms = a.get("term_at") or [None] * dist.get_world_size()
+    ckpt = snapcore.Checkpointer(
+        store_of(a),
+        max_interval_s=a.get("max_interval_s", 3600),
+        lead_steps=a.get("lead", 2),
+        grace_s=a.get("grace_s", 30),
+        replan_s=0.05,
+        handle_sigterm=bool(a.get("term_at") or a.get("term_when_planned")),
+    )
+    seen: list[int] = []
+    errors: list[Any] = []
+    flagged = False
+    for step in range(a["steps"]):
+        t = torch.ones(1)
+        if a.get("term_when_planned") and rank == 0 and step > 20 and not flagged:
+            queue = ckpt._decisions._queue if ckpt._decisions is not None else []
+            if any(not d.final for d in [*queue, *filter(None, [ckpt._planned])]):
+                flagged = True
+                t[0] = 100  # every rank learns it from this step's all_reduce
+        try:
+            dist.all_reduce(t)
+        except RuntimeError:  # another rank ended (by its signal)
+            return {"snapshot_steps": seen, "errors": errors, "peer_gone": [step, time.time()]}
+        time.sleep(a.get("step_s", 0.02))
+        state["step"] = step
+        if step == terms[rank] or t.item() > 50:
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded by the handler, nothing more
+        before = ckpt.stats().snapshots
+        launch.report([{"snapshot_steps": seen, "last_step": step, "at": time.time()}])
+        try:
+            ckpt.step(step, state)
+        except snapcore.SnapcoreError as e:
+            errors.append([step, type(e).__name__, str(e)[:300]])
+        if ckpt.stats().snapshots != before:
+            seen.append(step)
+    ckpt.close()
+    return {"snapshot_steps": seen, "errors": errors, "snapshots": ckpt.stats().snapshots}
+
+
 def peer_save(a: dict[str, Any]) -> dict[str, Any]:
     """Save step N (with a rank-local pad of ``pad_mb`` MiB) and report each tier's
     outcome, the handle's warnings and the digests. With ``die_when`` (a glob, or a list of
@@ -651,6 +739,7 @@ OPS = {
     "moved": moved,
     "early-verdict": early_verdict,
     "checkpointer": checkpointer,
+    "ckpt-across": ckpt_across,
     "dcp-vs-snapcore": dcp_vs_snapcore,
 }
 
@@ -661,7 +750,9 @@ def main(actions: list[dict[str, Any]]) -> None:
         out.append(OPS[a["op"]](a))
         launch.report(out)
     snapcore.close()  # every snapshot waited for, its failures raised here
-    if not any(a["op"] in ("kill-save", "sigterm") or a.get("no_barrier") for a in actions):
+    if not any(
+        a["op"] in ("kill-save", "sigterm", "ckpt-across") or a.get("no_barrier") for a in actions
+    ):
         models.shutdown()  # (else the dead rank cannot join a barrier: leave without one)
     # Nothing of snapcore's is left to run: skip the interpreter's teardown, where gloo's
     # threads sometimes abort a process (models.py, quirks).

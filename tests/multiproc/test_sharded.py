@@ -629,6 +629,118 @@ def test_a_sigterm_gives_one_final_snapshot_of_the_same_step_on_every_rank(
     assert snapcore.load(store)["step"] == 22
 
 
+# -- the Checkpointer across ranks: every rank makes every agreed save, in order ----------
+# The engine pairs the ranks' saves by a per-save number: one rank leaving a save out
+# pairs every later save with another rank's (each then fails after the commit timeout,
+# and the next plan exchange ends the job). Each run: 2 ranks, a short commit timeout,
+# a hard process timeout.
+
+CKPT_TIMEOUT = 60.0
+
+
+def _ckpt(
+    tmp_path: Path, commit_timeout_s: float = 5, **action: Any
+) -> tuple[Path, list[tuple[int | None, dict[str, Any]]], str]:
+    """Run the "ckpt-across" op on 2 plain processes: the store, each rank's (exit
+    status, last report), the logs."""
+    store = tmp_path / "store"
+    a = {"op": "ckpt-across", "kind": "fsdp2", "store": str(store), **action}
+    workdir = tmp_path / "run"
+    out = spawn_nodes(
+        SCRIPT,
+        2,
+        [json.dumps([a])],
+        timeout=CKPT_TIMEOUT,
+        node_envs=[{}],
+        env={"SNAPCORE_COMMIT_TIMEOUT_S": str(commit_timeout_s)},
+        workdir=workdir,
+    )
+    logs = spawn_logs(workdir, 2)
+    return store, [(code, res[-1] if res else {}) for code, res in out], logs
+
+
+def test_a_caught_background_failure_on_one_rank_keeps_every_later_snapshot(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's third local save fails (ENOSPC) and the loop catches the SnapshotFailed,
+    as the docs advise. Rank 1 hears of it at an agreed step, rank 0 often earlier at a
+    step with no save: each makes the agreed save before raising, so the saves stay
+    paired and every later snapshot commits."""
+    store, [(c0, r0), (c1, r1)], logs = _ckpt(
+        tmp_path, steps=120, max_interval_s=0.3, step_s=0.05, fail=[1, 3]
+    )
+    assert c0 == c1 == 0, logs
+    assert r0["snapshot_steps"] == r1["snapshot_steps"], logs
+    assert [e[1] for e in r1["errors"]] == ["SnapshotFailed"], logs  # once
+    steps = r0["snapshot_steps"]
+    assert len(steps) >= 6, logs
+    assert LocalDirectory(store).committed_steps() == sorted({*steps, 119})[-3:], logs
+
+
+@pytest.mark.parametrize("term_at", [[0, 1], [2, 0]], ids=["rank0", "rank1"])
+def test_a_sigterm_before_the_first_step_gives_the_first_and_a_final_snapshot(
+    tmp_path: Path, term_at: list[int]
+) -> None:
+    """A SIGTERM reaches a rank before its first step() (the other rank's comes a step or
+    two later): every rank takes the first snapshot, then rank 0 alone decides the
+    final one, which both take before passing the signal on."""
+    store, [(c0, r0), (c1, r1)], logs = _ckpt(tmp_path, steps=100, step_s=0.05, term_at=term_at)
+    assert c0 == c1 == -signal.SIGTERM, logs
+    final = r0["last_step"]
+    assert r1["last_step"] == final and final >= 2, logs
+    assert LocalDirectory(store).committed_steps() == [0, final], logs
+    assert snapcore.load(store)["step"] == final
+
+
+def test_a_sigterm_while_an_ordinary_snapshot_is_published_keeps_it_then_the_final(
+    tmp_path: Path,
+) -> None:
+    """Both ranks get SIGTERM while rank 0 has published an ordinary snapshot that is not
+    taken yet: every rank takes it, then the final one, published after it."""
+    store, [(c0, r0), (c1, r1)], logs = _ckpt(
+        tmp_path, steps=300, max_interval_s=0.3, step_s=0.05, lead=4, term_when_planned=True
+    )
+    assert c0 == c1 == -signal.SIGTERM, logs
+    final = r0["last_step"]
+    assert r1["last_step"] == final, logs
+    assert r0["snapshot_steps"] == r1["snapshot_steps"], logs
+    ordinary = r0["snapshot_steps"][-1]  # taken before the final step's report
+    assert 20 < ordinary < final, logs
+    assert LocalDirectory(store).committed_steps()[-2:] == [ordinary, final], logs
+    assert snapcore.load(store)["step"] == final
+
+
+def test_a_decision_heard_late_fails_that_snapshot_whole_and_no_other(tmp_path: Path) -> None:
+    """Rank 1 hears rank 0's second decision three step() calls late: it saves at its
+    current step, the coordinator refuses that snapshot (the ranks saved other steps),
+    and the saves stay paired: every later snapshot commits."""
+    store, [(c0, r0), (c1, r1)], logs = _ckpt(
+        tmp_path, steps=120, max_interval_s=0.3, step_s=0.05, late=[1, 2, 3]
+    )
+    assert c0 == c1 == 0, logs
+    steps0, steps1 = r0["snapshot_steps"], r1["snapshot_steps"]
+    assert len(steps0) == len(steps1) >= 6, logs
+    late = steps0[2]  # the first snapshot, then the first decision's, then this one
+    assert steps1[2] > late and steps0[3:] == steps1[3:], logs
+    assert any("another step" in e[2] for e in r0["errors"] + r1["errors"]), logs
+    committed = LocalDirectory(store).committed_steps()
+    assert committed == sorted({*steps0[3:], 119})[-3:], logs
+
+
+def test_a_rank_ended_by_its_signal_does_not_linger_while_rank_0_goes_on(tmp_path: Path) -> None:
+    """Only rank 1 gets SIGTERM: both take the final snapshot, rank 1 passes the signal on
+    at once (not after the commit timeout, 30 s here, waiting for rank 0's next
+    decision); rank 0 goes on until its next all_reduce finds rank 1 gone."""
+    store, [(c0, r0), (c1, r1)], logs = _ckpt(
+        tmp_path, commit_timeout_s=30, steps=1000, step_s=0.05, term_at=[None, 10]
+    )
+    assert c1 == -signal.SIGTERM and c0 == 0, logs
+    assert "peer_gone" in r0, logs
+    final = r1["last_step"]
+    assert final in LocalDirectory(store).committed_steps(), logs
+    assert r0["peer_gone"][1] - r1["at"] < 10, logs
+
+
 def test_the_coordinator_killed_after_committing_loses_nothing(tmp_path: Path) -> None:
     """Rank 0 dies right after writing the index: rank 1 may not have its verdict, but its
     part is in a committed step and must stay (the step restores whole)."""
