@@ -88,6 +88,7 @@ class Engine:
         self._remote_collected = False
         self._slot_steps: list[set[int]] = [set(), set()]  # host steps held by each slot
         self._slot_last: int | None = None  # the slot staged into last
+        self._slot_handle: list[SaveHandle | None] = [None, None]  # the last save of each
         self._writer_lock: str | None = None  # the lock file this engine holds (a share)
         self._sharder: Sharder | None = None  # the save plan, under torch.distributed
         self._eid = 0  # this engine's number in the job's key space (write/commit.py)
@@ -243,6 +244,7 @@ class Engine:
         if sharded is None:  # the snapshot that used this slot may have failed
             self._raise_unreported()
         if self.host is not None:
+            self._await_other_slot(slot)
             # Its host snapshots become invisible before their memory is overwritten.
             self.host.uncommit_steps(self._slot_steps[slot])
             self._slot_steps[slot] = {step}
@@ -266,7 +268,7 @@ class Engine:
         if sharded is not None:
             sharded.handed = True
         self._slot_free[slot] = slot_free
-        self._slot_last = slot
+        self._slot_last, self._slot_handle[slot] = slot, handle
         self._handles.append(handle)
         progress = None
         try:
@@ -528,6 +530,26 @@ class Engine:
         if fut is not None:
             fut.result()
         return slot  # (``_slot_last`` once a save is handed over in it)
+
+    def _await_other_slot(self, slot: int) -> None:
+        """Before ``slot``'s host snapshots are uncommitted: wait until the save staged
+        last into the other slot has its host outcome, so that the host tier keeps a
+        committed snapshot meanwhile (that save's host commit may still be under way: a
+        sharded one waits for every rank's part and the coordinator). Bounded by the
+        commit timeout (``SNAPCORE_COMMIT_TIMEOUT_S``); past it, or if that save failed
+        in host memory, the host tier holds no snapshot until this one commits."""
+        other = self._slot_handle[1 - slot]
+        if other is None or "host" not in other.tiers or other.done("host"):
+            return
+        limit = settings.commit_timeout_s()
+        if not other.settle("host", limit):
+            log.warning(
+                "step %d has no host-memory outcome after %g s (SNAPCORE_COMMIT_TIMEOUT_S): "
+                "slot %d's host snapshots are uncommitted before it commits",
+                other.step,
+                limit,
+                slot,
+            )
 
     def _prepare_slot(self, slot: int, size: int, device: int | None) -> Future[None] | None:
         """Allocate and fault a slot's arena in the background (off the training thread)
