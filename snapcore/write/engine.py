@@ -88,6 +88,8 @@ class Engine:
         self._remote_collected = False
         self._slot_steps: list[set[int]] = [set(), set()]  # host steps held by each slot
         self._slot_last: int | None = None  # the slot staged into last
+        # a sharded save made by the last call, which then raised an earlier failure
+        self._made: SaveHandle | None = None
         self._slot_handle: list[SaveHandle | None] = [None, None]  # the last save of each
         self._writer_lock: str | None = None  # the lock file this engine holds (a share)
         self._sharder: Sharder | None = None  # the save plan, under torch.distributed
@@ -139,8 +141,11 @@ class Engine:
         # process (LOCAL_RANK 0) holds the writer lock and claims the area for them.
         first = djob is None or _local_rank(djob) == 0
         with self._lock:
+            made, self._made = self._made, None
             if djob is None:  # a sharded save raises it once handed over (_sharded_save)
                 self._raise_unreported()
+            elif made is not None and made.step == step and made.tiers == want:
+                return made  # made by the last call, which raised an earlier failure
             # Before anything is touched: a second writer fails.
             if self.local is not None and first:
                 self._hold_writer_lock(self.local.root)
@@ -183,14 +188,19 @@ class Engine:
         save of that number fails at once, not after the commit timeout); a failure nobody
         saw (an earlier snapshot's) is raised only after this save was handed over: a rank
         that skipped a save the others make would fail theirs, and their failure would
-        then be raised at their next save, failing this rank's, and so on."""
+        then be raised at their next save, failing this rank's, and so on. A caller that
+        calls again for the same step and tiers right after that (to try again, as in one
+        process) gets this save's handle: a second save on this rank alone would be
+        paired with the others' next one."""
         try:
             handle = self._save(sharded, sharded.spec.layout, flat, step, want, overlap, budget, t0)
         except BaseException as e:
             if not sharded.handed:  # else the persist job tells its own failure
                 self._tell_failure(sharded, step, e)
             raise
+        self._made = handle
         self._raise_unreported(but=handle)
+        self._made = None
         return handle
 
     @staticmethod

@@ -728,9 +728,13 @@ def injected(a: dict[str, Any]) -> dict[str, Any]:
     ``a["rank"]`` at step ``a["at"]``, ``a["fail"]`` saying where: "local-write" (its
     local data write raises EIO, on the persist thread), "arena" (its arena cannot be
     made: MemoryError on the training thread, after the save took its number) or
-    "host-part" (its part file in host memory: ENOSPC, on the hash thread). With
+    "host-part" (its part file in host memory: ENOSPC, on the hash thread); with
+    "local-write" and ``a["slow"]``, the other ranks' local writes of that step take
+    that many seconds more (they learn of the failure later). With
     ``a["settle"]``, that rank waits for the failed save's outcome before its next
-    call; the other ranks call at once. With ``a["wait_each"]``, each save's tiers are
+    call; the other ranks call at once. With ``a["retry"]``, a call that raised
+    ``SnapshotFailed`` is made again (an earlier failure, now told: as
+    ``Checkpointer.close`` does). With ``a["wait_each"]``, each save's tiers are
     waited for before the next call, else after the last. Reports per step how the call
     ended ("handed", or the error), each tier's outcome ("ok" or the error) with the
     seconds from the call, and what ``snapcore.wait_all`` raised at the end."""
@@ -753,6 +757,15 @@ def injected(a: dict[str, Any]) -> dict[str, Any]:
             return real_write(self, *args, **kw)
 
         write_job.LocalWriter.write = write  # type: ignore[method-assign]
+    elif fail == "local-write" and a.get("slow"):  # the others learn of it later
+        real_slow = write_job.LocalWriter.write
+
+        def slow(self: Any, *args: Any, **kw: Any) -> Any:
+            if self.s.step == at:
+                time.sleep(a["slow"])
+            return real_slow(self, *args, **kw)
+
+        write_job.LocalWriter.write = slow  # type: ignore[method-assign]
     elif mine and fail == "arena":
         real_arena = write_engine.Engine._arena
         steps = iter(range(1, a["steps"] + 1))
@@ -799,6 +812,9 @@ def injected(a: dict[str, Any]) -> dict[str, Any]:
         except (snapcore.SnapcoreError, MemoryError) as e:
             h = None
             calls.append(f"{type(e).__name__}: {e}")
+            if a.get("retry") and isinstance(e, snapcore.SnapshotFailed):
+                h = snapcore.async_save(state, store, step=step)  # as Checkpointer.close
+                calls[-1] += " | again: handed"
         handles.append((h, t0))
         if a.get("wait_each"):
             tiers.append(outcome(h, t0) if h is not None else None)
