@@ -5,7 +5,8 @@ hand the snapshot to the persist thread (host memory, local disk) and the upload
 One ``Engine`` per store owns its arenas (allocated and faulted once, reused), its
 threads, and the handles of snapshots in flight. With a host-memory tier there are two
 arena slots in /dev/shm, so a new snapshot is staged while the previous one is still being
-written, and the last committed one is never overwritten.
+written, and the last committed one is not overwritten: a save that reuses a slot waits
+first, at most the commit timeout, for the other slot's host commit (``_await_other_slot``).
 """
 
 from __future__ import annotations
