@@ -729,8 +729,9 @@ def injected(a: dict[str, Any]) -> dict[str, Any]:
     local data write raises EIO, on the persist thread), "arena" (its arena cannot be
     made: MemoryError on the training thread, after the save took its number) or
     "host-part" (its part file in host memory: ENOSPC, on the hash thread); with
-    "local-write" and ``a["slow"]``, the other ranks' local writes of that step take
-    that many seconds more (they learn of the failure later). With
+    "local-write", ``a["fail_after"]`` seconds pass before it raises, and with
+    ``a["slow"]`` the other ranks' local writes of that step take that many seconds
+    more (they learn of the failure later). With
     ``a["settle"]``, that rank waits for the failed save's outcome before its next
     call; the other ranks call at once. With ``a["retry"]``, a call that raised
     ``SnapshotFailed`` is made again (an earlier failure, now told: as
@@ -753,6 +754,7 @@ def injected(a: dict[str, Any]) -> dict[str, Any]:
 
         def write(self: Any, *args: Any, **kw: Any) -> Any:
             if self.s.step == at:
+                time.sleep(a.get("fail_after", 0))  # (its host part announced meanwhile)
                 raise OSError(errno.EIO, "Input/output error (injected)")
             return real_write(self, *args, **kw)
 

@@ -992,7 +992,8 @@ def _injected(tmp_path: Path, spec: Any, **op: Any) -> list[dict[str, Any]]:
 def test_a_save_that_failed_on_one_rank_leaves_the_ranks_saves_in_step(
     tmp_path: Path, retry: bool
 ) -> None:
-    """Rank 1's local write of step 1 fails; rank 0's takes a second longer. Rank 1
+    """Rank 1's local write of step 1 fails (after 0.5 s: its host part committed);
+    rank 0's takes 3 s longer. Rank 1
     calls its next save once it knows, rank 0 at once: each raises the failure at a call
     of its own (rank 0 later, or from its handle), and every rank uses up that save's
     number all the same (it is made, then the failure raised), so the ranks' saves stay
@@ -1006,7 +1007,15 @@ def test_a_save_that_failed_on_one_rank_leaves_the_ranks_saves_in_step(
     spec = {"local": str(store), "host": area}
     try:
         out = _injected(
-            tmp_path, spec, fail="local-write", at=1, steps=4, settle=True, retry=retry, slow=1
+            tmp_path,
+            spec,
+            fail="local-write",
+            at=1,
+            steps=4,
+            settle=True,
+            retry=retry,
+            fail_after=0.5,
+            slow=3,
         )
     finally:
         HostTier(area).release()
@@ -1014,7 +1023,8 @@ def test_a_save_that_failed_on_one_rank_leaves_the_ranks_saves_in_step(
         calls, tiers = r["calls"], r["tiers"]
         assert calls[0] == "handed", (rank, r)
         raised = [c for c in calls[1:] if c != "handed"]
-        assert len(raised) <= 1, (rank, r)  # the failure nobody saw, raised once
+        failed = [t for t, (how, _) in tiers[0].items() if how != "ok"]
+        assert len(failed) >= 1 and len(raised) <= len(failed), (rank, r)  # each once
         for c in raised:  # once the save was made
             assert c.startswith("SnapshotFailed: an earlier snapshot (step 1)"), r
             assert c.endswith(" | again: handed") == retry, r
