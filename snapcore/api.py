@@ -52,7 +52,9 @@ def async_save(
     state, times two with a host-memory tier); a smaller budget streams the state through
     the arena, and the call then blocks until the last part is staged. ``tiers`` sends
     this snapshot to some of the store's tiers only. A failure in the background is
-    raised by ``handle.wait()`` and, if nobody waited for it, by the next save.
+    raised by ``handle.wait()`` and, if nobody waited for it, by the next save (under
+    torch.distributed once that save is made: every rank makes every save; calling
+    again for the same step returns its handle; docs/distributed.md).
     """
     return engine_for(store).async_save(
         state, step, overlap=overlap, budget=budget_bytes, tiers=tiers

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -171,11 +170,19 @@ class SaveHandle:
             self.stats.staged_s = time.perf_counter() - self._t0
             self._staged.set()
 
-    def settle(self) -> None:
-        """Wait until every tier has an outcome (durable or failed); raises nothing."""
-        for fut in self._futures.values():
-            with contextlib.suppress(BaseException):
-                fut.exception()
+    def settle(self, tier: str | None = None, timeout: float | None = None) -> bool:
+        """Wait until ``tier`` (default: every tier) has an outcome (durable or failed),
+        at most ``timeout`` seconds; raises nothing. Whether it has."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for fut in self._select(tier).values():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                fut.exception(left)
+            except FutureTimeout:
+                return False
+            except BaseException:
+                pass  # cancelled: an outcome
+        return True
 
     def resolve(self, tier: str, exc: BaseException | None = None) -> None:
         """The snapshot is durable in ``tier``, or failed there with ``exc`` (the first

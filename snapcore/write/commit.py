@@ -25,6 +25,7 @@ import xxhash
 from .. import manifest as mf
 from ..distributed.job import Job, kv_get, kv_wait_all
 from ..errors import SnapshotFailed
+from ..planning.layout import Layout
 from .manifest_builder import build_index
 from .sharded import PartSpec, Sharder
 
@@ -58,7 +59,27 @@ class ShardedSave:
     spec: PartSpec
     announced: set[str] = field(default_factory=set)  # "structure", "verdict", tier names
     _verdict_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # ``announced``'s tier names: the hash thread (host), the persist thread (local, and
+    # every tier on a failure) and the upload thread (remote) announce, each tier once
+    _tiers_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _why: str | None = None
+    handed: bool = False  # the persist job has this save (it tells its own failures)
+
+    @classmethod
+    def failed_seq(cls, job: Job, sharder: Sharder, eid: int, seq: int) -> ShardedSave:
+        """A save that raised on this rank's training thread after it took save number
+        ``seq`` but before its background work began (``Sharder.part``'s exchange, the
+        arena...): no part, only ``fail`` to tell the coordinator (``Engine``)."""
+        spec = PartSpec(seq, job.rank, job.world_size, "", "", False, Layout([], [], 0), ())
+        return cls(job, sharder, eid, spec)
+
+    def _claim(self, tier: str) -> bool:
+        """Whether this call is the first to announce this rank's part in ``tier``."""
+        with self._tiers_lock:
+            if tier in self.announced:
+                return False
+            self.announced.add(tier)
+            return True
 
     def announce(self, failed: str | None = None) -> None:
         """Announce this rank's structure for this save (no wait: the verdict is taken
@@ -94,8 +115,24 @@ class ShardedSave:
     ) -> None:
         """Announce this rank's part in ``tier``; rank 0 commits with ``write_index``,
         and in a node-local tier the leader of every other node writes the same index
-        into its own directory with it too."""
-        self.announced.add(tier)
+        into its own directory with it too. Raises ``SnapshotFailed`` if this rank's
+        failure was announced in ``tier`` already (``fail``): the step cannot commit."""
+        if not self._claim(tier):
+            raise SnapshotFailed(
+                f"step {step}: this rank's save failed before its {tier} part was announced",
+                step=step,
+                tier=tier,
+            )
+        self._announce_part(tier, step, ref, write_index, failed)
+
+    def _announce_part(
+        self,
+        tier: str,
+        step: int,
+        ref: mf.PartRef,
+        write_index: Callable[[mf.Index], None],
+        failed: str | None = None,
+    ) -> None:
         sharder = self.sharder
         node = tier != "remote" and sharder.leads(tier) and not sharder.with_rank0[tier]
         commit_part(
@@ -107,14 +144,26 @@ class ShardedSave:
         for a part that will never come); never raises."""
         why = f"{type(error).__name__}: {error}"
         try:
-            if "structure" not in self.announced:
-                self.announce(failed=why)
+            with self._verdict_lock:
+                if "structure" not in self.announced:
+                    self.announce(failed=why)
             self.verdict()  # rank 0 announces it: the others must not wait for it in vain
             for tier in tiers:
-                if tier not in self.announced:
-                    nothing = mf.PartRef(self.spec.rank, "", 0, "")
-                    with contextlib.suppress(SnapshotFailed):
-                        self.commit(tier, step, nothing, _no_index, why)
+                self.fail_tier(tier, step, error)
+        except Exception as e:  # the store (rank 0) is gone: the others time out
+            log.warning("step %d: could not tell the coordinator of this failure: %s", step, e)
+
+    def fail_tier(self, tier: str, step: int, error: BaseException) -> None:
+        """Tell the coordinator that this rank's part in ``tier`` will not come (unless
+        this rank announced a part there already); never raises. Rank 0 decides the
+        tier's verdict here (at once, with every other rank's part or failure)."""
+        if not self._claim(tier) or (self._why is not None and "verdict" in self.announced):
+            return  # announced; or no rank commits this save (its plan verdict)
+        nothing = mf.PartRef(self.spec.rank, "", 0, "")
+        why = f"{type(error).__name__}: {error}"
+        try:
+            with contextlib.suppress(SnapshotFailed):
+                self._announce_part(tier, step, nothing, _no_index, why)
         except Exception as e:  # the store (rank 0) is gone: the others time out
             log.warning("step %d: could not tell the coordinator of this failure: %s", step, e)
 

@@ -5,7 +5,8 @@ hand the snapshot to the persist thread (host memory, local disk) and the upload
 One ``Engine`` per store owns its arenas (allocated and faulted once, reused), its
 threads, and the handles of snapshots in flight. With a host-memory tier there are two
 arena slots in /dev/shm, so a new snapshot is staged while the previous one is still being
-written, and the last committed one is never overwritten.
+written, and the last committed one is not overwritten: a save that reuses a slot waits
+first, at most the commit timeout, for the other slot's host commit (``_await_other_slot``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ class Engine:
         self._remote_collected = False
         self._slot_steps: list[set[int]] = [set(), set()]  # host steps held by each slot
         self._slot_last: int | None = None  # the slot staged into last
+        # a sharded save made by the last call, which then raised an earlier failure
+        self._made: SaveHandle | None = None
+        self._slot_handle: list[SaveHandle | None] = [None, None]  # the last save of each
         self._writer_lock: str | None = None  # the lock file this engine holds (a share)
         self._sharder: Sharder | None = None  # the save plan, under torch.distributed
         self._eid = 0  # this engine's number in the job's key space (write/commit.py)
@@ -138,7 +142,11 @@ class Engine:
         # process (LOCAL_RANK 0) holds the writer lock and claims the area for them.
         first = djob is None or _local_rank(djob) == 0
         with self._lock:
-            self._raise_unreported()
+            made, self._made = self._made, None
+            if djob is None:  # a sharded save raises it once handed over (_sharded_save)
+                self._raise_unreported()
+            elif made is not None and made.step == step and made.tiers == want:
+                return made  # made by the last call, which raised an earlier failure
             # Before anything is touched: a second writer fails.
             if self.local is not None and first:
                 self._hold_writer_lock(self.local.root)
@@ -156,112 +164,176 @@ class Engine:
                     self._hold_writer_lock(self.host.root)
                 self._release_stale_host()
             flat = flatten(state)
-            sharded = None
             if djob is not None:
                 if "peer" in want:  # the peer tier's group and ring: a collective, once
                     self.peer_link(djob)
-                sharded = self._sharded(djob, flat)
-                layout = sharded.spec.layout
-            else:
-                _whole_dtensors(flat)
-                layout = plan(flat.tensors)
-            streaming = budget is not None and budget < layout.total * self.slots
-            if streaming and sharded is not None:
-                raise ValueError("a sharded save cannot stream through a smaller budget yet")
-            if streaming and (self.host is not None or want != ("local",)):
-                raise ValueError(
-                    f"a budget of {budget} bytes is less than {self.slots} x the state "
-                    f"({layout.total} bytes): streaming writes to the local tier only "
-                    "(a store with a local tier and no host tier; send it with "
-                    "tiers=['local'] when the store also has a remote)"
-                )
-            # The default mode with CPU tensors only: the persist thread hashes and writes
-            # the image while it is staged (its start, the directory's lock, overlaps the
-            # copy too); overlap mode and CUDA tensors hand the image over once staged. By
-            # default only when the copies leave a core free (SNAPCORE_PIPELINE): else the
-            # hash thread takes cores and memory bandwidth from the copies the caller
-            # waits for (docs/benchmarks.md, "Targets: what passed, what failed").
-            pipelined = (
-                not streaming
-                and not overlap
-                and settings.pipelined()
-                and all(b.device.type == "cpu" for b in layout.blobs)
-            )
-            if self.host is not None and not self._claimed:
-                self._slot_steps = self.host.steps_by_slot()
-                self._claimed = True
-            slot = self._free_slot()
-            self._raise_unreported()  # the snapshot that used this slot may have failed
-            if self.host is not None:
-                # Its host snapshots become invisible before their memory is overwritten.
-                self.host.uncommit_steps(self._slot_steps[slot])
-                self._slot_steps[slot] = {step}
-                for other in self._slot_steps[:slot] + self._slot_steps[slot + 1 :]:
-                    other.discard(step)  # a re-saved step's manifest will name this slot
-            size = self._arena_size(layout, budget if streaming else None)
-            device = None  # no CUDA tensor without CUDA initialised: no walk over the blobs
-            if torch.cuda.is_initialized():
-                device = pin_device(b.device for b in layout.blobs)
-            arena = self._arena(slot, size, device)
-            stats = SaveStats(step, layout.data_bytes, layout.total, streaming=streaming)
-            handle = SaveHandle(step, stats, want, t0=t0)
-            windows: queue.Queue[WindowItem] = queue.Queue()
-            halves = [threading.Event(), threading.Event()]
-            for h in halves:
-                h.set()
-            slot_free: Future[None] = Future()
-            job = PersistJob(
-                self, handle, layout, flat.tree, windows, halves, slot, slot_free, sharded
-            )
-            self._handles = [h for h in self._handles if not h.done() or h.unreported()]
-            self._persist.submit(job.run)  # before the slot is marked: a failed submit frees it
-            self._slot_free[slot] = slot_free
-            self._handles.append(handle)
-            progress = None
-            try:
-                if streaming:
-                    job.go.set()  # the persist thread frees each half that staging refills
-                    if overlap:
-                        log.warning(
-                            "step %d: no overlap mode when the state exceeds the budget", step
-                        )
-                    self.stager.stage_streaming(arena, layout, windows, halves, handle)
-                elif pipelined:
-                    job.go.set()
-                    progress = self.stager.stage_pipelined(arena, layout, windows)
-                else:
-                    self.stager.stage_whole(
-                        arena, layout, windows, flat.optimizers if overlap else None, handle
-                    )
-            except BaseException as e:
-                windows.put(Aborted(e))  # the persist thread must not commit a partial image
-                # The caller gets this error now: the handle's failure ("staging was
-                # interrupted") is the same news and must not fail the next save again.
-                handle.mark_all_reported()
-                self._handles.remove(handle)
-                job.go.set()
-                raise
-            windows.put(None)
-            if progress is not None:
-                progress.end()
-            try:
-                if not handle.deferred:
-                    handle.mark_staged()
-                if self.slots > 1 and not streaming:
-                    self._prepare_slot(1 - slot, size, device)  # the next save's, meanwhile
-                stats.stall_s = time.perf_counter() - t0
-            finally:
-                job.go.set()  # whatever happens here, the persist job must not wait forever
-            return handle
+                sharded = self._sharded(djob, flat, step)
+                return self._sharded_save(sharded, flat, step, want, overlap, budget, t0)
+            _whole_dtensors(flat)
+            layout = plan(flat.tensors)
+            return self._save(None, layout, flat, step, want, overlap, budget, t0)
 
-    def _sharded(self, djob: Job, flat: Flattened) -> ShardedSave:
+    def _sharded_save(
+        self,
+        sharded: ShardedSave,
+        flat: Flattened,
+        step: int,
+        want: tuple[str, ...],
+        overlap: bool,
+        budget: int | None,
+        t0: float,
+    ) -> SaveHandle:
+        """A sharded save, once ``Sharder.part`` has given it its save number (``seq``):
+        every rank uses up each number, whatever happens on its own. A failure before the
+        save is handed to the persist thread is told to the coordinator (so the others'
+        save of that number fails at once, not after the commit timeout); a failure nobody
+        saw (an earlier snapshot's) is raised only after this save was handed over: a rank
+        that skipped a save the others make would fail theirs, and their failure would
+        then be raised at their next save, failing this rank's, and so on. A caller that
+        calls again for the same step and tiers right after that (to try again, as in one
+        process) gets this save's handle: a second save on this rank alone would be
+        paired with the others' next one."""
+        try:
+            handle = self._save(sharded, sharded.spec.layout, flat, step, want, overlap, budget, t0)
+        except BaseException as e:
+            if not sharded.handed:  # else the persist job tells its own failure
+                self._tell_failure(sharded, step, e)
+            raise
+        self._made = handle
+        self._raise_unreported(but=handle)
+        self._made = None
+        return handle
+
+    @staticmethod
+    def _tell_failure(sharded: ShardedSave, step: int, error: BaseException) -> None:
+        """Announce this rank's failure of save ``sharded.spec.seq`` from a thread of
+        its own (rank 0 waits there for every rank's announcement: never the training
+        thread). No tier can commit it: the save's plan verdict says this rank failed."""
+        threading.Thread(
+            target=sharded.fail, args=((), step, error), name="snapcore-fail", daemon=True
+        ).start()
+
+    def _save(
+        self,
+        sharded: ShardedSave | None,
+        layout: Layout,
+        flat: Flattened,
+        step: int,
+        want: tuple[str, ...],
+        overlap: bool,
+        budget: int | None,
+        t0: float,
+    ) -> SaveHandle:
+        """The save once planned (under ``self._lock``): the slot, the arena, staging,
+        the hand-over to the persist thread."""
+        streaming = budget is not None and budget < layout.total * self.slots
+        if streaming and sharded is not None:
+            raise ValueError("a sharded save cannot stream through a smaller budget yet")
+        if streaming and (self.host is not None or want != ("local",)):
+            raise ValueError(
+                f"a budget of {budget} bytes is less than {self.slots} x the state "
+                f"({layout.total} bytes): streaming writes to the local tier only "
+                "(a store with a local tier and no host tier; send it with "
+                "tiers=['local'] when the store also has a remote)"
+            )
+        # The default mode with CPU tensors only: the persist thread hashes and writes
+        # the image while it is staged (its start, the directory's lock, overlaps the
+        # copy too); overlap mode and CUDA tensors hand the image over once staged. By
+        # default only when the copies leave a core free (SNAPCORE_PIPELINE): else the
+        # hash thread takes cores and memory bandwidth from the copies the caller
+        # waits for (docs/benchmarks.md, "Targets: what passed, what failed").
+        pipelined = (
+            not streaming
+            and not overlap
+            and settings.pipelined()
+            and all(b.device.type == "cpu" for b in layout.blobs)
+        )
+        if self.host is not None and not self._claimed:
+            self._slot_steps = self.host.steps_by_slot()
+            self._claimed = True
+        slot = self._free_slot()
+        if sharded is None:  # the snapshot that used this slot may have failed
+            self._raise_unreported()
+        if self.host is not None:
+            self._await_other_slot(slot)
+            # Its host snapshots become invisible before their memory is overwritten.
+            self.host.uncommit_steps(self._slot_steps[slot])
+            self._slot_steps[slot] = {step}
+            for other in self._slot_steps[:slot] + self._slot_steps[slot + 1 :]:
+                other.discard(step)  # a re-saved step's manifest will name this slot
+        size = self._arena_size(layout, budget if streaming else None)
+        device = None  # no CUDA tensor without CUDA initialised: no walk over the blobs
+        if torch.cuda.is_initialized():
+            device = pin_device(b.device for b in layout.blobs)
+        arena = self._arena(slot, size, device)
+        stats = SaveStats(step, layout.data_bytes, layout.total, streaming=streaming)
+        handle = SaveHandle(step, stats, want, t0=t0)
+        windows: queue.Queue[WindowItem] = queue.Queue()
+        halves = [threading.Event(), threading.Event()]
+        for h in halves:
+            h.set()
+        slot_free: Future[None] = Future()
+        job = PersistJob(self, handle, layout, flat.tree, windows, halves, slot, slot_free, sharded)
+        self._handles = [h for h in self._handles if not h.done() or h.unreported()]
+        self._persist.submit(job.run)  # before the slot is marked: a failed submit frees it
+        if sharded is not None:
+            sharded.handed = True
+        self._slot_free[slot] = slot_free
+        self._slot_last, self._slot_handle[slot] = slot, handle
+        self._handles.append(handle)
+        progress = None
+        try:
+            if streaming:
+                job.go.set()  # the persist thread frees each half that staging refills
+                if overlap:
+                    log.warning("step %d: no overlap mode when the state exceeds the budget", step)
+                self.stager.stage_streaming(arena, layout, windows, halves, handle)
+            elif pipelined:
+                job.go.set()
+                progress = self.stager.stage_pipelined(arena, layout, windows)
+            else:
+                self.stager.stage_whole(
+                    arena, layout, windows, flat.optimizers if overlap else None, handle
+                )
+        except BaseException as e:
+            windows.put(Aborted(e))  # the persist thread must not commit a partial image
+            # The caller gets this error now: the handle's failure ("staging was
+            # interrupted") is the same news and must not fail the next save again.
+            handle.mark_all_reported()
+            self._handles.remove(handle)
+            job.go.set()
+            raise
+        windows.put(None)
+        if progress is not None:
+            progress.end()
+        try:
+            if not handle.deferred:
+                handle.mark_staged()
+            if self.slots > 1 and not streaming:
+                self._prepare_slot(1 - slot, size, device)  # the next save's, meanwhile
+            stats.stall_s = time.perf_counter() - t0
+        finally:
+            job.go.set()  # whatever happens here, the persist job must not wait forever
+        return handle
+
+    def _sharded(self, djob: Job, flat: Flattened, step: int) -> ShardedSave:
         if self._sharder is None or self._sharder.job is not djob:
             local = str(self.local.root) if self.local else None
             self._sharder = Sharder(djob, local, self.config.host)
             self._eid = next(_engine_ids)
             if self.host is not None:  # each rank stages into slot files of its own
                 self.host.rank = djob.rank
-        return ShardedSave(djob, self._sharder, self._eid, self._sharder.part(flat))
+        sharder = self._sharder
+        seq = sharder.seq + 1
+        try:
+            spec = sharder.part(flat)
+        except BaseException as e:
+            # The save number is used up on every rank (an exchange that raised here, or
+            # that the others left): the others must not wait for this rank's part.
+            if sharder.seq == seq:
+                self._tell_failure(ShardedSave.failed_seq(djob, sharder, self._eid, seq), step, e)
+            raise
+        return ShardedSave(djob, sharder, self._eid, spec)
 
     def peer_link(self, djob: Job) -> PeerLink:
         """The peer tier's link (made at the first sharded save or restore: a collective
@@ -442,8 +514,10 @@ class Engine:
                 asked.discard("peer")
         return tuple(t for t in TIER_ORDER if t in asked) + (("peer",) if "peer" in asked else ())
 
-    def _raise_unreported(self) -> None:
+    def _raise_unreported(self, but: SaveHandle | None = None) -> None:
         for h in self._handles:
+            if h is but:
+                continue
             failed = h.take_failure()
             if failed is not None:
                 tier, exc = failed
@@ -463,11 +537,30 @@ class Engine:
             slot = 0 if self._slot_last == 1 else 1
             if self._slot_last is None:  # first save: keep the newest committed one
                 slot = 0 if newest[0] <= newest[1] else 1
-            self._slot_last = slot
         fut = self._slot_free[slot]
         if fut is not None:
             fut.result()
-        return slot
+        return slot  # (``_slot_last`` once a save is handed over in it)
+
+    def _await_other_slot(self, slot: int) -> None:
+        """Before ``slot``'s host snapshots are uncommitted: wait until the save staged
+        last into the other slot has its host outcome, so that the host tier keeps a
+        committed snapshot meanwhile (that save's host commit may still be under way: a
+        sharded one waits for every rank's part and the coordinator). Bounded by the
+        commit timeout (``SNAPCORE_COMMIT_TIMEOUT_S``); past it, or if that save failed
+        in host memory, the host tier holds no snapshot until this one commits."""
+        other = self._slot_handle[1 - slot]
+        if other is None or "host" not in other.tiers or other.done("host"):
+            return
+        limit = settings.commit_timeout_s()
+        if not other.settle("host", limit):
+            log.warning(
+                "step %d has no host-memory outcome after %g s (SNAPCORE_COMMIT_TIMEOUT_S): "
+                "slot %d's host snapshots are uncommitted before it commits",
+                other.step,
+                limit,
+                slot,
+            )
 
     def _prepare_slot(self, slot: int, size: int, device: int | None) -> Future[None] | None:
         """Allocate and fault a slot's arena in the background (off the training thread)

@@ -261,6 +261,8 @@ class PersistJob:
                     commit_host(engine.host, s, h, self.sharded)
                 except BaseException as e:
                     h.resolve("host", e)
+                    if self.sharded is not None:  # the coordinator must not wait for it
+                        self.sharded.fail_tier("host", h.step, e)
                     if "peer" in h.tiers and verdict_ok(e):  # committed on the other ranks:
                         self._peer_round(h)  # the round still runs (it sends no copy)
                     elif "peer" in h.tiers:  # peer tier: nothing to send

@@ -74,8 +74,10 @@ class Upload:
                 self.source,
                 self.m,
                 codec=engine.config.codec_for("remote"),
-                # read now, not when the job was made: the uploads before it added to it
-                index=engine.index.get("remote"),
+                # read once the upload's pending mark is written (StepUpload.run), not
+                # when the job was made: the uploads before it added to it, and
+                # retention (rank 0's, of a sharded save) may have removed steps since
+                index=lambda: engine.index.get("remote"),
                 arena=self.arena,
                 sharded=self.sharded,
             )
@@ -113,7 +115,12 @@ class StepUpload:
     tier whose committed manifest ``m`` is read; with ``arena`` set, chunks are read from
     host memory instead of that tier's files. ``codec``: the remote's codec (chunks in
     another are re-encoded); ``index``: the chunks the remote holds already, by (xxh3,
-    raw length, codec), referenced rather than uploaded (None: none). A sharded save
+    raw length, codec), referenced rather than uploaded (None: none), or a function
+    that reads them, called once the upload's pending mark is written: a collection
+    that lists the store after that spares every object, and one that listed it before
+    has removed its steps' manifests already, which the index then no longer names (a
+    chunk index read before the mark could name an object that collection deletes:
+    another process's retention, rank 0's in a sharded save). A sharded save
     uploads its rank's part without the node copies (``PartSpec.drop``): object storage
     gets each box of the job once, and rank 0 writes the step's index. ``progress(n)``
     is called as each ``n`` bytes of the data object go to the upload.
@@ -130,7 +137,7 @@ class StepUpload:
         m: mf.Manifest,
         *,
         codec: str = "none",
-        index: dict[ChunkKey, Location] | None = None,
+        index: dict[ChunkKey, Location] | Callable[[], dict[ChunkKey, Location]] | None = None,
         arena: HostArena | None = None,
         sharded: ShardedSave | None = None,
         progress: Callable[[int], None] | None = None,
@@ -139,7 +146,7 @@ class StepUpload:
         self.progress = progress
         self.source = source
         self.codec = codec
-        self.index = index if index is not None else {}
+        self._index = index
         self.sharded = sharded
         drop = sharded.spec.drop.get("remote", frozenset()) if sharded is not None else ()
         self.m = restrict(m, drop)
@@ -157,7 +164,7 @@ class StepUpload:
     def run(self) -> Uploaded:
         from .. import codec
 
-        m, remote, target, index = self.m, self.remote, self.codec, self.index
+        m, remote, target = self.m, self.remote, self.codec
         token = secrets.token_hex(6)
         where = step_dir_name(m.step)
         rank = 0
@@ -166,6 +173,12 @@ class StepUpload:
             where = f"{where}/{rank_prefix(rank)}"
         name = f"{where}/data-{token}-r{rank}.bin"
         remote.begin(m.step, token)
+        try:  # after the mark (the class's docstring)
+            index = self._index() if callable(self._index) else self._index
+        except BaseException:
+            self._end(token)
+            raise
+        index = {} if index is None else index
         biggest = max((c.length for b in m.blobs for c in b.chunks), default=0)
         raw_max = max((c.raw_length for b in m.blobs for c in b.chunks), default=0)
         buf = torch.empty(biggest, dtype=torch.uint8)

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,36 @@ def test_two_slots_keep_the_last_committed_host_snapshot(tmp_path, host_name):
     slots = {f.name for s in (2, 3) for f in host.read_manifest(s).files}
     assert slots == {"slot-0.bin", "slot-1.bin"}
     assert_state(snapcore.load(snapcore.Store(host=host_name), step=2), 2)
+
+
+def test_reusing_a_slot_waits_for_the_other_slots_host_commit(tmp_path, host_name, monkeypatch):
+    """Save 3 reuses save 1's slot while save 2's host commit is still under way (held
+    here; in a sharded save it waits for the slowest rank and the coordinator): it waits
+    for it before uncommitting step 1, so that the host tier always keeps a committed
+    snapshot (docs/architecture.md, "Tier 0")."""
+    from snapcore.write import job as write_job
+
+    real = write_job.commit_host
+    held = threading.Event()
+
+    def slow(host, s, handle, sharded=None):
+        if s.step == 2:
+            held.set()
+            time.sleep(1.5)
+        return real(host, s, handle, sharded)
+
+    monkeypatch.setattr(write_job, "commit_host", slow)
+    store = snapcore.Store(host=host_name, local=tmp_path)
+    snapcore.save(state_at(1), store, step=1)
+    h2 = snapcore.async_save(state_at(2), store, step=2)
+    assert held.wait(30)
+    h3 = snapcore.async_save(state_at(3), store, step=3)
+    host = HostTier(host_name)
+    assert host.committed_steps()[:1] == [2]  # the host tier kept a committed snapshot
+    assert h2.done("host")
+    h2.wait()
+    h3.wait()
+    assert host.committed_steps() == [2, 3]
 
 
 def test_host_only_snapshot_survives_sigkill_and_restores_without_disk(tmp_path, host_name):

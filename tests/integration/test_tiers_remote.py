@@ -61,6 +61,39 @@ def test_upload_then_restore_from_remote_only(tmp_path, s3_bucket):
     assert info.step == 1 and info.tier == "remote" and same(state, state_at(1))
 
 
+def test_an_upload_reads_the_chunk_index_once_its_pending_mark_is_written(
+    tmp_path, s3_bucket, monkeypatch
+):
+    """Another process removes a step and collects while an upload starts (in a sharded
+    save: rank 0's retention, during another rank's upload). The upload reads the remote
+    chunk index only once its pending mark is written: a collection that listed the
+    store before the mark removed that step's manifest first, so the index no longer
+    names its objects; one that lists it after the mark spares every object. Read before
+    the mark, the index named an object deleted meanwhile: a committed, damaged step."""
+    from snapcore.tiers import RemoteStoreTier
+
+    remote = {"remote": s3_bucket.url, "storage_options": s3_bucket.storage_options}
+    store = snapcore.Store(local=tmp_path, **remote)
+    snapcore.save(state_at(1), store, step=1)
+    other = RemoteStoreTier(s3_bucket.url, s3_bucket.storage_options)
+    removed: list[str] = []
+    real = RemoteStoreTier.begin
+
+    def begin(self, step: int, token: str) -> None:
+        if step == 2 and self is not other:  # just before the mark: step 1 goes
+            other.uncommit(1)
+            removed.extend(other.collect())
+        real(self, step, token)
+
+    monkeypatch.setattr(RemoteStoreTier, "begin", begin)
+    again = {**state_at(1), "step": 2}  # step 1's tensors: its chunks would be referenced
+    snapcore.save(again, store, step=2)
+    other.close()
+    assert any("/data-" in n for n in removed), removed  # step 1's data object went
+    close_all()
+    assert same(snapcore.load(snapcore.Store(**remote), step=2), again)
+
+
 def test_remote_only_store_uploads_from_host_memory(s3_bucket):
     store = snapcore.Store(remote=s3_bucket.url, storage_options=s3_bucket.storage_options)
     snapcore.save(state_at(2), store, step=2)

@@ -723,7 +723,115 @@ def unsupported(a: dict[str, Any]) -> dict[str, Any]:
     return {"saves": out}
 
 
+def injected(a: dict[str, Any]) -> dict[str, Any]:
+    """Save steps 1 to ``a["steps"]`` of a small state with a failure injected on rank
+    ``a["rank"]`` at step ``a["at"]``, ``a["fail"]`` saying where: "local-write" (its
+    local data write raises EIO, on the persist thread), "arena" (its arena cannot be
+    made: MemoryError on the training thread, after the save took its number) or
+    "host-part" (its part file in host memory: ENOSPC, on the hash thread); with
+    "local-write", ``a["fail_after"]`` seconds pass before it raises, and with
+    ``a["slow"]`` the other ranks' local writes of that step take that many seconds
+    more (they learn of the failure later). With
+    ``a["settle"]``, that rank waits for the failed save's outcome before its next
+    call; the other ranks call at once. With ``a["retry"]``, a call that raised
+    ``SnapshotFailed`` is made again (an earlier failure, now told: as
+    ``Checkpointer.close`` does). With ``a["wait_each"]``, each save's tiers are
+    waited for before the next call, else after the last. Reports per step how the call
+    ended ("handed", or the error), each tier's outcome ("ok" or the error) with the
+    seconds from the call, and what ``snapcore.wait_all`` raised at the end."""
+    import errno
+
+    from snapcore import directory
+    from snapcore.write import engine as write_engine
+    from snapcore.write import job as write_job
+
+    models.init_gloo()
+    rank = dist.get_rank()
+    mine = rank == a["rank"]
+    fail, at = a["fail"], a["at"]
+    if mine and fail == "local-write":
+        real_write = write_job.LocalWriter.write
+
+        def write(self: Any, *args: Any, **kw: Any) -> Any:
+            if self.s.step == at:
+                time.sleep(a.get("fail_after", 0))  # (its host part announced meanwhile)
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            return real_write(self, *args, **kw)
+
+        write_job.LocalWriter.write = write  # type: ignore[method-assign]
+    elif fail == "local-write" and a.get("slow"):  # the others learn of it later
+        real_slow = write_job.LocalWriter.write
+
+        def slow(self: Any, *args: Any, **kw: Any) -> Any:
+            if self.s.step == at:
+                time.sleep(a["slow"])
+            return real_slow(self, *args, **kw)
+
+        write_job.LocalWriter.write = slow  # type: ignore[method-assign]
+    elif mine and fail == "arena":
+        real_arena = write_engine.Engine._arena
+        steps = iter(range(1, a["steps"] + 1))
+
+        def arena(self: Any, *args: Any, **kw: Any) -> Any:
+            if next(steps) == at:
+                raise MemoryError("cannot allocate the arena (injected)")
+            return real_arena(self, *args, **kw)
+
+        write_engine.Engine._arena = arena  # type: ignore[method-assign]
+    elif mine and fail == "host-part":
+        real_part = directory.Pending.write_part
+
+        def write_part(self: Any, r: int, data: bytes) -> Any:
+            if self.step == at and str(self.dir).startswith("/dev/shm"):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return real_part(self, r, data)
+
+        directory.Pending.write_part = write_part  # type: ignore[method-assign]
+    store = store_of(a)
+    state: dict[str, Any] = {"own": RankLocal(torch.full((4096,), float(rank))), "step": 0}
+    calls: list[str] = []
+    handles: list[tuple[Any, float]] = []
+    tiers: list[dict[str, Any] | None] = []
+
+    def outcome(h: Any, t0: float) -> dict[str, Any]:
+        out = {}
+        for tier in h.tiers:
+            try:
+                h.wait(tier=tier)
+                out[tier] = ["ok", time.monotonic() - t0]
+            except snapcore.SnapcoreError as e:
+                out[tier] = [f"{type(e).__name__}: {e}", time.monotonic() - t0]
+        return out
+
+    for step in range(1, a["steps"] + 1):
+        state["step"] = step
+        if mine and a.get("settle") and step == at + 1 and handles[-1][0] is not None:
+            handles[-1][0].settle()  # its failure is known before its next call
+        t0 = time.monotonic()
+        try:
+            h = snapcore.async_save(state, store, step=step)
+            calls.append("handed")
+        except (snapcore.SnapcoreError, MemoryError) as e:
+            h = None
+            calls.append(f"{type(e).__name__}: {e}")
+            if a.get("retry") and isinstance(e, snapcore.SnapshotFailed):
+                h = snapcore.async_save(state, store, step=step)  # as Checkpointer.close
+                calls[-1] += " | again: handed"
+        handles.append((h, t0))
+        if a.get("wait_each"):
+            tiers.append(outcome(h, t0) if h is not None else None)
+    if not a.get("wait_each"):
+        tiers = [outcome(h, t0) if h is not None else None for h, t0 in handles]
+    try:
+        snapcore.wait_all(store)
+        end = "ok"
+    except snapcore.SnapcoreError as e:
+        end = f"{type(e).__name__}: {e}"
+    return {"calls": calls, "tiers": tiers, "end": end}
+
+
 OPS = {
+    "injected": injected,
     "die": die,
     "linger": linger,
     "fail-node-index": fail_node_index,

@@ -21,6 +21,7 @@ from launch import Nodes, run_ranks, spawn_logs, spawn_nodes
 
 import snapcore
 from snapcore.directory import LocalDirectory
+from snapcore.tiers import HostTier
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "rank_snapcore.py"
@@ -973,3 +974,107 @@ def test_object_storage_gets_each_replicated_tensor_once_and_each_node_a_copy(
         for rank, n in enumerate(read, 2 * node):  # less than it restores: a share
             assert n < replicated + own[rank], read
     snapcore.close()
+
+
+# -- one rank's failure: every rank learns it at once, and the saves after it commit ------
+
+FAST = 6.0  # SNAPCORE_COMMIT_TIMEOUT_S of these tests: waiting for it is a failure
+
+
+def _injected(tmp_path: Path, spec: Any, **op: Any) -> list[dict[str, Any]]:
+    action = {"op": "injected", "store": spec, "rank": 1, **op}
+    env = {"SNAPCORE_COMMIT_TIMEOUT_S": str(FAST)}
+    results = run_ranks(SCRIPT, 2, [json.dumps([action])], timeout=60, env=env)
+    return [r.result[0] for r in results]
+
+
+@pytest.mark.parametrize("retry", [False, True])
+def test_a_save_that_failed_on_one_rank_leaves_the_ranks_saves_in_step(
+    tmp_path: Path, retry: bool
+) -> None:
+    """Rank 1's local write of step 1 fails (after 0.5 s: its host part committed);
+    rank 0's takes 3 s longer. Rank 1
+    calls its next save once it knows, rank 0 at once: each raises the failure at a call
+    of its own (rank 0 later, or from its handle), and every rank uses up that save's
+    number all the same (it is made, then the failure raised), so the ranks' saves stay
+    paired: steps 2-4 commit, none waits for the commit timeout. (A rank that raised
+    before taking the number, the other after or not at all, paired every later save
+    with another step's: all failed, each after the timeout.) "retry": a rank whose call
+    raised calls again for the same step (as Checkpointer.close does), and gets the
+    handle of the save made, not a second save of its own."""
+    store = tmp_path / "store"
+    area = f"mp-{tmp_path.name}"
+    spec = {"local": str(store), "host": area}
+    try:
+        out = _injected(
+            tmp_path,
+            spec,
+            fail="local-write",
+            at=1,
+            steps=4,
+            settle=True,
+            retry=retry,
+            fail_after=0.5,
+            slow=3,
+        )
+    finally:
+        HostTier(area).release()
+    for rank, r in enumerate(out):
+        calls, tiers = r["calls"], r["tiers"]
+        assert calls[0] == "handed", (rank, r)
+        raised = [c for c in calls[1:] if c != "handed"]
+        failed = [t for t, (how, _) in tiers[0].items() if how != "ok"]
+        assert len(failed) >= 1 and len(raised) <= len(failed), (rank, r)  # each once
+        for c in raised:  # once the save was made
+            assert c.startswith("SnapshotFailed: an earlier snapshot (step 1)"), r
+            assert c.endswith(" | again: handed") == retry, r
+        assert tiers[0]["local"][0].startswith("SnapshotFailed"), (rank, r)
+        for t in tiers[1:]:
+            assert t is None or t["local"][0] == "ok", (rank, r)
+            assert t is None or t["local"][1] < FAST, (rank, r)
+        assert r["end"] == "ok", (rank, r)
+    assert out[1]["calls"][1] != "handed"  # rank 1 knew of its failure at that call
+    assert out[0]["calls"][1] == "handed"  # rank 0 did not
+    assert LocalDirectory(store).committed_steps() == [2, 3, 4]
+
+
+def test_a_save_that_raises_on_one_rank_before_its_background_work_fails_at_once(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's save of step 2 raises on its training thread after taking the save's
+    number (its arena cannot be made): it tells the coordinator, so rank 0's step 2
+    fails at once naming it (not after the commit timeout), and step 3 commits."""
+    store = tmp_path / "store"
+    out = _injected(tmp_path, {"local": str(store)}, fail="arena", at=2, steps=3, wait_each=True)
+    zero, one = out
+    assert one["calls"] == ["handed", "MemoryError: cannot allocate the arena (injected)", "handed"]
+    why, secs = zero["tiers"][1]["local"]
+    assert "ranks 1 failed" in why and "MemoryError: cannot allocate the arena" in why, zero
+    assert secs < FAST / 2, zero
+    for r in out:
+        assert r["tiers"][2] == {"local": ["ok", r["tiers"][2]["local"][1]]}, r
+        assert r["tiers"][2]["local"][1] < FAST / 2, r
+    assert LocalDirectory(store).committed_steps() == [1, 3]
+
+
+def test_a_host_tier_failure_on_one_rank_fails_the_others_at_once(tmp_path: Path) -> None:
+    """Rank 1 cannot write its part in host memory (ENOSPC): it tells the coordinator,
+    so rank 0's host tier fails at once naming it, and no rank's local commit waits
+    behind it (rank 0's persist thread waits for its hash thread, where the host
+    coordinator ran)."""
+    area = f"mp-{tmp_path.name}"
+    spec = {"local": str(tmp_path / "store"), "host": area}
+    try:
+        out = _injected(tmp_path, spec, fail="host-part", at=2, steps=2, wait_each=True)
+    finally:
+        HostTier(area).release()
+    zero, one = out
+    assert one["tiers"][1]["host"][0].startswith("SnapshotFailed"), one
+    assert "No space left on device (injected)" in one["tiers"][1]["host"][0], one
+    why, secs = zero["tiers"][1]["host"]
+    assert "ranks 1 failed" in why and "No space left on device (injected)" in why, zero
+    assert secs < FAST / 2, zero
+    for r in out:
+        local, secs = r["tiers"][1]["local"]
+        assert local == "ok" and secs < FAST / 2, r
+    assert LocalDirectory(tmp_path / "store").committed_steps() == [1, 2]
