@@ -657,11 +657,13 @@ class Checkpointer:
         self, step: int, state: Any, tiers: Iterable[str], now: float
     ) -> tuple[SaveHandle, SnapshotFailed | None]:
         """Snapshot ``state`` as ``step`` to ``tiers``. Returns the handle and an earlier
-        snapshot's failure that the engine raised instead of saving (told now, for the
-        caller to raise once the save is made): the save is then tried again, unless the
-        engine's sharded save number moved (the save was begun and failed on every rank,
-        snapcore/write: trying again would pair this rank's next save with the others'
-        next agreed one)."""
+        snapshot's failure that the engine raised (told now, for the caller to raise once
+        the save is made). In one process the engine raises it instead of saving: the
+        save is tried again. Under torch.distributed it raises it once this save is made
+        (the sharded save number moved): the save's handle is taken from the engine
+        (``Engine.made``), never saved again, which would pair this rank's next save with
+        the others' next agreed one; where no save was made (it failed on every rank once
+        begun), the failure is raised."""
         tiers = with_peer(self.store, tuple(tiers), planned=self._tiers)
         for t in tiers:  # tried, whatever comes of it (close() under torch.distributed)
             self._made[t] = step
@@ -688,7 +690,15 @@ class Checkpointer:
                         self._drain(r)
                         r.told = True
                 if self._decisions is not None and self._save_number() != number:
-                    raise  # begun: the engine failed it on every rank
+                    # The number moved: the engine made this save, then raised the earlier
+                    # failure (it is followed like any other); or the save itself failed
+                    # on every rank once begun. Saving again would pair this rank's next
+                    # save with the others' next agreed one.
+                    made = self._engine().made(step)
+                    if made is None:
+                        raise
+                    h, earlier = made, earlier or e
+                    break
                 log.error("before the snapshot of step %d: %s", step, e)
                 earlier = earlier or e
         else:
@@ -704,12 +714,15 @@ class Checkpointer:
         log.debug("step %d: snapshot to %s (stall %.3fs)", step, ",".join(h.tiers), h.stats.stall_s)
         return h, earlier
 
-    def _save_number(self) -> int | None:
-        """The engine's count of sharded saves of this store (None before the first)."""
+    def _engine(self) -> Any:
         from ..write.engine import engine_for
 
-        sharder = getattr(engine_for(self.store), "_sharder", None)
-        return getattr(sharder, "seq", None)
+        return engine_for(self.store)
+
+    def _save_number(self) -> int | None:
+        """The engine's count of sharded saves of this store (None before the first)."""
+        sharder = self._engine().sharder
+        return None if sharder is None else sharder.seq
 
     def _poll(self) -> SnapshotFailed | None:
         """Record snapshots that finished (without blocking): persist latency per tier, a

@@ -109,6 +109,13 @@ class Engine:
         save)."""
         return self._sharder
 
+    def made(self, step: int) -> SaveHandle | None:
+        """The handle of the sharded save of ``step`` that the last call made before it
+        raised an earlier snapshot's failure (``_sharded_save``), or None: the caller that
+        wants to follow that save takes it here instead of saving again."""
+        made = self._made
+        return made if made is not None and made.step == step else None
+
     def tier(self, name: str) -> Tier:
         return {"host": self.host, "local": self.local, "remote": self.remote}[name]
 
