@@ -552,17 +552,7 @@ class Checkpointer:
         if self._sigterm.pending:
             self._final_snapshot(step, state)
             return
-        self._trained = True
-        self._meter.steps(step, now)
-        failure = self._poll()
-        if failure is not None:
-            self._next_check = -math.inf  # what was due is still due at the next call
-            raise failure
-        if now >= self._next_alive:
-            self._journal_event("alive")  # the run's exposure, between snapshot events
-            self._next_alive = now + HEARTBEAT_S
-        if now - self._planned_at >= self.replan_s:
-            self._replan(now)
+        self._housekeeping(step, now)
         due = self._due(now)
         earlier = None
         if due:
@@ -571,6 +561,22 @@ class Checkpointer:
         self._schedule_next(now)
         if earlier is not None:  # the snapshot is made; the earlier failure is news
             raise earlier
+
+    def _housekeeping(self, step: int, now: float) -> None:
+        """A slow call's bookkeeping (one process, or rank 0 deciding): the step time
+        measured, finished snapshots polled (a failure is raised, and what was due stays
+        due at the next call), the run's heartbeat, a re-plan when it is time."""
+        self._trained = True
+        self._meter.steps(step, now)
+        failure = self._poll()
+        if failure is not None:
+            self._next_check = -math.inf
+            raise failure
+        if now >= self._next_alive:
+            self._journal_event("alive")  # the run's exposure, between snapshot events
+            self._next_alive = now + HEARTBEAT_S
+        if now - self._planned_at >= self.replan_s:
+            self._replan(now)
 
     def _lead(self, step: int, state: Any, now: float) -> None:
         """Rank 0 under torch.distributed: decide. Every rank takes what is published
@@ -586,17 +592,7 @@ class Checkpointer:
                 decisions.publish(self._final_at, self._tiers, final=True)
             self._next_check = -math.inf
             return
-        self._trained = True
-        self._meter.steps(step, now)
-        failure = self._poll()
-        if failure is not None:
-            self._next_check = -math.inf  # what was due is still due at the next call
-            raise failure
-        if now >= self._next_alive:
-            self._journal_event("alive")
-            self._next_alive = now + HEARTBEAT_S
-        if now - self._planned_at >= self.replan_s:
-            self._replan(now)
+        self._housekeeping(step, now)
         due = self._due(now)
         if due:  # every rank snapshots these tiers lead_steps ahead
             decisions.publish(max(step + self.lead_steps, decisions.last_step + 1), due)
