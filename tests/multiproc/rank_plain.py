@@ -22,7 +22,12 @@ def hang() -> None:
 
 def die() -> None:
     """Three passes through the point "loop"; then block, like a rank waiting in a
-    collective for a peer that is gone, until torchrun tears the job down."""
+    collective for a peer that is gone, until torchrun tears the job down. The other
+    ranks start their passes once rank 0 has reported: one killed at a point cannot
+    have torchrun tear rank 0 down before it has, however slow its start."""
+    if launch.rank() != 0:
+        while not (launch.workdir() / "rank0.json").exists():
+            time.sleep(0.01)
     for i in range(3):
         print(f"pass {i}", flush=True)
         launch.maybe_die("loop")
