@@ -22,7 +22,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest --durations=30
 
 demo: install
 	$(PYTHON) -m snapcore.demo
