@@ -17,7 +17,7 @@ from .distributed.job import current as current_job
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StateMismatch, StoreInUse
 from .peer import Fetched, peer_copies
 from .peer import prepare_restore as prepare_peer_restore
-from .read import OutOfStep, Reader, RestoreInfo, exchange_plan, out_of_step
+from .read import OutOfStep, Reader, RestoreInfo, describe_error, exchange_plan, out_of_step
 from .staging.handle import SaveHandle, SaveStats
 from .tiers import HostTier, Store, host_area_names
 from .tree import RestorePlan, flatten
@@ -176,6 +176,9 @@ def _read_agreed(
             damage = isinstance(e, CorruptSnapshot | SnapshotNotFound)
             mine["damaged" if damage else "refused"], error = str(e), e
             mine["missing"] = isinstance(e, SnapshotNotFound)
+        except Exception as e:  # not snapcore's (a bug, memory): the others are waiting
+            exchange_plan(job, s, e)
+            mine["refused"], error = describe_error(e), e
         try:
             if reader is not None:
                 result = use(reader)
@@ -187,7 +190,7 @@ def _read_agreed(
         except SnapcoreError as e:
             mine["refused"], error = str(e), e
         except Exception as e:  # not snapcore's: the others must not wait for this rank
-            mine["refused"], error = f"{type(e).__name__}: {e}", e
+            mine["refused"], error = describe_error(e), e
         # whose damage or refusal it is: another rank's when the restore's exchange told us
         mine["origin"] = getattr(error, "rank", job.rank)
         said = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
@@ -213,10 +216,21 @@ def _read_agreed(
             raise CorruptSnapshot(f"{note} (rank {r})", step=s)
         log.warning("%s: skipping %s (rank %d)", engine.config.describe(), note, r)
         skipped.append(f"{note} (rank {r})")
-    raise SnapshotNotFound(
+    why = (
         f"no step of {engine.config.describe()} is committed and intact on every rank "
         f"(steps here: {every[:8]}; skipped: {skipped[:4]})"
     )
+    if step is None and not any(heard):  # no rank holds any step: a store to start from
+        raise SnapshotNotFound(why)
+    # Some rank holds a step that the job cannot restore whole: not a store to start
+    # afresh from (a Checkpointer would otherwise begin again at step 0), and the state
+    # may already hold part of a skipped step's tensors.
+    err = CorruptSnapshot(why, step=common[0] if common else None)
+    if skipped:
+        err.add_note(
+            "the state may hold part of the skipped steps' tensors:\n" + "\n".join(skipped)
+        )
+    raise err
 
 
 def _read(
@@ -354,7 +368,7 @@ def restore(
     def use(reader: Reader) -> tuple[RestorePlan, int]:
         try:
             reader.select(rank, world, rank_local, keys)
-        except SnapcoreError as e:
+        except Exception as e:  # snapcore's or not (a bug, memory): the others wait for it
             if job is not None:  # the others are in the restore's exchange: take part
                 exchange_plan(job, reader.m.step, e)
             raise

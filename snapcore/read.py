@@ -1110,8 +1110,16 @@ def out_of_step(said: list[Any], kind: str, step: int) -> None:
         )
 
 
+def describe_error(error: BaseException) -> str:
+    """What a rank tells the others of its failure: a snapcore error's message, any other
+    exception's type too (whose message may be empty: ``MemoryError()``)."""
+    if isinstance(error, SnapcoreError):
+        return str(error) or type(error).__name__
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
 def exchange_plan(
-    job: Job, step: int, error: SnapcoreError | None, node: Any = None
+    job: Job, step: int, error: BaseException | None, node: Any = None
 ) -> list[dict[str, Any]]:
     """The exchange of a restore under a job, made by every rank that takes part in the
     step, even one that could not open it or match its state (``error``): each rank's
@@ -1122,7 +1130,7 @@ def exchange_plan(
     mine = {
         "kind": "plan",
         "step": step,
-        "error": None if error is None else str(error),
+        "error": None if error is None else describe_error(error),
         "damaged": isinstance(error, CorruptSnapshot | SnapshotNotFound),
         "node": node,
     }

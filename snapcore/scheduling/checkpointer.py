@@ -273,14 +273,19 @@ class Checkpointer:
         """Load the newest intact snapshot (or ``step``) into ``state``; returns the step to
         run next. ``strict``: as for ``snapcore.restore``.
 
-        0 when the store holds nothing. Journals the run's start and the restore; a
-        restore after training began in this run is a rollback, which counts as a failure
-        of the class its tier tells.
+        0 when the store holds nothing (with ``step``: ``SnapshotNotFound`` when it
+        does not hold that step). A store whose snapshots are all damaged, or (under
+        torch.distributed) that holds steps no one of which every rank can restore, raises
+        ``CorruptSnapshot``: the run does not begin again at step 0 behind the user's
+        back. Journals the run's start and the restore; a restore after training began in
+        this run is a rollback, which counts as a failure of the class its tier tells.
         """
         self._begin()
         try:
             info = api.restore(state, self.store, step=step, strict=strict)
         except SnapshotNotFound:
+            if step is not None:  # the step asked for is not there: not a fresh start
+                raise
             log.info("nothing to restore in %s: starting at step 0", self.store.describe())
             return 0
         now = self._clock()

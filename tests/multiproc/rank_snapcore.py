@@ -7,13 +7,17 @@ order; the report holds one entry per action.
       the digests of every global tensor of get_state_dict, and the bytes each rank's
       data files take.
   {"op": "restore", "kind": K, "store": DIR, "seed": S, "rank_local": "error"|"keep",
-   "prepare": bool, "boom_on_rank": R, "boom_in": "_fill"|"_units"|"tensor"}
+   "prepare": bool, "boom_on_rank": R, "boom_in": "_fill"|"_units"|"tensor"|"select"|"open",
+   "via": "checkpointer"}
       build model K with other weights (seed S), restore into the same kind of state;
       report the digests, the restored step, the bytes read, the rank-local position and
       the torch RNG's next draw, or the error's type and message. "prepare": call
       snapcore.prepare first and report this rank's host slot files (name: inode) after
       it ("prepared") and after the restore ("slots"). "boom_on_rank": R makes
-      Reader.<boom_in> (default "_fill") raise a RuntimeError on rank R.
+      Reader.<boom_in> (default "_fill") raise a RuntimeError on rank R ("open": opening
+      the step, snapcore.api._reader, raises MemoryError() with no message). "via":
+      "checkpointer": restore through Checkpointer.restore (the step it returns is
+      "next_step").
   {"op": "kill-save", "kind": K, "store": DIR, "step": N, "victim": R, "point": P}
       save steps N then N + 1; rank R SIGKILLs itself during the second at point P
       ("staged": when async_save returns; "writing": once its data file exists; "part":
@@ -148,22 +152,39 @@ def restore(a: dict[str, Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def _boom_while_filling(where: str) -> Iterator[None]:
     """Reader.<where> raises RuntimeError: "_fill" (filling, after the exchanges),
-    "_units" (listing what to share, before the plan exchange) or "tensor" (reading a
-    whole tensor, in a shared read too)."""
-    from snapcore import read
+    "_units" (listing what to share, before the plan exchange), "tensor" (reading a
+    whole tensor, in a shared read too) or "select" (matching the state, before the
+    plan exchange); "open": snapcore.api._reader (opening the step) raises MemoryError()."""
+    from snapcore import api, read
 
     def boom(*args: Any, **kw: Any) -> None:
         raise RuntimeError("boom: out of memory while filling")
 
-    was = getattr(read.Reader, where)
-    setattr(read.Reader, where, boom)
+    def no_memory(*args: Any, **kw: Any) -> None:
+        raise MemoryError()
+
+    owner, name, fake = (
+        (api, "_reader", no_memory) if where == "open" else (read.Reader, where, boom)
+    )
+    was = getattr(owner, name)
+    setattr(owner, name, fake)
     try:
         yield
     finally:
-        setattr(read.Reader, where, was)
+        setattr(owner, name, was)
 
 
 def _restore(a: dict[str, Any], state: Any, model: Any, optim: Any, prepared: Any) -> Any:
+    if a.get("via") == "checkpointer":
+        ckpt = snapcore.Checkpointer(store_of(a), max_interval_s=3600, handle_sigterm=False)
+        try:
+            next_step = ckpt.restore(state)
+        except Exception as e:
+            digests(model, optim)  # a collective: every rank must take part
+            return {"error": type(e).__name__, "message": str(e)}
+        finally:
+            ckpt.close(final=False)
+        return {"next_step": next_step, "digests": digests(model, optim)}
     try:
         info = snapcore.restore(
             state,
@@ -171,7 +192,7 @@ def _restore(a: dict[str, Any], state: Any, model: Any, optim: Any, prepared: An
             step=a.get("at_by_rank", {}).get(str(dist.get_rank()), a.get("at")),
             rank_local=a.get("rank_local", "error"),
         )
-    except (snapcore.SnapcoreError, RuntimeError) as e:
+    except Exception as e:  # snapcore's, gloo's RuntimeError, or the injected MemoryError
         digests(model, optim)  # a collective: every rank must take part
         return {"error": type(e).__name__, "message": str(e)}
     return {

@@ -804,6 +804,78 @@ def test_a_step_damaged_on_one_rank_is_skipped_by_every_rank(tmp_path: Path) -> 
         assert "(rank 1)" in r["skipped"][0]
 
 
+def test_a_store_every_rank_holds_but_cannot_restore_raises_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's data of both steps is damaged: no step is left that every rank can
+    restore, although every rank holds both. Every rank raises CorruptSnapshot (not
+    SnapshotNotFound, "nothing to restore"), and a Checkpointer does not start again at
+    step 0 over the snapshots with a state half-filled from them."""
+    store = tmp_path / "store"
+    run(
+        2,
+        [
+            {"op": "save", "kind": "fsdp2", "store": str(store), "step": 1, "seed": 0},
+            {"op": "save", "kind": "fsdp2", "store": str(store), "step": 2, "seed": 5},
+        ],
+    )
+    for step in (1, 2):
+        (victim,) = (store / f"step-{step:012d}").glob("data-*-r1.bin")
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    res = run(
+        2,
+        [
+            {"op": "restore", "kind": "fsdp2", "store": str(store)},
+            {"op": "restore", "kind": "fsdp2", "store": str(store), "via": "checkpointer"},
+        ],
+    )
+    for plain, ckpt in res:
+        assert plain["error"] == "CorruptSnapshot", plain
+        assert "step 2: " in plain["message"] and "step 1: " in plain["message"], plain
+        assert ckpt["error"] == "CorruptSnapshot", ckpt  # no "next_step": 0
+
+
+def test_a_checkpointer_starts_at_step_0_only_from_a_store_no_rank_holds_a_step_of(
+    tmp_path: Path,
+) -> None:
+    """The other side of the test above: an empty store is a fresh start on every rank."""
+    res = run(
+        2, [{"op": "restore", "kind": "fsdp2", "store": str(tmp_path / "s"), "via": "checkpointer"}]
+    )
+    assert [r["next_step"] for (r,) in res] == [0, 0], res
+
+
+@pytest.mark.parametrize("where", ["open", "select"])
+def test_a_foreign_error_on_one_rank_while_it_opens_a_step_fails_every_rank_at_once(
+    tmp_path: Path, where: str
+) -> None:
+    """Rank 1 meets an exception that is not snapcore's (MemoryError() with no message,
+    while opening the step; a RuntimeError while matching the state): it raises it, and
+    rank 0 raises StateMismatch naming rank 1 and the error's type, instead of waiting in
+    the plan's exchange until the group's timeout (and a gloo error naming no one)."""
+    store = tmp_path / "store"
+    run(2, [{"op": "save", "kind": "fsdp2", "store": str(store), "step": 1, "seed": 0}])
+    res = run(
+        2,
+        [
+            {
+                "op": "restore",
+                "kind": "fsdp2",
+                "store": str(store),
+                "boom_on_rank": 1,
+                "boom_in": where,
+            }
+        ],
+    )
+    (r0,), (r1,) = res
+    assert r1["error"] == ("MemoryError" if where == "open" else "RuntimeError"), r1
+    assert r0["error"] == "StateMismatch", r0
+    assert "rank 1" in r0["message"], r0
+    assert ("MemoryError" if where == "open" else "RuntimeError: boom") in r0["message"], r0
+
+
 def test_a_step_one_node_cannot_open_is_skipped_by_every_rank(tmp_path: Path, s3_bucket) -> None:
     """Two nodes of one rank each, a directory each, and object storage. Step 2: node 1's
     own part is damaged and object storage no longer holds the step, so node 1 cannot
