@@ -400,6 +400,15 @@ def test_checkpointer_restore_falls_back_to_the_older_step(tmp_path):
         ckpt.restore(blank(), step=5)
 
 
+def test_checkpointer_restore_of_a_step_the_store_lacks_raises_instead_of_starting_at_0(tmp_path):
+    snapcore.save(state_at(4), tmp_path, step=4)
+    ckpt = snapcore.Checkpointer(tmp_path, journal=False, handle_sigterm=False)
+    with pytest.raises(snapcore.SnapshotNotFound, match="step 7"):
+        ckpt.restore(blank(), step=7)  # asked for: not "nothing to restore", step 0
+    empty = snapcore.Checkpointer(tmp_path / "empty", journal=False, handle_sigterm=False)
+    assert empty.restore(blank()) == 0  # an empty store is a fresh start
+
+
 def test_every_step_damaged_raises_the_newest_error_naming_the_others(tmp_path):
     for step in (1, 2):
         snapcore.save(state_at(step), tmp_path, step=step)
