@@ -1156,3 +1156,33 @@ def test_a_state_one_rank_cannot_walk_fails_every_ranks_save_at_once(
     if at == 2:
         _all_commit([zero, one], range(1, 2))
     assert LocalDirectory(store).committed_steps() == [s for s in (1, 2, 3) if s != at]
+
+
+@pytest.mark.parametrize("fail", ["link", "home"])
+def test_a_peer_link_failing_on_one_rank_fails_every_ranks_first_save_at_once(
+    tmp_path: Path, fail: str
+) -> None:
+    """Two nodes of one rank with a peer tier. "link": rank 1's peer link cannot be made
+    once the link's collective is done, so rank 0 went on into the plan's exchange alone;
+    "home": rank 1 cannot read its peer settings, before the link's collective, where rank
+    0 waited for it. Either way both ranks' first save now raises at once, rank 0's
+    naming rank 1 and its error, and step 2 commits in every tier on both."""
+    spec = {"local": "$SNAPCORE_TEST_LOCAL", "host": "$SNAPCORE_TEST_HOST", "peer": True}
+    with Nodes(tmp_path) as nodes:
+        zero, one = _early(tmp_path, spec, nodes, rank=1, fail=fail, at=1, steps=2)
+    ours, secs = one["calls"][0]
+    theirs, secs0 = zero["calls"][0]
+    assert secs < FAST / 2 and secs0 < FAST / 2, (zero, one)
+    if fail == "link":
+        assert ours == "RuntimeError: cannot start the peer thread (injected)", one
+        assert theirs == ("SnapshotFailed: rank 1 failed before its save could begin: " + ours), (
+            zero
+        )
+    else:
+        assert ours == "ValueError: SNAPCORE_FAILURE_DOMAIN cannot be read (injected)", one
+        assert theirs.startswith("ValueError: ") and theirs.endswith(
+            ": rank 1 cannot join the peer tier: " + ours
+        ), zero
+    _all_commit([zero, one], range(2, 3))
+    for r in (zero, one):
+        assert set(r["tiers"][1]) == {"host", "local", "peer"}, r

@@ -1,7 +1,8 @@
 """A sharded save that fails on one rank before it takes its number (a second writer holds
 the node's lock, the state's walk, the peer tier's link): the rank takes the number all
 the same and raises with the others, in the plan's exchange when one is made, at once
-otherwise (``Sharder.part``). The exchanges are faked here; the
+otherwise (``Sharder.part``); the peer link's exchange carries a rank's failure to read
+its settings the same way (``peer.link._make``). The exchanges are faked here; the
 multi-process tests are in tests/multiproc/test_sharded.py ("before its save takes its
 number")."""
 
@@ -14,7 +15,9 @@ import pytest
 import torch
 
 from snapcore.distributed.job import Job
-from snapcore.errors import SnapshotFailed, StoreInUse, UnsupportedState
+from snapcore.errors import SnapcoreError, SnapshotFailed, StoreInUse, UnsupportedState
+from snapcore.peer import link
+from snapcore.tiers import Store
 from snapcore.tree import flatten
 from snapcore.write import sharded
 from snapcore.write.sharded import Sharder
@@ -103,3 +106,31 @@ def test_without_an_exchange_the_rank_raises_at_once_with_its_number_taken(
     with pytest.raises(StoreInUse):
         sh.part(None, in_use())
     assert sh.seq == 4 and sh.last is None
+
+
+def test_a_rank_that_cannot_read_its_peer_settings_says_so_in_the_links_exchange(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = Store(host="early-unit", peer=True)
+    assert store.peer_spec is not None
+
+    def bad() -> str | None:
+        raise ValueError("SNAPCORE_FAILURE_DOMAIN: no")
+
+    other = {"home": ["h", "early-unit", None], "error": None}
+    fake = Exchange(1, other)
+    monkeypatch.setattr(link, "all_gather_bytes", fake)
+    monkeypatch.setattr(link.settings, "failure_domain", bad)
+    with pytest.raises(ValueError, match="SNAPCORE_FAILURE_DOMAIN: no"):
+        link._make(job(1), store, store.peer_spec)
+    assert fake.sent == [{"home": None, "error": ["ValueError", "SNAPCORE_FAILURE_DOMAIN: no"]}]
+
+    # the other rank: the same kind (a restore passes a ValueError over on every rank)
+    monkeypatch.setattr(link, "all_gather_bytes", Exchange(0, fake.sent[0]))
+    monkeypatch.setattr(link.settings, "failure_domain", lambda: None)
+    with pytest.raises(ValueError, match=r": rank 1 cannot join the peer tier: ValueError: "):
+        link._make(job(0), store, store.peer_spec)
+    other = {"home": None, "error": ["RuntimeError", "no thread"]}
+    monkeypatch.setattr(link, "all_gather_bytes", Exchange(0, other))
+    with pytest.raises(SnapcoreError, match=r": rank 1 cannot join the peer tier: RuntimeError: "):
+        link._make(job(0), store, store.peer_spec)
