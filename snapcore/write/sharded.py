@@ -137,7 +137,8 @@ class Sharder:
     def part(self, flat: Flattened | None, early: Exception | None = None) -> PartSpec:
         """This rank's share of the next save (training thread). Makes the one exchange
         when the plan must be agreed: at the first save, and at the save after one whose
-        verdict said that a rank's structure had changed (or that the save failed).
+        verdict said that a rank's structure had changed or that a rank failed before its
+        background work.
 
         ``early``: this rank failed before its save could begin (its writer lock, its
         state's walk, the peer tier's link: ``flat`` may be None). It takes the save's
