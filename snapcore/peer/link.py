@@ -106,14 +106,30 @@ def connect(job: Job, store: Store) -> Connection:
 
 
 def _make(job: Job, store: Store, spec: PeerSpec) -> Connection:
-    """Gather every rank's home, make the ring and the peer group (a collective)."""
+    """Gather every rank's home, make the ring and the peer group (a collective). A rank
+    that cannot say its home or read its settings sends its error instead: every rank
+    raises then, that rank its own error, the others one naming it (of the same kind when
+    it is a ``ValueError``, which a restore passes over as "no peer tier" on every rank),
+    rather than leave the others in the exchange or in the group's making."""
     import torch.distributed as dist
 
-    mine = Home(job.host, store.host, settings.failure_domain())
-    every = all_gather_bytes(job, json.dumps(mine.to_json()).encode())
-    homes = [Home.from_json(json.loads(b)) for b in every]
+    try:
+        mine: Any = Home(job.host, store.host, settings.failure_domain()).to_json()
+        timeout = settings.peer_timeout_s()
+        error: Exception | None = None
+    except Exception as e:
+        mine, timeout, error = None, 0.0, e
+    said = {"home": mine, "error": None if error is None else [type(error).__name__, str(error)]}
+    every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(said).encode())]
+    if error is not None:
+        raise error
+    failed = [(r, d["error"]) for r, d in enumerate(every) if d["error"] is not None]
+    if failed:
+        r, (kind, why) = failed[0]
+        message = f"{store.describe()}: rank {r} cannot join the peer tier: {kind}: {why}"
+        raise ValueError(message) if kind == "ValueError" else SnapcoreError(message)
+    homes = [Home.from_json(d["home"]) for d in every]
     topo = Topology(homes, spec.k)
-    timeout = settings.peer_timeout_s()
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     if spec.k > len(topo.nodes) - 1:
         log.warning(

@@ -150,35 +150,57 @@ class Engine:
         first = djob is None or _local_rank(djob) == 0
         with self._lock:
             made, self._made = self._made, None
-            if djob is None:  # a sharded save raises it once handed over (_sharded_save)
-                self._raise_unreported()
-            elif made is not None and made.step == step and made.tiers == want:
+            if djob is None:
+                self._raise_unreported()  # a sharded save raises it once handed over
+                self._take_store(first)
+                flat = flatten(state)
+                _whole_dtensors(flat)
+                layout = plan(flat.tensors)
+                return self._save(None, layout, flat, step, want, overlap, budget, t0)
+            if made is not None and made.step == step and made.tiers == want:
                 return made  # made by the last call, which raised an earlier failure
-            # Before anything is touched: a second writer fails.
-            if self.local is not None and first:
-                self._hold_writer_lock(self.local.root)
-            if self.host is not None and not self._claimed:
-                # prepare()'s reservation for a peer fetch (a replaced node's) is not
-                # wanted once the area is saved into: finished first (it sizes the slot
-                # file the first save maps), then its mapping is given back.
-                self.settle_reserve()
-                drop_mappings(under=self.host.root)
-            if self.host is not None and not self._claimed and first:
-                # Before the first sharded save's exchange, which the node's other ranks
-                # leave only once this one has entered it: they see the area claimed.
-                self.host.claim(self.config.identity())
-                if self.local is None:  # the area is the store: locked once it is its own
-                    self._hold_writer_lock(self.host.root)
-                self._release_stale_host()
-            flat = flatten(state)
-            if djob is not None:
-                if "peer" in want:  # the peer tier's group and ring: a collective, once
+            # A failure here is this rank's alone (a second writer holds its node's lock,
+            # its state's walk, the peer tier's link): the rank takes the save's number
+            # all the same and raises with the others (``Sharder.part``), so that none
+            # waits for it in the plan's exchange and every rank's numbers stay in step.
+            # It walks its state and makes the link's collective even so, as the others.
+            early: Exception | None = None
+            fl: Flattened | None = None
+            try:
+                self._take_store(first)
+            except Exception as e:
+                early = e
+            try:
+                fl = flatten(state)
+            except Exception as e:
+                early = early or e
+            if "peer" in want:  # the peer tier's group and ring: a collective, once
+                try:
                     self.peer_link(djob)
-                sharded = self._sharded(djob, flat, step)
-                return self._sharded_save(sharded, flat, step, want, overlap, budget, t0)
-            _whole_dtensors(flat)
-            layout = plan(flat.tensors)
-            return self._save(None, layout, flat, step, want, overlap, budget, t0)
+                except Exception as e:
+                    early = early or e
+            sharded = self._sharded(djob, fl, step, early)
+            assert fl is not None  # else _sharded raised ``early``
+            return self._sharded_save(sharded, fl, step, want, overlap, budget, t0)
+
+    def _take_store(self, first: bool) -> None:
+        """Before anything is touched: the writer lock (a second writer fails) and the
+        host-memory area, by the node's first process (``first``) for its ranks."""
+        if self.local is not None and first:
+            self._hold_writer_lock(self.local.root)
+        if self.host is not None and not self._claimed:
+            # prepare()'s reservation for a peer fetch (a replaced node's) is not
+            # wanted once the area is saved into: finished first (it sizes the slot
+            # file the first save maps), then its mapping is given back.
+            self.settle_reserve()
+            drop_mappings(under=self.host.root)
+        if self.host is not None and not self._claimed and first:
+            # Before the first sharded save's exchange, which the node's other ranks
+            # leave only once this one has entered it: they see the area claimed.
+            self.host.claim(self.config.identity())
+            if self.local is None:  # the area is the store: locked once it is its own
+                self._hold_writer_lock(self.host.root)
+            self._release_stale_host()
 
     def _sharded_save(
         self,
@@ -323,7 +345,11 @@ class Engine:
             job.go.set()  # whatever happens here, the persist job must not wait forever
         return handle
 
-    def _sharded(self, djob: Job, flat: Flattened, step: int) -> ShardedSave:
+    def _sharded(
+        self, djob: Job, flat: Flattened | None, step: int, early: Exception | None = None
+    ) -> ShardedSave:
+        """This rank's part of the next sharded save, with its number; ``early``: this
+        rank failed before it (``async_save``), and raises it here with the others."""
         if self._sharder is None or self._sharder.job is not djob:
             local = str(self.local.root) if self.local else None
             self._sharder = Sharder(djob, local, self.config.host)
@@ -333,7 +359,7 @@ class Engine:
         sharder = self._sharder
         seq = sharder.seq + 1
         try:
-            spec = sharder.part(flat)
+            spec = sharder.part(flat, early)
         except BaseException as e:
             # The save number is used up on every rank (an exchange that raised here, or
             # that the others left): the others must not wait for this rank's part.

@@ -134,10 +134,18 @@ class Sharder:
         for old in [s for s in self.verdicts if s < seq - 4]:
             del self.verdicts[old]
 
-    def part(self, flat: Flattened) -> PartSpec:
+    def part(self, flat: Flattened | None, early: Exception | None = None) -> PartSpec:
         """This rank's share of the next save (training thread). Makes the one exchange
         when the plan must be agreed: at the first save, and at the save after one whose
-        verdict said that a rank's structure had changed."""
+        verdict said that a rank's structure had changed or that a rank failed before its
+        background work.
+
+        ``early``: this rank failed before its save could begin (its writer lock, its
+        state's walk, the peer tier's link: ``flat`` may be None). It takes the save's
+        number all the same, and raises ``early``: in the plan's exchange when the ranks
+        agree one, carrying it there so that every rank raises at once (the others an
+        error naming this rank), else at once (the engine tells the coordinator, whose
+        verdict fails the others' save at once)."""
         job = self.job
         self.seq += 1
         seq = self.seq
@@ -148,6 +156,11 @@ class Sharder:
             event, box = self.verdict_slot(seq - 1)
             must_agree = not event.wait(job.timeout_s) or box[0] != "ok"
         last, self.last = self.last, None
+        if early is not None:
+            if must_agree:  # the others are in the exchange: every rank raises there
+                self._agree(None, [], (), early)
+            raise early
+        assert flat is not None
         if not must_agree and last is not None:
             again = last.reuse(flat, seq)
             if again is not None:
@@ -171,7 +184,13 @@ class Sharder:
             self.last = _Last.of(flat, spec)
         return spec
 
-    def _agree(self, flat: Flattened, glob: list[int], signature: tuple[Any, ...]) -> _Cached:
+    def _agree(
+        self,
+        flat: Flattened | None,
+        glob: list[int],
+        signature: tuple[Any, ...],
+        early: Exception | None = None,
+    ) -> _Cached:
         """The exchange. First a small one: each rank's home and a hash of its state's
         global description (paths, dtypes, shapes, and each DTensor's mesh and
         placements), about 200 bytes a rank. When every rank has the same description,
@@ -182,14 +201,25 @@ class Sharder:
         description (a pipeline's stages, or FSDP2 over TP's TP ranks: one per group),
         and the plan follows from them when they combine (``uniform.combine``: a tensor
         several groups list is the same there). Only when they do not are the items
-        themselves exchanged, and ``plan_save`` run on every rank's."""
+        themselves exchanged, and ``plan_save`` run on every rank's.
+
+        A rank that cannot take part (its state cannot be saved, or ``early``: it failed
+        before the save began) sends its error instead of its description: every rank
+        raises once the exchange is made, that rank its own error, the others one naming
+        it (``_raise_refusal``)."""
         job = self.job
-        try:  # a state this rank cannot save is told to the others: all raise together
-            items = describe_local([flat.tensors[i] for i in glob], [flat.paths[i] for i in glob])
-            description, tensors = _description(flat, glob)
-            error = None
-        except SnapcoreError as e:
-            items, description, tensors, error = [], {}, [], e
+        error: Exception | None = early
+        items: list[LocalItem] = []
+        description: dict[str, Any] = {}
+        tensors: list[GlobalTensor] = []
+        if flat is not None and early is None:
+            try:  # a state this rank cannot save is told to the others: all raise together
+                items = describe_local(
+                    [flat.tensors[i] for i in glob], [flat.paths[i] for i in glob]
+                )
+                description, tensors = _description(flat, glob)
+            except SnapcoreError as e:
+                items, description, tensors, error = [], {}, [], e
         text = json.dumps(description).encode()
         mine = {
             "g": hashlib.sha256(text).hexdigest(),
@@ -199,7 +229,12 @@ class Sharder:
             "area": self.host_area,
             "error": None
             if error is None
-            else [type(error).__name__, str(error), getattr(error, "path", None)],
+            else [
+                type(error).__name__,
+                str(error),
+                getattr(error, "path", None),
+                "state" if early is None else "early",
+            ],
         }
         every = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
         if error is not None:
@@ -336,14 +371,18 @@ class Sharder:
 
 
 def _raise_refusal(every: list[dict[str, Any]]) -> None:
-    """Raise the first refusal another rank sent in the plan's exchange (its state cannot
-    be saved): as its own kind when it is ``UnsupportedState`` or ``StateMismatch``,
-    naming that rank."""
+    """Raise the first refusal another rank sent in the plan's exchange: its state cannot
+    be saved, as its own kind when it is ``UnsupportedState`` or ``StateMismatch``,
+    naming that rank; or it failed otherwise before its save began (a second writer
+    holds its node's lock, the peer tier's link), as ``SnapshotFailed`` naming the rank
+    and its error."""
     failed = [(r, d["error"]) for r, d in enumerate(every) if d.get("error")]
     if not failed:
         return
-    r, (kind, why, path) = failed[0]
+    r, (kind, why, path, *when) = failed[0]
     more = f" (and ranks {[q for q, _ in failed[1:]]})" if len(failed) > 1 else ""
+    if when == ["early"] and kind not in ("UnsupportedState", "StateMismatch"):
+        raise SnapshotFailed(f"rank {r}{more} failed before its save could begin: {kind}: {why}")
     message = f"rank {r}{more} cannot save its state: {why}"
     if kind == "UnsupportedState":
         raise UnsupportedState(message, path=path or "")

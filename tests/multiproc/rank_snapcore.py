@@ -851,7 +851,96 @@ def injected(a: dict[str, Any]) -> dict[str, Any]:
     return {"calls": calls, "tiers": tiers, "end": end}
 
 
+def early(a: dict[str, Any]) -> dict[str, Any]:
+    """Save steps 1 to ``a["steps"]`` of a small state, rank ``a["rank"]`` failing before
+    its save of step ``a["at"]`` takes its number, ``a["fail"]`` saying how: "lock" (a
+    second writer holds its node's writer lock: a lock this process takes on the store's
+    ``writer.lock`` through a file of its own, let go after that save; the rank must be
+    its node's LOCAL_RANK 0), "walk" (its state holds a value snapcore refuses, at that
+    save only), "link" (the peer tier's link cannot be made on it once the link's
+    collective is done) or "home" (its peer settings cannot be read, before the link's
+    collective). After each save (and its tiers' outcome) every rank meets the others in
+    a barrier on the training's group, as training's next collective would. Reports per
+    step how the call ended and each tier's outcome, each with its seconds from the call."""
+    import fcntl
+    import socket
+
+    from snapcore import settings
+    from snapcore.write import engine as write_engine
+
+    models.init_gloo()
+    rank = dist.get_rank()
+    mine = rank == a["rank"]
+    fail, at = a["fail"], a["at"]
+    store = store_of(a)
+    held: list[int] = []
+    if mine and fail == "lock":
+        root = local_dir(a)
+        assert root is not None
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(os.path.join(root, "writer.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        who = {"pid": 4242, "host": socket.gethostname(), "since": time.time()}
+        os.pwrite(fd, json.dumps(who).encode(), 0)
+        held.append(fd)
+    elif mine and fail == "link":
+        real_open, once = write_engine.open_link, [True]
+
+        def open_link(*args: Any, **kw: Any) -> Any:
+            link = real_open(*args, **kw)  # the collective: every rank made it
+            if once:
+                once.clear()
+                link.close()
+                raise RuntimeError("cannot start the peer thread (injected)")
+            return link
+
+        write_engine.open_link = open_link  # type: ignore[assignment]
+    elif mine and fail == "home":
+        real_domain, tries = settings.failure_domain, [0]
+
+        def failure_domain() -> str | None:
+            tries[0] += 1
+            if tries[0] == 1:
+                raise ValueError("SNAPCORE_FAILURE_DOMAIN cannot be read (injected)")
+            return real_domain()
+
+        settings.failure_domain = failure_domain  # type: ignore[assignment]
+    state: dict[str, Any] = {"own": RankLocal(torch.full((4096,), float(rank))), "step": 0}
+    calls: list[list[Any]] = []
+    tiers: list[dict[str, list[Any]] | None] = []
+    for step in range(1, a["steps"] + 1):
+        state["step"] = step
+        if mine and fail == "walk" and step == at:
+            state["bad"] = object()
+        t0 = time.monotonic()
+        try:
+            h = snapcore.async_save(state, store, step=step)
+            calls.append(["handed", time.monotonic() - t0])
+        except Exception as e:
+            h = None
+            calls.append([f"{type(e).__name__}: {e}", time.monotonic() - t0])
+        state.pop("bad", None)
+        out: dict[str, list[Any]] | None = None
+        if h is not None:
+            out = {}
+            for tier in h.tiers:
+                try:
+                    h.wait(tier=tier)
+                    out[tier] = ["ok", time.monotonic() - t0]
+                except snapcore.SnapcoreError as e:
+                    out[tier] = [f"{type(e).__name__}: {e}", time.monotonic() - t0]
+        tiers.append(out)
+        launch.report([{"calls": calls, "tiers": tiers}])
+        dist.barrier()  # training's next collective: every rank must come
+        if step == at:
+            for fd in held:  # the second writer is gone
+                os.close(fd)
+            held.clear()
+    return {"calls": calls, "tiers": tiers}
+
+
 OPS = {
+    "early": early,
     "injected": injected,
     "die": die,
     "linger": linger,

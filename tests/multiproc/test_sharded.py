@@ -1150,3 +1150,111 @@ def test_a_host_tier_failure_on_one_rank_fails_the_others_at_once(tmp_path: Path
         local, secs = r["tiers"][1]["local"]
         assert local == "ok" and secs < FAST / 2, r
     assert LocalDirectory(tmp_path / "store").committed_steps() == [1, 2]
+
+
+# -- one rank's failure before its save takes its number (issue 10's leftover) -----------
+# A second writer holding its node's lock, its state's walk, the peer tier's link: each
+# used to raise on that rank alone, before the save's number, leaving the others in the
+# plan's first exchange until snapcore's group timeout (FAST here: waiting for it is a
+# failure), and the ranks' save numbers out of step. After each save the ranks meet in a
+# barrier on the training's group, as training's next collective would.
+
+
+def _early(tmp_path: Path, spec: Any, nodes: Nodes | None = None, **op: Any) -> list[Any]:
+    action = {"op": "early", "store": spec, **op}
+    env = {"SNAPCORE_COMMIT_TIMEOUT_S": str(FAST)}
+    args = [json.dumps([action])]
+    if nodes is None:
+        results = run_ranks(SCRIPT, 2, args, timeout=90, env=env)
+    else:
+        results = nodes.run(SCRIPT, 1, args, timeout=90, env=env)
+    return [r.result[0] for r in results]
+
+
+def _all_commit(out: list[Any], steps: range) -> None:
+    """Every rank's saves of ``steps`` were handed and committed in every tier, none
+    after waiting for the commit timeout."""
+    for rank, r in enumerate(out):
+        for s in steps:
+            assert r["calls"][s - 1][0] == "handed", (rank, s, r)
+            for tier, (how, secs) in r["tiers"][s - 1].items():
+                assert how == "ok" and secs < FAST / 2, (rank, s, tier, r)
+
+
+def test_a_second_writer_of_one_ranks_node_fails_every_ranks_first_save_at_once(
+    tmp_path: Path,
+) -> None:
+    """A second writer holds the store's writer lock, which rank 0 (its node's first
+    process) takes at the first save: rank 0 raises StoreInUse, and rank 1, in the plan's
+    first exchange, raises at once too, naming rank 0 and its error (it waited there until
+    snapcore's group timeout). Once the second writer is gone, steps 2 and 3 commit on
+    both ranks: their save numbers stayed in step."""
+    store = tmp_path / "store"
+    zero, one = _early(tmp_path, {"local": str(store)}, rank=0, fail="lock", at=1, steps=3)
+    how, secs = zero["calls"][0]
+    assert how.startswith("StoreInUse: ") and "pid 4242" in how and secs < FAST / 2, zero
+    how, secs = one["calls"][0]
+    assert how.startswith("SnapshotFailed: rank 0 failed before its save could begin: "), one
+    assert "StoreInUse: " in how and "pid 4242" in how and secs < FAST / 2, one
+    _all_commit([zero, one], range(2, 4))
+    assert LocalDirectory(store).committed_steps() == [2, 3]
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_state_one_rank_cannot_walk_fails_every_ranks_save_at_once(
+    tmp_path: Path, at: int
+) -> None:
+    """Rank 1's state holds a value snapcore refuses at step ``at`` only: its walk raises
+    before the save's number. At the first save (1) rank 0 raises with it in the plan's
+    exchange, naming it; at a later save (2: no exchange) rank 1 takes the number and
+    tells the coordinator, so rank 0's save of that step fails at once naming rank 1.
+    The other steps commit on both ranks (the numbers stayed in step: rank 1's next save
+    used to pair with rank 0's one after, failing each after the commit timeout)."""
+    store = tmp_path / "store"
+    zero, one = _early(tmp_path, {"local": str(store)}, rank=1, fail="walk", at=at, steps=3)
+    how, secs = one["calls"][at - 1]
+    assert how.startswith("UnsupportedState: bad: cannot save a value of type builtins.object")
+    assert secs < FAST / 2, one
+    how, secs = zero["calls"][at - 1]
+    if at == 1:
+        assert how.startswith("UnsupportedState: rank 1 cannot save its state: bad: "), zero
+        assert secs < FAST / 2, zero
+    else:
+        assert how == "handed", zero
+        why, secs = zero["tiers"][at - 1]["local"]
+        assert why.startswith("SnapshotFailed") and "ranks 1 failed" in why, zero
+        assert "UnsupportedState: bad: " in why and secs < FAST / 2, zero
+    _all_commit([zero, one], range(at + 1, 4))
+    if at == 2:
+        _all_commit([zero, one], range(1, 2))
+    assert LocalDirectory(store).committed_steps() == [s for s in (1, 2, 3) if s != at]
+
+
+@pytest.mark.parametrize("fail", ["link", "home"])
+def test_a_peer_link_failing_on_one_rank_fails_every_ranks_first_save_at_once(
+    tmp_path: Path, fail: str
+) -> None:
+    """Two nodes of one rank with a peer tier. "link": rank 1's peer link cannot be made
+    once the link's collective is done, so rank 0 went on into the plan's exchange alone;
+    "home": rank 1 cannot read its peer settings, before the link's collective, where rank
+    0 waited for it. Either way both ranks' first save now raises at once, rank 0's
+    naming rank 1 and its error, and step 2 commits in every tier on both."""
+    spec = {"local": "$SNAPCORE_TEST_LOCAL", "host": "$SNAPCORE_TEST_HOST", "peer": True}
+    with Nodes(tmp_path) as nodes:
+        zero, one = _early(tmp_path, spec, nodes, rank=1, fail=fail, at=1, steps=2)
+    ours, secs = one["calls"][0]
+    theirs, secs0 = zero["calls"][0]
+    assert secs < FAST / 2 and secs0 < FAST / 2, (zero, one)
+    if fail == "link":
+        assert ours == "RuntimeError: cannot start the peer thread (injected)", one
+        assert theirs == ("SnapshotFailed: rank 1 failed before its save could begin: " + ours), (
+            zero
+        )
+    else:
+        assert ours == "ValueError: SNAPCORE_FAILURE_DOMAIN cannot be read (injected)", one
+        assert theirs.startswith("ValueError: ") and theirs.endswith(
+            ": rank 1 cannot join the peer tier: " + ours
+        ), zero
+    _all_commit([zero, one], range(2, 3))
+    for r in (zero, one):
+        assert set(r["tiers"][1]) == {"host", "local", "peer"}, r
