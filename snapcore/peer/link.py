@@ -211,6 +211,13 @@ class PeerLink:
             handle.warn(note)
         if self.disabled is None and (why := self._disabled_elsewhere()) is not None:
             self.disable(why)
+        if self.disabled is not None and self.reported:
+            # Told on an earlier handle of this rank (a save queued before that report,
+            # two saves in flight): this one just has no peer tier, as the later ones.
+            handle.leave_out(
+                "peer", f"the peer tier is disabled until the job restarts: {self.disabled}"
+            )
+            return
         if self.disabled is not None:
             self.reported = True
             handle.resolve(

@@ -437,6 +437,46 @@ def test_a_lost_partner_disables_the_peer_tier_once_and_later_saves_leave_it_out
         close_all()
 
 
+def test_a_save_queued_behind_the_failed_round_leaves_the_peer_tier_out_not_failed_again(
+    host_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two saves in flight: step 7's round fails (a partner lost), and step 8's round,
+    queued behind it on the peer thread, finds the peer tier disabled. The failure is
+    reported once, on step 7's handle; step 8's handle just has no peer tier, as the
+    saves after it (failed before: it failed again, "disabled until the job restarts")."""
+    from snapcore.errors import SnapshotFailed
+    from snapcore.peer import link as link_mod
+    from snapcore.peer.wire import Outgoing, PeerLinkError
+    from snapcore.staging.handle import SaveHandle, SaveStats
+
+    def lost(*a: Any, **k: Any) -> Any:
+        raise PeerLinkError("the peer transfer with ranks [1] failed: Connection reset by peer")
+
+    monkeypatch.setattr(link_mod, "exchange", lost)
+    monkeypatch.setattr(link_mod.PeerLink, "_outgoing", lambda self, d, s, k: Outgoing(d, None, []))
+    link = fake_link(host_name, 0, FakeKV())
+    try:
+        h7, h8 = (SaveHandle(s, SaveStats(s, 0, 0), ("host", "peer")) for s in (7, 8))
+        from concurrent.futures import ThreadPoolExecutor
+
+        waiter = ThreadPoolExecutor(1)
+        waiting = waiter.submit(h8.wait)  # a waiter on step 8 already
+        first, second = link.submit(h7, 7, "index"), link.submit(h8, 8, "index")
+        first.result(), second.result()
+        with pytest.raises(SnapshotFailed, match="peer tier failed"):
+            h7.wait(tier="peer")
+        h7.resolve("host"), h8.resolve("host")
+        assert h8.unreported() is None and h8.tiers == ("host",)
+        assert h8.wait() is h8.stats and waiting.result() is h8.stats
+        assert "peer" not in h8.stats.tiers  # never counted durable there
+        with pytest.raises(ValueError, match="not sent to tier 'peer': the peer tier is disabled"):
+            h8.wait(tier="peer")
+        assert h8.done() and h8.done("peer")
+        waiter.shutdown()
+    finally:
+        link.close()
+
+
 def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
     host_name: str,
 ) -> None:
