@@ -133,7 +133,8 @@ def chunk(data: bytes, offset: int, n: int) -> dict[str, Any]:
 
 
 def receive(root: Path, copy: Copy, data: bytes, **kw: Any) -> Destination:
-    dest = Destination(root, step=copy.step, rank=1, identity=IDENTITY, **kw)
+    kw.setdefault("identity", IDENTITY)
+    dest = Destination(root, step=copy.step, rank=1, **kw)
     dest.prepare(copy.meta())
     whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     dest.write(0, 0, whole[:50])  # in two pieces, as the wire hands them
@@ -475,6 +476,76 @@ def test_a_save_queued_behind_the_failed_round_leaves_the_peer_tier_out_not_fail
         waiter.shutdown()
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("where", ["here", "elsewhere"])
+def test_a_failed_fetch_disables_the_peer_tier_and_nothing_else_runs_on_the_group(
+    host_name: str, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A restore's fetch round that fails (a partner lost) breaks the peer group as a
+    failed save round does: the peer tier is disabled on every rank (here: this rank's
+    round failed; elsewhere: another rank's, said in the exchange after the fetch), the
+    re-send is not queued, and the next save reports it without a transfer (failed
+    before: only a note, then the re-send ran on the broken group)."""
+    from snapcore.errors import SnapshotFailed
+    from snapcore.peer import link as link_mod
+    from snapcore.peer import restore as restore_mod
+    from snapcore.peer.wire import PeerLinkError
+    from snapcore.staging.handle import SaveHandle, SaveStats
+    from snapcore.tiers import HostTier
+
+    rounds: list[str] = []
+
+    def exchange(group: Any, outgoing: Any, incoming: Any, **kw: Any) -> Any:
+        rounds.append("fetch" if not rounds else "after")
+        if where == "here":
+            raise PeerLinkError("the peer transfer with ranks [1] failed: Connection reset")
+        return {o.dst: None for o in outgoing}, {}
+
+    lost = "a partner lost in the fetch of step 5 (the peer transfer with ranks [0] failed)"
+    # here: rank 0 lacks step 5 and fetches its part from rank 1, which holds a copy;
+    # elsewhere: rank 1 lacks it and fetches from rank 0; rank 1's round fails
+    holds = {"host": [5], "own": [5], "remote": [], "writable": True, "disabled": None}
+    lacks = {"host": [], "own": [], "remote": [], "held": {}, "writable": True, "disabled": None}
+    other = {**holds, "held": {"0": [5]}} if where == "here" else lacks
+    said = {"ok": True, "disabled": None} if where == "here" else {"ok": False, "disabled": lost}
+    gathered: list[Any] = []
+
+    def all_gather(job: Any, data: bytes) -> list[bytes]:
+        gathered.append(json.loads(data) if data else None)
+        answer = [other, said, None][len(gathered) - 1]
+        return [data, json.dumps(answer).encode() if answer is not None else b""]
+
+    monkeypatch.setattr(restore_mod, "exchange", exchange)
+    monkeypatch.setattr(restore_mod, "all_gather_bytes", all_gather)
+    monkeypatch.setattr(link_mod, "exchange", lambda *a, **k: pytest.fail("a save round ran"))
+    kv = FakeKV()
+    link = fake_link(host_name, 0, kv)
+    store = link.store
+    root = HostTier(host_name).root
+    try:
+        if where == "elsewhere":  # rank 0 holds a copy of rank 1's part: it sends it back
+            copy, data = make_copy(5)
+            identity = link_mod.peer_identity(store, 2)
+            receive(peer_root(root, 1), copy, data, identity=identity)
+        steps = {"host": [5] if where == "elsewhere" else []}
+        job = link.conn.job
+        fetched = restore_mod.prepare_restore(store, steps, job, None, link)
+        link.drain()
+        assert rounds == ["fetch"]  # no re-send on the broken group
+        assert link.disabled is not None and "fetch of step 5" in link.disabled
+        assert "fetch of step 5" in kv.data["snapcore/peer/disabled"].decode()
+        assert any("disabled until the job restarts" in n for n in fetched.notes), fetched
+        assert not link.off()  # reported once, on the next save's handle:
+        h = SaveHandle(6, SaveStats(6, 0, 0), ("host", "peer"))
+        link._run(h, 6, "index")
+        with pytest.raises(SnapshotFailed, match=r"disabled until the job restarts: .*fetch"):
+            h.wait(tier="peer")
+        assert link.off()
+    finally:
+        link.close()
+        snapcore.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
