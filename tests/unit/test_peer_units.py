@@ -548,6 +548,57 @@ def test_a_failed_fetch_disables_the_peer_tier_and_nothing_else_runs_on_the_grou
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.parametrize("verdict", [True, False, None])
+def test_a_rank_without_a_host_verdict_keeps_its_partners_from_waiting(
+    host_name: str, monkeypatch: pytest.MonkeyPatch, verdict: bool | None
+) -> None:
+    """A rank whose host commit had no verdict from the coordinator in time
+    (``OutcomeUnknown``) does not know whether its partners run the step's round; the
+    peer thread asks for the verdict once more. Committed: the round runs and this rank
+    sends no copy (a status-1 header, never its part of a step it cannot call committed),
+    so its partners are not left waiting. Not committed: no round, as on every rank.
+    Still unknown: the peer tier is disabled in the job's store (partners waiting in the
+    round give up at once) and reported once."""
+    from snapcore.errors import SnapshotFailed
+    from snapcore.peer import link as link_mod
+    from snapcore.staging.handle import SaveHandle, SaveStats
+
+    rounds: list[Any] = []
+
+    def exchange(group: Any, outgoing: Any, incoming: Any, **kw: Any) -> Any:
+        rounds.append(outgoing)
+        return {o.dst: o.error for o in outgoing}, {i.src: None for i in incoming}
+
+    monkeypatch.setattr(link_mod, "exchange", exchange)
+    monkeypatch.setattr(
+        link_mod.PeerLink, "_outgoing", lambda *a: pytest.fail("read this rank's part to send")
+    )
+    kv = FakeKV()
+    link = fake_link(host_name, 0, kv)
+    try:
+        h = SaveHandle(7, SaveStats(7, 0, 0), ("host", "peer"))
+        link.submit(h, 7, "index", verdict=lambda: verdict).result()
+        with pytest.raises(SnapshotFailed) as failed:
+            h.wait(tier="peer")
+        if verdict:
+            (outgoing,) = rounds
+            assert [(o.dst, o.copy) for o in outgoing] == [(1, None)]
+            assert "no verdict on its host commit" in (outgoing[0].error or "")
+            assert "did not commit this rank's part" in str(failed.value)
+        else:
+            assert rounds == []
+        assert (link.disabled is not None) == (verdict is None)
+        if verdict is None:
+            assert "had no verdict on step 7's host commit" in str(failed.value)
+            assert "disabled until the job restarts" in str(failed.value)
+            assert "no verdict on step 7" in kv.data["snapcore/peer/disabled"].decode()
+            assert link.off()  # reported once: later saves leave the peer tier out
+        else:
+            assert "snapcore/peer/disabled" not in kv.data and not link.off()
+    finally:
+        link.close()
+
+
 def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
     host_name: str,
 ) -> None:
