@@ -9,7 +9,9 @@ thread is a collective: the transfers are point-to-point sends and receives betw
 partners, on the peer thread, on a gloo group that neither the training nor snapcore's
 commit uses, in the order of the saves (every rank transfers the saves that committed in
 host memory, which every rank learns alike from the coordinator's verdict; a rank whose
-own part of such a step failed after the verdict sends "no copy" and still receives).
+own part of such a step failed after the verdict sends "no copy" and still receives; a
+rank that had no verdict in time asks for it once more, and disables the peer tier if it
+still cannot tell whether the others run the round).
 
 One transfer at a time per rank; the slot it reads stays reserved until it is done, so
 a rank is never more than two snapshots behind (the next save after that waits for the
@@ -212,21 +214,43 @@ class PeerLink:
         with contextlib.suppress(RuntimeError):  # shut down: nothing is queued
             self.pool.submit(lambda: None).result()
 
-    def submit(self, handle: SaveHandle, step: int, index_key: str) -> Future[None]:
+    def submit(
+        self,
+        handle: SaveHandle,
+        step: int,
+        index_key: str,
+        verdict: Callable[[], bool | None] | None = None,
+    ) -> Future[None]:
         """Send this rank's part of ``step`` (committed in host memory) to its partners
-        and receive its sources' parts; resolves ``handle``'s peer tier."""
-        return self.pool.submit(self._run, handle, step, index_key)
+        and receive its sources' parts; resolves ``handle``'s peer tier. ``verdict``:
+        this rank had no host verdict on ``step`` in time; asked on the peer thread, it
+        says whether the other ranks run the round (True: committed; False: not; None:
+        still unknown)."""
+        return self.pool.submit(self._run, handle, step, index_key, verdict)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
-    def _run(self, handle: SaveHandle, step: int, index_key: str) -> None:
+    def _run(
+        self,
+        handle: SaveHandle,
+        step: int,
+        index_key: str,
+        verdict: Callable[[], bool | None] | None = None,
+    ) -> None:
         with self._notes_lock:
             earlier, self._notes = self._notes, []
         for note in earlier:
             handle.warn(note)
         if self.disabled is None and (why := self._disabled_elsewhere()) is not None:
             self.disable(why)
+        if self.disabled is not None and self.reported:
+            # Told on an earlier handle of this rank (a save queued before that report,
+            # two saves in flight): this one just has no peer tier, as the later ones.
+            handle.leave_out(
+                "peer", f"the peer tier is disabled until the job restarts: {self.disabled}"
+            )
+            return
         if self.disabled is not None:
             self.reported = True
             handle.resolve(
@@ -240,9 +264,15 @@ class PeerLink:
                 ),
             )
             return
+        unsent = None
+        if verdict is not None and (unsent := self._without_verdict(handle, step, verdict)) is None:
+            return
         topo = self.conn.topology
         partners, sources = topo.partners(self.rank), topo.sources(self.rank)
-        outgoing = [self._outgoing(p, step, index_key) for p in partners]
+        outgoing = [
+            self._outgoing(p, step, index_key) if unsent is None else Outgoing(p, None, [], unsent)
+            for p in partners
+        ]
         cap = self.spec.max_bytes  # over every source's copies together
         budget = None if cap is None else Budget(cap, [peer_root(self.area, s) for s in sources])
         incoming = [
@@ -308,6 +338,40 @@ class PeerLink:
         copy = outgoing[0].copy if outgoing else None
         handle.stats.written["peer"] = sum(n for _, n in copy.files) * len(sent) if copy else 0
         handle.resolve("peer")
+
+    def _without_verdict(
+        self, handle: SaveHandle, step: int, verdict: Callable[[], bool | None]
+    ) -> str | None:
+        """A rank that had no host verdict on ``step`` within the commit timeout does not
+        know whether the other ranks run the step's round. Asked once more: committed,
+        the round runs, this rank sending no copy (the reason returned), so that its
+        partners are not left waiting; not committed, no rank runs it (None, the handle
+        resolved); still unknown, the rounds can no longer be kept in step: the peer tier
+        is disabled (the partners waiting in the round learn it from the job's store, and
+        give up at once) and None."""
+        ok = verdict()
+        if ok:
+            return (
+                f"rank {self.rank} sends no copy of step {step}: it had no verdict on its host "
+                "commit from the coordinator in time"
+            )
+        if ok is None:
+            why = (
+                f"rank {self.rank} had no verdict on step {step}'s host commit from the "
+                "coordinator (rank 0) in time: whether its partners run the step's round is "
+                "unknown"
+            )
+            self.disable(why)
+            self.reported = True
+            message = (
+                f"step {step}: not sent to the peer tier: {why}. The peer tier is disabled "
+                "until the job restarts; the other tiers go on, and later saves leave the "
+                "peer tier out"
+            )
+        else:
+            message = f"step {step}: not sent to the peer tier: not committed in host memory"
+        handle.resolve("peer", SnapshotFailed(message, step=step, tier="peer"))
+        return None
 
     def _outgoing(self, dst: int, step: int, index_key: str) -> Outgoing:
         try:

@@ -11,7 +11,8 @@ holds its own copy again, and the restore then reads it like any host snapshot. 
 each rank whose partner lacks a copy of that step sends one (the re-send), in the
 background on the peer thread, ahead of the next snapshot's transfer. A copy that fails to arrive is
 reported (``RestoreInfo.damaged``) and the restore falls back to what the other tiers
-hold.
+hold; a fetch round that fails in transport (a partner lost) disables the peer tier on
+every rank, as a failed save round does, and no re-send runs on the broken group.
 """
 
 from __future__ import annotations
@@ -157,8 +158,11 @@ def _fetch_and_resend(
             link.background(_releasing(dest))
         last_fetch.clear()
         last_fetch.update(wire.last_round)
-        if failure:
-            notes.append(f"peer: step {target}: {failure}")
+        if failure:  # the peer group is broken, as after a failed save round
+            link.disable(f"a partner lost in the fetch of step {target} ({failure})")
+            notes.append(
+                f"peer: step {target}: {failure}; the peer tier is disabled until the job restarts"
+            )
         for r, why in sent.items():
             if why is not None:
                 notes.append(f"peer: step {target}: rank {r} did not take its part back: {why}")
@@ -172,8 +176,14 @@ def _fetch_and_resend(
                 notes.append(
                     f"peer: step {target}: this rank's part from rank {fetch[rank]}'s memory: {why}"
                 )
-        # The node's copy is committed once every rank of it that fetched has its part.
-        said = [json.loads(b) for b in all_gather_bytes(job, json.dumps({"ok": ok}).encode())]
+        # The node's copy is committed once every rank of it that fetched has its part;
+        # a rank whose round failed says so: no rank then queues anything on the group.
+        mine_now = {"ok": ok, "disabled": link.disabled}
+        said = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine_now).encode())]
+        off = [(r, d["disabled"]) for r, d in enumerate(said) if d["disabled"]]
+        if off and link.disabled is None:
+            link.disable(f"rank {off[0][0]}: {off[0][1]}")
+            notes.append(f"peer: the peer tier is disabled until the job restarts: {link.disabled}")
         out.ranks = sorted(r for r in fetch if said[r]["ok"])
         if rank in fetch and ok:
             node = [r for r in topo.nodes[topo.node_of[rank]] if r in fetch]
@@ -190,7 +200,7 @@ def _fetch_and_resend(
         for p in topo.partners(r)
         if target not in every[p]["held"].get(str(r), [])
     ]
-    if pairs:
+    if pairs and link.disabled is None:
         identity = peer_identity(store, world)
         cap = spec.max_bytes  # over every source's copies together
         roots = [peer_root(area, s) for s in topo.sources(rank)]
@@ -220,6 +230,8 @@ def _fetch_and_resend(
         ]
 
         def resend() -> list[str]:
+            if link.disabled is not None:  # since queued: nothing more runs on the group
+                return []  # (the next snapshot's handle reports it)
             sent, got, failure = _round(conn.group, outgoing, incoming, spec.piece_bytes, link)
             for i in incoming:
                 i.dest.release()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ class SaveHandle:
         self._reported: set[str] = set()
         self._deferred = False  # some copies run after async_save returned (overlap mode)
         self._host_copies: Future[None] | None = None  # overlap mode's CPU copies
+        self._left_out: dict[str, str] = {}  # tiers taken off after the save (leave_out)
 
     def done(self, tier: str | None = None) -> bool:
         """True once the snapshot is durable (or failed) in ``tier`` (default: all)."""
@@ -81,6 +83,8 @@ class SaveHandle:
                     step=self.step,
                     tier=name,
                 ) from e
+            if name in self._left_out and tier is not None:  # left out while it waited
+                raise self._not_sent(name)
         return self.stats
 
     def staged(self, timeout: float | None = None) -> None:
@@ -141,12 +145,18 @@ class SaveHandle:
 
     def _select(self, tier: str | None) -> dict[str, Future[None]]:
         if tier is None:
-            return self._futures
+            return {t: f for t, f in list(self._futures.items()) if t not in self._left_out}
         if tier not in self._futures:
             raise ValueError(
                 f"step {self.step} was not sent to tier {tier!r} (tiers: {self.tiers})"
             )
         return {tier: self._futures[tier]}
+
+    def _not_sent(self, tier: str) -> ValueError:
+        return ValueError(
+            f"step {self.step} was not sent to tier {tier!r}: {self._left_out[tier]} "
+            f"(tiers: {self.tiers})"
+        )
 
     # -- the engine's side: the stages report through these ---------------------------------
     @property
@@ -183,6 +193,18 @@ class SaveHandle:
             except BaseException:
                 pass  # cancelled: an outcome
         return True
+
+    def leave_out(self, tier: str, why: str) -> None:
+        """The snapshot goes to ``tier`` no more, for a reason reported already (the peer
+        tier disabled, told on an earlier handle): ``tiers`` drops it, ``wait()`` waits for
+        the others only, ``wait(tier=tier)`` raises ``ValueError``, as for a save that
+        never had it; nothing is reported again (unless the tier has an outcome)."""
+        if tier not in self._futures or self._futures[tier].done():
+            return
+        self._left_out[tier] = why
+        self.tiers = tuple(t for t in self.tiers if t != tier)
+        with contextlib.suppress(InvalidStateError):  # an outcome came meanwhile: it stands
+            self._futures[tier].set_result(None)  # a waiter on it goes on (wait() says why)
 
     def resolve(self, tier: str, exc: BaseException | None = None) -> None:
         """The snapshot is durable in ``tier``, or failed there with ``exc`` (the first

@@ -39,6 +39,7 @@ __all__ = [
     "index_key",
     "part_ref",
     "plan_verdict",
+    "read_verdict",
 ]
 
 
@@ -138,6 +139,11 @@ class ShardedSave:
         commit_part(
             self.job, self.eid, self.spec, tier, step, ref, write_index, failed, node_index=node
         )
+
+    def verdict_now(self, tier: str) -> bool | None:
+        """``tier``'s verdict on this save, asked once more without waiting (this rank
+        had none in time: ``OutcomeUnknown``): see ``read_verdict``."""
+        return read_verdict(self.job, self.eid, self.spec.seq, tier)
 
     def fail(self, tiers: tuple[str, ...], step: int, error: BaseException) -> None:
         """Tell the coordinator that this rank's save failed (so that it need not wait
@@ -304,6 +310,22 @@ def commit_part(
             with contextlib.suppress(AttributeError):
                 e.snapcore_verdict_ok = True  # type: ignore[attr-defined]
             raise
+
+
+def read_verdict(job: Job, eid: int, seq: int, tier: str) -> bool | None:
+    """The coordinator's verdict on save ``seq`` in ``tier``, asked once, without
+    waiting, by a rank that had none within the commit timeout: True when the step was
+    committed, False when not, None when there is none yet (rank 0 has not decided: dead,
+    or slower than that) or the store cannot be reached."""
+    key = _key(job, eid, seq, tier, "verdict")
+    try:
+        if not job.kv.check([key]):
+            return None
+        verdict = json.loads(job.kv.get(key))
+    except Exception:
+        return None
+    _ack(job, _key(job, eid, seq, tier, "ack"))
+    return bool(verdict["ok"])
 
 
 def verdict_ok(e: BaseException) -> bool:

@@ -375,12 +375,17 @@ class Engine:
             self.peer = open_link(djob, self.config)
         return self.peer
 
-    def peer_submit(self, handle: SaveHandle, sharded: ShardedSave) -> Future[None]:
+    def peer_submit(
+        self, handle: SaveHandle, sharded: ShardedSave, *, unknown: bool = False
+    ) -> Future[None]:
         """The peer tier (snapcore/peer): send this rank's part of the step that has just
-        committed in host memory to its partners, receive its sources' parts."""
+        committed in host memory to its partners, receive its sources' parts. ``unknown``:
+        this rank had no host verdict in time; the peer thread asks for it once more
+        (``PeerLink.submit``'s ``verdict``)."""
         assert self.peer is not None
         key = index_key(sharded.job, sharded.eid, sharded.spec.seq, "host")
-        return self.peer.submit(handle, handle.step, key)
+        verdict = (lambda: sharded.verdict_now("host")) if unknown else None
+        return self.peer.submit(handle, handle.step, key, verdict=verdict)
 
     def wait(self) -> None:
         """Wait for every snapshot in flight and the housekeeping after it (retention,

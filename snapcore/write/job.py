@@ -220,14 +220,17 @@ class PersistJob:
             self.handle.mark_staged()
         return w
 
-    def _peer_round(self, h: SaveHandle) -> None:
+    def _peer_round(self, h: SaveHandle, *, unknown: bool = False) -> None:
         """The step's peer round, on a rank whose host commit failed after the
         coordinator's verdict committed the step (its node's index not written): every
         rank runs one round per such step, so the rounds stay in step; this one sends no
-        copy (its part is gone) and receives its sources'."""
+        copy (its part is gone) and receives its sources'. ``unknown``: this rank had no
+        verdict within the commit timeout (``OutcomeUnknown``); the peer thread asks for
+        it once more and runs the round (no copy sent) only if the step was committed
+        (``PeerLink._run``)."""
         assert self.sharded is not None
         try:
-            self.peer = self.engine.peer_submit(h, self.sharded)
+            self.peer = self.engine.peer_submit(h, self.sharded, unknown=unknown)
         except BaseException as e:  # e.g. the engine is closing
             h.resolve("peer", e)
 
@@ -265,6 +268,8 @@ class PersistJob:
                         self.sharded.fail_tier("host", h.step, e)
                     if "peer" in h.tiers and verdict_ok(e):  # committed on the other ranks:
                         self._peer_round(h)  # the round still runs (it sends no copy)
+                    elif "peer" in h.tiers and isinstance(e, OutcomeUnknown):  # no verdict:
+                        self._peer_round(h, unknown=True)  # the peer thread asks again
                     elif "peer" in h.tiers:  # peer tier: nothing to send
                         h.resolve("peer", SnapshotFailed(
                             f"step {h.step}: not sent to the peer tier: the host tier failed "

@@ -670,7 +670,7 @@ def peer_save(a: dict[str, Any]) -> dict[str, Any]:
         try:
             handle.wait(tier=tier)
             tiers[tier] = "ok"
-        except snapcore.SnapcoreError as e:
+        except (snapcore.SnapcoreError, ValueError) as e:  # ValueError: a tier left out
             tiers[tier] = f"{type(e).__name__}: {e}"
         seconds[tier] = time.monotonic() - t0
     return {
@@ -721,6 +721,41 @@ def fail_node_index(a: dict[str, Any]) -> dict[str, Any]:
             return real(self, *args, **kw)
 
         directory.Pending.commit = commit  # type: ignore[method-assign]
+    return {}
+
+
+def no_host_verdict(a: dict[str, Any]) -> dict[str, Any]:
+    """On the ranks ``a["ranks"]``, the coordinator's verdict on the host commit of step
+    ``a["step"]`` does not come in time (as past the commit timeout: ``OutcomeUnknown``,
+    the step committed on the other ranks); with ``"again": false``, nor when the peer
+    thread asks for it once more."""
+    from snapcore.write import commit
+
+    if launch.rank() in a["ranks"]:
+        real_part, real_get = commit.commit_part, commit.kv_get
+        here = threading.local()
+
+        def kv_get(job: Any, key: str, timeout_s: float) -> bytes | None:
+            got = real_get(job, key, timeout_s)
+            if getattr(here, "lose", False) and key.endswith("/host/verdict"):
+                if not a.get("again", True):  # (rank 0's close need not wait for its ack)
+                    job.kv.add(key[: -len("verdict")] + "ack", 1)
+                return None  # it came, but too late
+            return got
+
+        def commit_part(
+            job: Any, eid: int, spec: Any, tier: str, step: int, *r: Any, **k: Any
+        ) -> Any:
+            here.lose = tier == "host" and step == a["step"]
+            try:
+                return real_part(job, eid, spec, tier, step, *r, **k)
+            finally:
+                here.lose = False
+
+        commit.kv_get = kv_get  # type: ignore[assignment]
+        commit.commit_part = commit_part  # type: ignore[assignment]
+        if not a.get("again", True):
+            commit.read_verdict = lambda *args: None  # type: ignore[assignment]
     return {}
 
 
@@ -945,6 +980,7 @@ OPS = {
     "die": die,
     "linger": linger,
     "fail-node-index": fail_node_index,
+    "no-host-verdict": no_host_verdict,
     "unsupported": unsupported,
     "peer-save": peer_save,
     "load-alone": load_alone,

@@ -287,6 +287,67 @@ def test_a_host_commit_failing_on_one_rank_keeps_the_peer_rounds_in_step(
     assert nodes.copies(0, 2)[-1] == nodes.copies(1, 0)[-1] == 3
 
 
+def test_a_rank_without_a_host_verdict_still_takes_part_in_the_peer_round(
+    nodes: PeerNodes,
+) -> None:
+    """Rank 2 has no verdict on step 2's host commit in time (the step committed on the
+    other ranks): asked once more on the peer thread, the verdict says committed, so rank
+    2 still takes part in step 2's round, sending no copy (its host tier failed) and
+    receiving rank 0's; rank 0 is not left waiting for it, and step 3 reaches every
+    partner (failed before: rank 2 skipped the round, the rounds went out of step)."""
+    spec = {"host": "$SNAPCORE_TEST_HOST", "peer": True}
+    save = {"op": "peer-save", "kind": "fsdp2", "store": spec}
+    res = nodes.launch(
+        [
+            {"op": "no-host-verdict", "step": 2, "ranks": [2]},
+            *({**save, "step": s} for s in (1, 2, 3)),
+        ]
+    )
+    for rank, (_, first, second, third) in enumerate(res):
+        assert set(first["tiers"].values()) == {"ok"}, (rank, first)
+        assert set(third["tiers"].values()) == {"ok"}, (rank, third)
+        if rank == 2:
+            assert "no verdict from the coordinator" in second["tiers"]["host"], second
+            assert "sends no copy of step 2" in second["tiers"]["peer"], second
+        else:
+            assert set(second["tiers"].values()) == {"ok"}, (rank, second)
+        assert second["peer_s"] < 15, (rank, second)  # nobody waited for a partner
+    assert any("rank 2's part was not received" in w for w in res[0][2]["warnings"]), res[0]
+    assert nodes.copies(0, 2)[-1] == nodes.copies(1, 0)[-1] == 3
+    assert 2 not in nodes.copies(0, 2)  # rank 2 sent no copy of a step it had no verdict on
+
+
+def test_a_rank_that_never_learns_its_host_verdict_disables_the_peer_tier_at_once(
+    nodes: PeerNodes,
+) -> None:
+    """Rank 2 has no verdict on step 2's host commit, even asked once more: whether its
+    partners run the round is unknown, so it disables the peer tier; rank 0, waiting for
+    it in step 2's round (or about to run it), learns it from the job's store and gives up
+    at once (not after the peer timeout, 30 s here). Every rank reports the peer tier's
+    loss once (step 2, or step 3 for a rank whose step-2 round had completed), and step
+    3's other tiers go on."""
+    spec = {"host": "$SNAPCORE_TEST_HOST", "peer": True}
+    save = {"op": "peer-save", "kind": "fsdp2", "store": spec}
+    res = nodes.launch(
+        [
+            {"op": "no-host-verdict", "step": 2, "ranks": [2], "again": False},
+            *({**save, "step": s} for s in (1, 2, 3)),
+        ]
+    )
+    for rank, (_, first, second, third) in enumerate(res):
+        assert set(first["tiers"].values()) == {"ok"}, (rank, first)
+        assert third["tiers"]["host"] == "ok", (rank, third)
+        assert second["peer_s"] < 15, (rank, second)  # nobody waited for the peer timeout
+        # a rank told at step 2 leaves the peer tier out of step 3 (no "peer" there)
+        peer = [second["tiers"]["peer"], third["tiers"].get("peer", "left out")]
+        failed = [p for p in peer if p.startswith("SnapshotFailed")]
+        assert len(failed) == 1 and "disabled until the job restarts" in failed[0], (rank, peer)
+    assert "had no verdict on step 2's host commit" in res[2][2]["tiers"]["peer"], res[2]
+    # rank 0 gave up its round, or learnt it from the store before the round began
+    said = res[0][2]["tiers"]["peer"]
+    assert "gave up the peer transfer" in said or "rank 2 had no verdict" in said, res[0]
+
+
 def test_a_full_partner_memory_and_a_stale_partner_area_are_reported(nodes: PeerNodes) -> None:
     """Partner copies are capped at 64 KiB (PeerSpec.max_bytes) and each rank's part
     takes 1 MiB: every rank's peer tier fails with "partner memory full", each receiver

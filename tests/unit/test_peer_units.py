@@ -133,7 +133,8 @@ def chunk(data: bytes, offset: int, n: int) -> dict[str, Any]:
 
 
 def receive(root: Path, copy: Copy, data: bytes, **kw: Any) -> Destination:
-    dest = Destination(root, step=copy.step, rank=1, identity=IDENTITY, **kw)
+    kw.setdefault("identity", IDENTITY)
+    dest = Destination(root, step=copy.step, rank=1, **kw)
     dest.prepare(copy.meta())
     whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     dest.write(0, 0, whole[:50])  # in two pieces, as the wire hands them
@@ -435,6 +436,167 @@ def test_a_lost_partner_disables_the_peer_tier_once_and_later_saves_leave_it_out
         for link in links:
             link.close()
         close_all()
+
+
+def test_a_save_queued_behind_the_failed_round_leaves_the_peer_tier_out_not_failed_again(
+    host_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two saves in flight: step 7's round fails (a partner lost), and step 8's round,
+    queued behind it on the peer thread, finds the peer tier disabled. The failure is
+    reported once, on step 7's handle; step 8's handle just has no peer tier, as the
+    saves after it (failed before: it failed again, "disabled until the job restarts")."""
+    from snapcore.errors import SnapshotFailed
+    from snapcore.peer import link as link_mod
+    from snapcore.peer.wire import Outgoing, PeerLinkError
+    from snapcore.staging.handle import SaveHandle, SaveStats
+
+    def lost(*a: Any, **k: Any) -> Any:
+        raise PeerLinkError("the peer transfer with ranks [1] failed: Connection reset by peer")
+
+    monkeypatch.setattr(link_mod, "exchange", lost)
+    monkeypatch.setattr(link_mod.PeerLink, "_outgoing", lambda self, d, s, k: Outgoing(d, None, []))
+    link = fake_link(host_name, 0, FakeKV())
+    try:
+        h7, h8 = (SaveHandle(s, SaveStats(s, 0, 0), ("host", "peer")) for s in (7, 8))
+        from concurrent.futures import ThreadPoolExecutor
+
+        waiter = ThreadPoolExecutor(1)
+        waiting = waiter.submit(h8.wait)  # a waiter on step 8 already
+        first, second = link.submit(h7, 7, "index"), link.submit(h8, 8, "index")
+        first.result(), second.result()
+        with pytest.raises(SnapshotFailed, match="peer tier failed"):
+            h7.wait(tier="peer")
+        h7.resolve("host"), h8.resolve("host")
+        assert h8.unreported() is None and h8.tiers == ("host",)
+        assert h8.wait() is h8.stats and waiting.result() is h8.stats
+        assert "peer" not in h8.stats.tiers  # never counted durable there
+        with pytest.raises(ValueError, match="not sent to tier 'peer': the peer tier is disabled"):
+            h8.wait(tier="peer")
+        assert h8.done() and h8.done("peer")
+        waiter.shutdown()
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("where", ["here", "elsewhere"])
+def test_a_failed_fetch_disables_the_peer_tier_and_nothing_else_runs_on_the_group(
+    host_name: str, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A restore's fetch round that fails (a partner lost) breaks the peer group as a
+    failed save round does: the peer tier is disabled on every rank (here: this rank's
+    round failed; elsewhere: another rank's, said in the exchange after the fetch), the
+    re-send is not queued, and the next save reports it without a transfer (failed
+    before: only a note, then the re-send ran on the broken group)."""
+    from snapcore.errors import SnapshotFailed
+    from snapcore.peer import link as link_mod
+    from snapcore.peer import restore as restore_mod
+    from snapcore.peer.wire import PeerLinkError
+    from snapcore.staging.handle import SaveHandle, SaveStats
+    from snapcore.tiers import HostTier
+
+    rounds: list[str] = []
+
+    def exchange(group: Any, outgoing: Any, incoming: Any, **kw: Any) -> Any:
+        rounds.append("fetch" if not rounds else "after")
+        if where == "here":
+            raise PeerLinkError("the peer transfer with ranks [1] failed: Connection reset")
+        return {o.dst: None for o in outgoing}, {}
+
+    lost = "a partner lost in the fetch of step 5 (the peer transfer with ranks [0] failed)"
+    # here: rank 0 lacks step 5 and fetches its part from rank 1, which holds a copy;
+    # elsewhere: rank 1 lacks it and fetches from rank 0; rank 1's round fails
+    holds = {"host": [5], "own": [5], "remote": [], "writable": True, "disabled": None}
+    lacks = {"host": [], "own": [], "remote": [], "held": {}, "writable": True, "disabled": None}
+    other = {**holds, "held": {"0": [5]}} if where == "here" else lacks
+    said = {"ok": True, "disabled": None} if where == "here" else {"ok": False, "disabled": lost}
+    gathered: list[Any] = []
+
+    def all_gather(job: Any, data: bytes) -> list[bytes]:
+        gathered.append(json.loads(data) if data else None)
+        answer = [other, said, None][len(gathered) - 1]
+        return [data, json.dumps(answer).encode() if answer is not None else b""]
+
+    monkeypatch.setattr(restore_mod, "exchange", exchange)
+    monkeypatch.setattr(restore_mod, "all_gather_bytes", all_gather)
+    monkeypatch.setattr(link_mod, "exchange", lambda *a, **k: pytest.fail("a save round ran"))
+    kv = FakeKV()
+    link = fake_link(host_name, 0, kv)
+    store = link.store
+    root = HostTier(host_name).root
+    try:
+        if where == "elsewhere":  # rank 0 holds a copy of rank 1's part: it sends it back
+            copy, data = make_copy(5)
+            identity = link_mod.peer_identity(store, 2)
+            receive(peer_root(root, 1), copy, data, identity=identity)
+        steps = {"host": [5] if where == "elsewhere" else []}
+        job = link.conn.job
+        fetched = restore_mod.prepare_restore(store, steps, job, None, link)
+        link.drain()
+        assert rounds == ["fetch"]  # no re-send on the broken group
+        assert link.disabled is not None and "fetch of step 5" in link.disabled
+        assert "fetch of step 5" in kv.data["snapcore/peer/disabled"].decode()
+        assert any("disabled until the job restarts" in n for n in fetched.notes), fetched
+        assert not link.off()  # reported once, on the next save's handle:
+        h = SaveHandle(6, SaveStats(6, 0, 0), ("host", "peer"))
+        link._run(h, 6, "index")
+        with pytest.raises(SnapshotFailed, match=r"disabled until the job restarts: .*fetch"):
+            h.wait(tier="peer")
+        assert link.off()
+    finally:
+        link.close()
+        snapcore.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("verdict", [True, False, None])
+def test_a_rank_without_a_host_verdict_keeps_its_partners_from_waiting(
+    host_name: str, monkeypatch: pytest.MonkeyPatch, verdict: bool | None
+) -> None:
+    """A rank whose host commit had no verdict from the coordinator in time
+    (``OutcomeUnknown``) does not know whether its partners run the step's round; the
+    peer thread asks for the verdict once more. Committed: the round runs and this rank
+    sends no copy (a status-1 header, never its part of a step it cannot call committed),
+    so its partners are not left waiting. Not committed: no round, as on every rank.
+    Still unknown: the peer tier is disabled in the job's store (partners waiting in the
+    round give up at once) and reported once."""
+    from snapcore.errors import SnapshotFailed
+    from snapcore.peer import link as link_mod
+    from snapcore.staging.handle import SaveHandle, SaveStats
+
+    rounds: list[Any] = []
+
+    def exchange(group: Any, outgoing: Any, incoming: Any, **kw: Any) -> Any:
+        rounds.append(outgoing)
+        return {o.dst: o.error for o in outgoing}, {i.src: None for i in incoming}
+
+    monkeypatch.setattr(link_mod, "exchange", exchange)
+    monkeypatch.setattr(
+        link_mod.PeerLink, "_outgoing", lambda *a: pytest.fail("read this rank's part to send")
+    )
+    kv = FakeKV()
+    link = fake_link(host_name, 0, kv)
+    try:
+        h = SaveHandle(7, SaveStats(7, 0, 0), ("host", "peer"))
+        link.submit(h, 7, "index", verdict=lambda: verdict).result()
+        with pytest.raises(SnapshotFailed) as failed:
+            h.wait(tier="peer")
+        if verdict:
+            (outgoing,) = rounds
+            assert [(o.dst, o.copy) for o in outgoing] == [(1, None)]
+            assert "no verdict on its host commit" in (outgoing[0].error or "")
+            assert "did not commit this rank's part" in str(failed.value)
+        else:
+            assert rounds == []
+        assert (link.disabled is not None) == (verdict is None)
+        if verdict is None:
+            assert "had no verdict on step 7's host commit" in str(failed.value)
+            assert "disabled until the job restarts" in str(failed.value)
+            assert "no verdict on step 7" in kv.data["snapcore/peer/disabled"].decode()
+            assert link.off()  # reported once: later saves leave the peer tier out
+        else:
+            assert "snapcore/peer/disabled" not in kv.data and not link.off()
+    finally:
+        link.close()
 
 
 def test_a_replaced_nodes_fetch_receives_into_the_memory_prepare_faulted_in(
