@@ -115,28 +115,15 @@ class Reader:
         if not usable:
             assert first is not None
             raise first
-        # The reference is the first copy that holds every rank's part (a node-local
-        # tier of a sharded step holds its node's only); the others serve the chunks
-        # they hold, found by content when their layout differs.
-        ref = next((m for _, m in usable if not m.missing_ranks), usable[0][1])
-        self.sources = []
-        self._maps: list[dict[tuple[int, int], tuple[int, int]] | None] = []
-        for t, m in usable:
-            if m is ref or _same_chunks(ref, m):
-                self.sources.append((t, m))
-                self._maps.append(None)
-            elif m.rank_trees is not None and ref.rank_trees is not None:
-                self.sources.append((t, m))
-                self._maps.append(_by_content(ref, m))
-        self.m = ref
-        self.tree = ref.tree  # the tree restored or loaded: of this rank, when sharded
+        self._usable = usable
+        # The reference is the copy that holds the most ranks' parts (all of them, unless
+        # every copy is node-local: a node-local tier of a sharded step holds its node's
+        # only), the fastest of those; the others serve the chunks they hold, found by
+        # content when their layout differs. ``select`` takes another copy as the
+        # reference when this one lacks the tree of a rank it needs.
+        self._use(min(usable, key=lambda s: len(s[1].missing_ranks))[1])
         self.dropped: set[str] = set()  # rank-local values left out (select)
         self.verify = verify
-        self.paths = tensor_paths(self.m.tree)
-        self.blob_users: dict[int, list[int]] = {}
-        for i, t in enumerate(self.m.tensors):
-            for p in t.pieces:
-                self.blob_users.setdefault(p.blob, []).append(i)
         # Blobs read chunk by chunk (the pieces of a sharded tensor a box needs): the
         # buffer, and which of its chunks hold data.
         self._partial: dict[int, tuple[torch.Tensor, set[int]]] = {}
@@ -151,6 +138,48 @@ class Reader:
         self._blobs: dict[int, torch.Tensor] = {}
         self._tensors: dict[int, torch.Tensor] = {}
         self._boxes: dict[int, Box] = {}  # a DTensor target's box, by id(), during restore
+
+    def _use(self, ref: mf.Manifest) -> None:
+        """Take ``ref``, one of the usable sources' manifests, as the reference: what
+        tensor and blob indices mean, and the tree read by default. Only before anything
+        is read (``select``): the buffers read so far are indexed by the reference's."""
+        for kept in ("_blobs", "_tensors", "_partial"):
+            getattr(self, kept, {}).clear()
+        self.sources: list[tuple[Tier, mf.Manifest]] = []
+        self._maps: list[dict[tuple[int, int], tuple[int, int]] | None] = []
+        for t, m in self._usable:
+            if m is ref or _same_chunks(ref, m):
+                self.sources.append((t, m))
+                self._maps.append(None)
+            elif m.rank_trees is not None and ref.rank_trees is not None:
+                self.sources.append((t, m))
+                self._maps.append(_by_content(ref, m))
+        self.m = ref
+        self.tree = ref.tree  # the tree restored or loaded: of this rank, when sharded
+        self.paths = tensor_paths(ref.tree)
+        self.blob_users: dict[int, list[int]] = {}
+        for i, e in enumerate(ref.tensors):
+            for p in e.pieces:
+                self.blob_users.setdefault(p.blob, []).append(i)
+
+    def _use_holder(self, ranks: list[int]) -> None:
+        """Take as the reference the copy holding the most of ``ranks``' parts, and of
+        those the most parts in all (the fastest of those), if it holds more of
+        ``ranks``' than the reference does: a rank's part may be missing from one tier
+        (lost from a node's host memory) and at hand in the next. The reference's parts
+        say where every piece is; chunks are still read from the fastest tier holding
+        them."""
+        world = len(self.m.rank_trees or [])
+
+        def held(m: mf.Manifest) -> tuple[int, int]:
+            trees = m.rank_trees
+            if trees is None or len(trees) != world:  # not this step's sharding
+                return (-1, -1)
+            return sum(trees[r] is not None for r in ranks), world - len(m.missing_ranks)
+
+        best = max(self._usable, key=lambda s: held(s[1]))[1]  # the first of the best
+        if held(best)[0] > held(self.m)[0]:
+            self._use(best)
 
     @property
     def tier(self) -> str:
@@ -444,9 +473,7 @@ class Reader:
                 raise
             # The pieces were checked not to overlap: what is missing is a missing part's.
             raise CorruptSnapshot(
-                f"step {self.m.step}: {err}: the part of rank(s) "
-                f"{_some([str(r) for r in self.m.missing_ranks])} "
-                f"({_some(self.m.missing_parts)}) is in none of the tiers read here",
+                f"step {self.m.step}: {err}: {self._missing_parts()}",
                 step=self.m.step,
                 file=self.m.missing_parts[0],
             ) from None
@@ -477,6 +504,31 @@ class Reader:
                 )
                 out[to] = src[at]
         return out
+
+    def _missing_parts(self) -> str:
+        """Where the parts the reference lacks are, for messages: in none of the tiers,
+        or only in other tiers than the reference (two tiers of a node lost different
+        parts: no copy holds every part this rank needs)."""
+        m = self.m
+        held = self._at_hand()
+        nowhere = [
+            (r, p) for r, p in zip(m.missing_ranks, m.missing_parts, strict=True) if r not in held
+        ]
+        elsewhere = [r for r in m.missing_ranks if r in held]
+        out = []
+        if nowhere:
+            out.append(
+                f"the part of rank(s) {_some([str(r) for r, _ in nowhere])} "
+                f"({_some([p for _, p in nowhere])}) is in none of the tiers read here"
+            )
+        if elsewhere:
+            ref = next(t for t, c in self._usable if c is m)
+            out.append(
+                f"the part of rank(s) {_some([str(r) for r in elsewhere])} is only in other "
+                f"tiers than the {ref.name} tier's copy of the step read here "
+                f"({ref.describe()})"
+            )
+        return "; ".join(out)
 
     def _chunks_between(self, b_i: int, lo: int, hi: int) -> list[int]:
         out, pos = [], 0
@@ -564,6 +616,26 @@ class Reader:
         self.dropped = drop_units(self.tree, differ)
         self.tree = without(self.tree, self.dropped)
 
+    def _at_hand(self) -> dict[int, tuple[mf.Manifest, dict[str, Any]]]:
+        """The ranks of a sharded snapshot whose parts a tier read here holds, each with
+        the first copy holding it (the reference first) and its tree there: a node-local
+        tier holds its node's ranks' parts, the peer tier other nodes' (snapcore/peer)."""
+        assert self.m.rank_trees is not None
+        world = len(self.m.rank_trees)
+        copies = [(self.m, self.m.rank_trees)] + [
+            (c, c.rank_trees)
+            for _, c in self._usable
+            if c is not self.m and c.rank_trees is not None and len(c.rank_trees) == world
+        ]
+        out: dict[int, tuple[mf.Manifest, dict[str, Any]]] = {}
+        for r in range(world):
+            for c, trees in copies:
+                tree = trees[r]
+                if tree is not None:
+                    out[r] = (c, tree)
+                    break
+        return out
+
     def _select_merged(self, groups: dict[frozenset[str], list[int]]) -> None:
         """``load`` of a snapshot whose ranks saved different tensors (pipeline stages):
         the trees of the lowest rank of each group merged, so that every stage's tensors
@@ -603,7 +675,11 @@ class Reader:
         self.tree = self._rank_tree(rank)
 
     def _rank_tree(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s tree, from the reference, or else from the tiers' copy of the
+        step with the most parts among those that hold the rank's part, which becomes
+        the reference."""
         assert self.m.rank_trees is not None
+        self._use_holder([rank])
         tree = self.m.rank_trees[rank]
         if tree is None:
             raise CorruptSnapshot(
