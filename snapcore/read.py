@@ -25,7 +25,15 @@ from torch.autograd.graph import increment_version
 
 from . import _native, settings
 from . import manifest as mf
-from .assemble import differing_paths, drop_units, layouts, merged_view, without
+from .assemble import (
+    differing,
+    drop_units,
+    global_keys,
+    layouts,
+    leaf_signatures,
+    merged_view,
+    without,
+)
 from .distributed.job import Job, all_gather_bytes
 from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound, StateMismatch
 from .planning.global_plan import SavedPiece, describe_local, plan_read
@@ -564,25 +572,35 @@ class Reader:
         keys: Callable[[], frozenset[str]] | None = None,
     ) -> None:
         """Choose the tree of a sharded snapshot this process takes: with the saved world
-        size, rank ``rank``'s own (its rank-local values); else the tree of the lowest rank
-        that saved the same global tensors as this state (``keys()``: the state's global
-        tensor paths; asked only when the ranks saved different tensors, as pipeline
-        stages do), rank 0's when every rank saved the same, provided that those ranks
-        saved the same rank-local values: those that differ raise ``StateMismatch``
-        naming them, or with ``rank_local="keep"`` are left out (the state keeps its
-        own). ``rank=None``: loading with no process group: every rank's tree merged
-        (every stage's tensors), with rank 0's values where the ranks' differ."""
+        size, rank ``rank``'s own (its rank-local values), from a tier that holds its
+        part (``_use_holder``); else the tree of the lowest rank at hand (whose part a
+        tier read here holds: a node-local tier holds its node's ranks only) that saved
+        the same global tensors as this state (``keys()``: the state's global tensor
+        paths; asked only when the ranks saved different tensors, as pipeline stages do),
+        of any rank when every rank saved the same, provided that those ranks saved the
+        same rank-local values: those that differ raise ``StateMismatch`` naming them, or
+        with ``rank_local="keep"`` are left out (the state keeps its own). The values are
+        compared among the ranks at hand, each rank's part from whichever tier holds it;
+        when some ranks' parts are in none of the tiers, they cannot be compared with
+        theirs: that raises ``StateMismatch`` saying so, unless ``rank_local="keep"``
+        (a warning names them). ``rank=None``: loading with no process group: every
+        rank's tree merged (every stage's tensors), with rank 0's values where the
+        ranks' differ (the lowest rank's at hand, said, when rank 0's part is not)."""
         m = self.m
         if not m.rank_trees:
             return
         if rank is not None and world_size == m.world_size:
             self.tree = self._rank_tree(rank)
             return
-        groups = layouts(m)
+        held = self._at_hand()
+        absent = [r for r in range(m.world_size) if r not in held]
+        groups: dict[frozenset[str], list[int]] = {}
+        for r, (c, tree) in held.items():
+            groups.setdefault(global_keys(c, tree), []).append(r)
         if rank is None and len(groups) > 1:
-            self._select_merged(groups)
+            self._select_merged(layouts(m))
             return
-        ranks: list[int] | None = None
+        group = sorted(held)
         if len(groups) > 1 and keys is not None:
             ranks = _matching_group(groups, keys())
             if ranks is None:
@@ -591,27 +609,66 @@ class Reader:
                     f"{len(groups)} different sets of tensors (pipeline stages?), and this "
                     "rank's state holds none of those sets; a restore into another number "
                     "of ranks needs each rank's state to hold the tensors of one of them"
+                    + (
+                        f" ({_their_parts(absent)} in none of the tiers read here)"
+                        if absent
+                        else ""
+                    )
                 )
-        differ = differing_paths(m, ranks)
-        self.tree = self._rank_tree(0 if ranks is None else ranks[0])
-        if not differ:
-            return
-        if rank is None:  # load(): rank 0's values, said out loud
-            log.warning(
-                "step %d was saved by %d ranks whose rank-local values differ (%s): "
-                "loading rank 0's (load(..., rank=N) for another's)",
-                m.step,
-                m.world_size,
-                _some(differ),
-            )
+            group = ranks
+        self._use_holder(group)
+        m = self.m
+        assert m.rank_trees is not None
+        first = next(r for r in group if m.rank_trees[r] is not None)
+        self.tree = m.rank_trees[first]
+        sigs = [leaf_signatures(*held[r]) for r in group]
+        differ = differing(sigs)
+        compared = _some([str(r) for r in group])
+        if rank is None:  # load(): rank 0's values, or else the lowest rank's, said out loud
+            why = []
+            if differ:
+                why.append(f"ranks {compared} saved different values of {_some(differ)}")
+            if absent:
+                why.append(f"{_their_parts(absent)} in none of the tiers read here")
+            if first != 0 and 0 in held:
+                why.append("rank 0's part is not in the tier whose copy of the step is read")
+            if why:
+                log.warning(
+                    "step %d was saved by %d ranks (%s): loading rank %d's values "
+                    "(load(..., rank=N) for rank N's)",
+                    m.step,
+                    m.world_size,
+                    "; ".join(why),
+                    first,
+                )
             return
         if rank_local != "keep":
-            raise StateMismatch(
-                f"step {m.step} was saved by {m.world_size} ranks and is restored by "
-                f"{world_size}: the ranks saved different values of {_some(differ)} "
-                "(rank-local values: a data loader's position, RNG states), which cannot "
-                "be given to other ranks. restore(..., rank_local='keep') keeps this "
-                "process's own values for them"
+            if differ:
+                raise StateMismatch(
+                    f"step {m.step} was saved by {m.world_size} ranks and is restored by "
+                    f"{world_size}: the ranks saved different values of {_some(differ)} "
+                    "(rank-local values: a data loader's position, RNG states), which cannot "
+                    "be given to other ranks. restore(..., rank_local='keep') keeps this "
+                    "process's own values for them"
+                )
+            if absent:
+                raise StateMismatch(
+                    f"step {m.step} was saved by {m.world_size} ranks and is restored by "
+                    f"{world_size}, and {_their_parts(absent)} in none of the tiers read here "
+                    "(a node-local tier holds its own node's ranks only): whether they saved "
+                    f"the values ranks {compared} saved alike (rank-local values: a data "
+                    "loader's position, RNG states) cannot be checked. restore(..., "
+                    "rank_local='keep') restores the values those ranks saved alike and "
+                    "keeps this process's own for the others"
+                )
+            return
+        if absent:
+            log.warning(
+                "step %d: %s in none of the tiers read here: the values restored were "
+                "compared among ranks %s only",
+                m.step,
+                _their_parts(absent),
+                compared,
             )
         self.dropped = drop_units(self.tree, differ)
         self.tree = without(self.tree, self.dropped)
@@ -1158,6 +1215,13 @@ def _said(error: BaseException | None) -> bytes:
     if isinstance(error, CorruptSnapshot | SnapshotNotFound):
         return b"D" + str(error).encode()
     return b"E" + f"{type(error).__name__}: {error}".encode()
+
+
+def _their_parts(ranks: list[int]) -> str:
+    """ "rank 3's part is", "the parts of ranks 0, 1 are" (for messages)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}'s part is"
+    return f"the parts of ranks {_some([str(r) for r in ranks])} are"
 
 
 def _some(paths: list[str], n: int = 8) -> str:

@@ -12,6 +12,7 @@ as the restore gives them.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 import xxhash
 
-from snapcore.errors import CorruptSnapshot
+from snapcore.errors import CorruptSnapshot, StateMismatch
 from snapcore.read import Reader
 from snapcore.tiers import LocalTier
 
@@ -200,3 +201,83 @@ def test_load_of_a_rank_reads_its_tree_from_the_tier_that_holds_it(tmp_path: Pat
     reader = _node1(tmp_path, host=[2], local=[2, 3])
     reader.select_rank_tree(3)
     assert _values(reader.load_tree()) == _own(3)
+
+
+# -- D2: a world-size change, or a load, from a node that does not hold rank 0's part ------
+def test_a_world_size_change_from_node_local_tiers_takes_the_lowest_rank_at_hand(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Restored by 2 ranks, node 1's new rank takes what ranks 2 and 3 saved alike (w and
+    epoch) with rank_local="keep" and keeps its own rng and pos; a warning says that the
+    values were compared among the ranks at hand only."""
+    reader = _node1(tmp_path, host=[2, 3], local=[2, 3])
+    with caplog.at_level(logging.WARNING, logger="snapcore.read"):
+        reader.select(1, 2, "keep", lambda: frozenset({"w"}))
+    assert _values(reader.load_tree()) == {"w": W.tolist(), "epoch": 3}
+    assert reader.dropped == {"rng", "pos"}
+    assert "ranks 0, 1" in caplog.text and "compared among ranks 2, 3" in caplog.text
+
+
+def test_a_world_size_change_refuses_values_it_cannot_compare_unless_kept(tmp_path: Path) -> None:
+    """Saved by two nodes of one rank each, restored by one rank from node 1's directory:
+    rank 1's values cannot be compared with rank 0's, which is not at hand, so that without
+    rank_local="keep" the restore refuses, saying why; with it, rank 1's values are
+    taken (the only ones at hand)."""
+    one_each = {0: 0, 1: 1}
+    tier = _write(tmp_path / "local", 2, [1], one_each)
+    reader = Reader([(tier, tier.read_manifest(STEP))])
+    with pytest.raises(StateMismatch, match=r"rank 0's part .* rank_local='keep'"):
+        reader.select(0, 1)
+    reader = Reader([(tier, tier.read_manifest(STEP))])
+    reader.select(0, 1, "keep")
+    assert _values(reader.load_tree()) == _own(1)
+
+
+def test_load_of_a_node_directory_without_rank_0_takes_its_lowest_rank(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """load() of node 1's directory alone: full tensors, and rank 2's values, said."""
+    tier = _write(tmp_path / "local", 4, [2, 3], NODE1)
+    reader = Reader([(tier, tier.read_manifest(STEP))])
+    with caplog.at_level(logging.WARNING, logger="snapcore.read"):
+        reader.select(None, 1)
+    assert _values(reader.load_tree()) == _own(2)
+    assert "loading rank 2's" in caplog.text
+
+
+def test_a_world_size_change_with_every_part_at_hand_is_unchanged(tmp_path: Path) -> None:
+    """With every rank's part (one directory shared by all), rank 0's tree is taken and
+    the ranks' different values refuse, or are kept, as before."""
+    everyone = {0: 0, 1: 0, 2: 0, 3: 0}
+    tier = _write(tmp_path / "local", 4, [0, 1, 2, 3], everyone)
+    with pytest.raises(StateMismatch, match=r"different values of pos, rng") as e:
+        Reader([(tier, tier.read_manifest(STEP))]).select(0, 2)
+    assert "not in" not in str(e.value)
+    reader = Reader([(tier, tier.read_manifest(STEP))])
+    reader.select(0, 2, "keep")
+    assert _values(reader.load_tree()) == {"w": W.tolist(), "epoch": 3}
+
+
+@pytest.mark.parametrize("alike", [True, False])
+def test_a_world_size_change_compares_the_values_of_parts_in_any_tier(
+    tmp_path: Path, alike: bool
+) -> None:
+    """Node 1's host area holds ranks 2 and 3, the peer tier its copies of ranks 0 and 1
+    (their partners'): every rank's values are at hand, compared across the tiers. Saved
+    alike, they restore without rank_local="keep"; rank 0's own differ, and are named."""
+    tiers = [
+        _write(tmp_path / "host", 4, [2, 3], NODE1, alike),
+        _write(tmp_path / "peer", 4, [0, 1], NODE1, alike),
+    ]
+    reader = Reader([(t, t.read_manifest(STEP)) for t in tiers])
+    if not alike:
+        with pytest.raises(StateMismatch, match="different values of pos, rng"):
+            reader.select(1, 2)
+        return
+    reader.select(1, 2)
+    assert _values(reader.load_tree()) == _own(0)
+    assert reader.tier == "host"
+    # the host area alone: ranks 0 and 1 are not at hand to compare with
+    reader = Reader([(tiers[0], tiers[0].read_manifest(STEP))])
+    with pytest.raises(StateMismatch, match=r"the parts of ranks 0, 1 are in none of the tiers"):
+        reader.select(1, 2)
