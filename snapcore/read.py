@@ -582,10 +582,11 @@ class Reader:
         with ``rank_local="keep"`` are left out (the state keeps its own). The values are
         compared among the ranks at hand, each rank's part from whichever tier holds it;
         when some ranks' parts are in none of the tiers, they cannot be compared with
-        theirs: that raises ``StateMismatch`` saying so, unless ``rank_local="keep"``
-        (a warning names them). ``rank=None``: loading with no process group: every
-        rank's tree merged (every stage's tensors), with rank 0's values where the
-        ranks' differ (the lowest rank's at hand, said, when rank 0's part is not)."""
+        theirs: that raises ``CorruptSnapshot`` (the step lacks parts here, as a missing
+        piece would), unless ``rank_local="keep"`` (a warning names them).
+        ``rank=None``: loading with no process group: every rank's tree merged (every
+        stage's tensors), with rank 0's values where the ranks' differ (the lowest
+        rank's at hand, said, when rank 0's part is not)."""
         m = self.m
         if not m.rank_trees:
             return
@@ -652,14 +653,20 @@ class Reader:
                     "process's own values for them"
                 )
             if absent:
-                raise StateMismatch(
-                    f"step {m.step} was saved by {m.world_size} ranks and is restored by "
-                    f"{world_size}, and {_their_parts(absent)} in none of the tiers read here "
-                    "(a node-local tier holds its own node's ranks only): whether they saved "
-                    f"the values ranks {compared} saved alike (rank-local values: a data "
-                    "loader's position, RNG states) cannot be checked. restore(..., "
-                    "rank_local='keep') restores the values those ranks saved alike and "
-                    "keeps this process's own for the others"
+                # Not a refusal of this state: the step lacks parts here (another step,
+                # or another node's tiers, may have them), as a missing piece would be.
+                files = dict(zip(m.missing_ranks, m.missing_parts, strict=True))
+                where = [files[r] for r in absent if r in files]
+                raise CorruptSnapshot(
+                    f"step {m.step}: the part of rank(s) {_some([str(r) for r in absent])} "
+                    f"({_some(where)}) is in none of the tiers read here (a node-local tier "
+                    f"holds its own node's ranks only), so the values the {m.world_size} "
+                    "ranks saved (rank-local values: a data loader's position, RNG states) "
+                    f"cannot all be compared for a restore by {world_size}. restore(..., "
+                    f"rank_local='keep') restores the values ranks {compared} saved alike "
+                    "and keeps this process's own for the others",
+                    step=m.step,
+                    file=where[0] if where else None,
                 )
             return
         if absent:
