@@ -412,8 +412,9 @@ def load(
     model, optimizer or process group is needed. ``step=None`` takes the newest step
     that is intact in some tier, as ``restore`` does (skipped steps are logged as
     warnings). A sharded snapshot comes back with full tensors, assembled from every
-    rank's shards, and the rank-local values of rank ``rank`` (default 0; when ranks
-    saved different ones and no ``rank`` is given, a warning names them).
+    rank's shards, and the rank-local values of rank ``rank`` (default 0, or the lowest
+    rank whose part is at hand when rank 0's is not: another node's directory; when
+    ranks saved different ones and no ``rank`` is given, a warning names them).
     """
 
     def use(reader: Reader) -> Any:

@@ -26,8 +26,10 @@ from .errors import InvalidManifest
 from .tree import tensor_paths
 
 __all__ = [
+    "differing",
     "differing_paths",
     "drop_units",
+    "global_keys",
     "layouts",
     "leaf_signatures",
     "merge",
@@ -252,7 +254,13 @@ def differing_paths(m: mf.Manifest, ranks: list[int] | None = None) -> list[str]
     if not m.rank_trees or len(m.rank_trees) < 2:
         return []
     chosen = range(len(m.rank_trees)) if ranks is None else ranks
-    sigs = [leaf_signatures(m, t) for r in chosen if (t := m.rank_trees[r]) is not None]
+    return differing([leaf_signatures(m, t) for r in chosen if (t := m.rank_trees[r]) is not None])
+
+
+def differing(sigs: list[dict[str, str]]) -> list[str]:
+    """The paths whose signature (``leaf_signatures``) differs between ranks' trees, each
+    given by its signatures (compared by content: they may come from different tiers'
+    assemblies of the step). A path one of them lacks differs too."""
     if len(sigs) < 2:
         return []
     keys = set().union(*sigs)
@@ -267,12 +275,16 @@ def layouts(m: mf.Manifest) -> dict[frozenset[str], list[int]]:
     out: dict[frozenset[str], list[int]] = {}
     if not m.rank_trees or m.keys is None:
         return out
-    keys = m.keys
     for r, t in enumerate(m.rank_trees):
         if t is not None:
-            mine = frozenset(k for i in tensor_paths(t) if (k := keys[i]) is not None)
-            out.setdefault(mine, []).append(r)
+            out.setdefault(global_keys(m, t), []).append(r)
     return out
+
+
+def global_keys(m: mf.Manifest, tree: dict[str, Any]) -> frozenset[str]:
+    """The global tensors (their keys) of a rank's ``tree`` of the sharded snapshot ``m``."""
+    keys = m.keys or []
+    return frozenset(k for i in tensor_paths(tree) if (k := keys[i]) is not None)
 
 
 def merged_view(m: mf.Manifest, groups: dict[frozenset[str], list[int]]) -> tuple[Any, list[str]]:

@@ -25,7 +25,15 @@ from torch.autograd.graph import increment_version
 
 from . import _native, settings
 from . import manifest as mf
-from .assemble import differing_paths, drop_units, layouts, merged_view, without
+from .assemble import (
+    differing,
+    drop_units,
+    global_keys,
+    layouts,
+    leaf_signatures,
+    merged_view,
+    without,
+)
 from .distributed.job import Job, all_gather_bytes
 from .errors import CorruptSnapshot, InvalidManifest, SnapcoreError, SnapshotNotFound, StateMismatch
 from .planning.global_plan import SavedPiece, describe_local, plan_read
@@ -115,28 +123,15 @@ class Reader:
         if not usable:
             assert first is not None
             raise first
-        # The reference is the first copy that holds every rank's part (a node-local
-        # tier of a sharded step holds its node's only); the others serve the chunks
-        # they hold, found by content when their layout differs.
-        ref = next((m for _, m in usable if not m.missing_ranks), usable[0][1])
-        self.sources = []
-        self._maps: list[dict[tuple[int, int], tuple[int, int]] | None] = []
-        for t, m in usable:
-            if m is ref or _same_chunks(ref, m):
-                self.sources.append((t, m))
-                self._maps.append(None)
-            elif m.rank_trees is not None and ref.rank_trees is not None:
-                self.sources.append((t, m))
-                self._maps.append(_by_content(ref, m))
-        self.m = ref
-        self.tree = ref.tree  # the tree restored or loaded: of this rank, when sharded
+        self._usable = usable
+        # The reference is the copy that holds the most ranks' parts (all of them, unless
+        # every copy is node-local: a node-local tier of a sharded step holds its node's
+        # only), the fastest of those; the others serve the chunks they hold, found by
+        # content when their layout differs. ``select`` takes another copy as the
+        # reference when this one lacks the tree of a rank it needs.
+        self._use(min(usable, key=lambda s: len(s[1].missing_ranks))[1])
         self.dropped: set[str] = set()  # rank-local values left out (select)
         self.verify = verify
-        self.paths = tensor_paths(self.m.tree)
-        self.blob_users: dict[int, list[int]] = {}
-        for i, t in enumerate(self.m.tensors):
-            for p in t.pieces:
-                self.blob_users.setdefault(p.blob, []).append(i)
         # Blobs read chunk by chunk (the pieces of a sharded tensor a box needs): the
         # buffer, and which of its chunks hold data.
         self._partial: dict[int, tuple[torch.Tensor, set[int]]] = {}
@@ -151,6 +146,48 @@ class Reader:
         self._blobs: dict[int, torch.Tensor] = {}
         self._tensors: dict[int, torch.Tensor] = {}
         self._boxes: dict[int, Box] = {}  # a DTensor target's box, by id(), during restore
+
+    def _use(self, ref: mf.Manifest) -> None:
+        """Take ``ref``, one of the usable sources' manifests, as the reference: what
+        tensor and blob indices mean, and the tree read by default. Only before anything
+        is read (``select``): the buffers read so far are indexed by the reference's."""
+        for kept in ("_blobs", "_tensors", "_partial"):
+            getattr(self, kept, {}).clear()
+        self.sources: list[tuple[Tier, mf.Manifest]] = []
+        self._maps: list[dict[tuple[int, int], tuple[int, int]] | None] = []
+        for t, m in self._usable:
+            if m is ref or _same_chunks(ref, m):
+                self.sources.append((t, m))
+                self._maps.append(None)
+            elif m.rank_trees is not None and ref.rank_trees is not None:
+                self.sources.append((t, m))
+                self._maps.append(_by_content(ref, m))
+        self.m = ref
+        self.tree = ref.tree  # the tree restored or loaded: of this rank, when sharded
+        self.paths = tensor_paths(ref.tree)
+        self.blob_users: dict[int, list[int]] = {}
+        for i, e in enumerate(ref.tensors):
+            for p in e.pieces:
+                self.blob_users.setdefault(p.blob, []).append(i)
+
+    def _use_holder(self, ranks: list[int]) -> None:
+        """Take as the reference the copy holding the most of ``ranks``' parts, and of
+        those the most parts in all (the fastest of those), if it holds more of
+        ``ranks``' than the reference does: a rank's part may be missing from one tier
+        (lost from a node's host memory) and at hand in the next. The reference's parts
+        say where every piece is; chunks are still read from the fastest tier holding
+        them."""
+        world = len(self.m.rank_trees or [])
+
+        def held(m: mf.Manifest) -> tuple[int, int]:
+            trees = m.rank_trees
+            if trees is None or len(trees) != world:  # not this step's sharding
+                return (-1, -1)
+            return sum(trees[r] is not None for r in ranks), world - len(m.missing_ranks)
+
+        best = max(self._usable, key=lambda s: held(s[1]))[1]  # the first of the best
+        if held(best)[0] > held(self.m)[0]:
+            self._use(best)
 
     @property
     def tier(self) -> str:
@@ -444,9 +481,7 @@ class Reader:
                 raise
             # The pieces were checked not to overlap: what is missing is a missing part's.
             raise CorruptSnapshot(
-                f"step {self.m.step}: {err}: the part of rank(s) "
-                f"{_some([str(r) for r in self.m.missing_ranks])} "
-                f"({_some(self.m.missing_parts)}) is in none of the tiers read here",
+                f"step {self.m.step}: {err}: {self._missing_parts()}",
                 step=self.m.step,
                 file=self.m.missing_parts[0],
             ) from None
@@ -477,6 +512,31 @@ class Reader:
                 )
                 out[to] = src[at]
         return out
+
+    def _missing_parts(self) -> str:
+        """Where the parts the reference lacks are, for messages: in none of the tiers,
+        or only in other tiers than the reference (two tiers of a node lost different
+        parts: no copy holds every part this rank needs)."""
+        m = self.m
+        held = self._at_hand()
+        nowhere = [
+            (r, p) for r, p in zip(m.missing_ranks, m.missing_parts, strict=True) if r not in held
+        ]
+        elsewhere = [r for r in m.missing_ranks if r in held]
+        out = []
+        if nowhere:
+            out.append(
+                f"the part of rank(s) {_some([str(r) for r, _ in nowhere])} "
+                f"({_some([p for _, p in nowhere])}) is in none of the tiers read here"
+            )
+        if elsewhere:
+            ref = next(t for t, c in self._usable if c is m)
+            out.append(
+                f"the part of rank(s) {_some([str(r) for r in elsewhere])} is only in other "
+                f"tiers than the {ref.name} tier's copy of the step read here "
+                f"({ref.describe()})"
+            )
+        return "; ".join(out)
 
     def _chunks_between(self, b_i: int, lo: int, hi: int) -> list[int]:
         out, pos = [], 0
@@ -512,25 +572,36 @@ class Reader:
         keys: Callable[[], frozenset[str]] | None = None,
     ) -> None:
         """Choose the tree of a sharded snapshot this process takes: with the saved world
-        size, rank ``rank``'s own (its rank-local values); else the tree of the lowest rank
-        that saved the same global tensors as this state (``keys()``: the state's global
-        tensor paths; asked only when the ranks saved different tensors, as pipeline
-        stages do), rank 0's when every rank saved the same, provided that those ranks
-        saved the same rank-local values: those that differ raise ``StateMismatch``
-        naming them, or with ``rank_local="keep"`` are left out (the state keeps its
-        own). ``rank=None``: loading with no process group: every rank's tree merged
-        (every stage's tensors), with rank 0's values where the ranks' differ."""
+        size, rank ``rank``'s own (its rank-local values), from a tier that holds its
+        part (``_use_holder``); else the tree of the lowest rank at hand (whose part a
+        tier read here holds: a node-local tier holds its node's ranks only) that saved
+        the same global tensors as this state (``keys()``: the state's global tensor
+        paths; asked only when the ranks saved different tensors, as pipeline stages do),
+        of any rank when every rank saved the same, provided that those ranks saved the
+        same rank-local values: those that differ raise ``StateMismatch`` naming them, or
+        with ``rank_local="keep"`` are left out (the state keeps its own). The values are
+        compared among the ranks at hand, each rank's part from whichever tier holds it;
+        when some ranks' parts are in none of the tiers, they cannot be compared with
+        theirs: that raises ``CorruptSnapshot`` (the step lacks parts here, as a missing
+        piece would), unless ``rank_local="keep"`` (a warning names them).
+        ``rank=None``: loading with no process group: every rank's tree merged (every
+        stage's tensors), with rank 0's values where the ranks' differ (the lowest
+        rank's at hand, said, when rank 0's part is not)."""
         m = self.m
         if not m.rank_trees:
             return
         if rank is not None and world_size == m.world_size:
             self.tree = self._rank_tree(rank)
             return
-        groups = layouts(m)
+        held = self._at_hand()
+        absent = [r for r in range(m.world_size) if r not in held]
+        groups: dict[frozenset[str], list[int]] = {}
+        for r, (c, tree) in held.items():
+            groups.setdefault(global_keys(c, tree), []).append(r)
         if rank is None and len(groups) > 1:
-            self._select_merged(groups)
+            self._select_merged(layouts(m))
             return
-        ranks: list[int] | None = None
+        group = sorted(held)
         if len(groups) > 1 and keys is not None:
             ranks = _matching_group(groups, keys())
             if ranks is None:
@@ -539,30 +610,95 @@ class Reader:
                     f"{len(groups)} different sets of tensors (pipeline stages?), and this "
                     "rank's state holds none of those sets; a restore into another number "
                     "of ranks needs each rank's state to hold the tensors of one of them"
+                    + (
+                        f" ({_their_parts(absent)} in none of the tiers read here)"
+                        if absent
+                        else ""
+                    )
                 )
-        differ = differing_paths(m, ranks)
-        self.tree = self._rank_tree(0 if ranks is None else ranks[0])
-        if not differ:
-            return
-        if rank is None:  # load(): rank 0's values, said out loud
-            log.warning(
-                "step %d was saved by %d ranks whose rank-local values differ (%s): "
-                "loading rank 0's (load(..., rank=N) for another's)",
-                m.step,
-                m.world_size,
-                _some(differ),
-            )
+            group = ranks
+        self._use_holder(group)
+        m = self.m
+        assert m.rank_trees is not None
+        first = next(r for r in group if m.rank_trees[r] is not None)
+        self.tree = m.rank_trees[first]
+        sigs = [leaf_signatures(*held[r]) for r in group]
+        differ = differing(sigs)
+        compared = _some([str(r) for r in group])
+        if rank is None:  # load(): rank 0's values, or else the lowest rank's, said out loud
+            why = []
+            if differ:
+                why.append(f"ranks {compared} saved different values of {_some(differ)}")
+            if absent:
+                why.append(f"{_their_parts(absent)} in none of the tiers read here")
+            if first != 0 and 0 in held:
+                why.append("rank 0's part is not in the tier whose copy of the step is read")
+            if why:
+                log.warning(
+                    "step %d was saved by %d ranks (%s): loading rank %d's values "
+                    "(load(..., rank=N) for rank N's)",
+                    m.step,
+                    m.world_size,
+                    "; ".join(why),
+                    first,
+                )
             return
         if rank_local != "keep":
-            raise StateMismatch(
-                f"step {m.step} was saved by {m.world_size} ranks and is restored by "
-                f"{world_size}: the ranks saved different values of {_some(differ)} "
-                "(rank-local values: a data loader's position, RNG states), which cannot "
-                "be given to other ranks. restore(..., rank_local='keep') keeps this "
-                "process's own values for them"
+            if differ:
+                raise StateMismatch(
+                    f"step {m.step} was saved by {m.world_size} ranks and is restored by "
+                    f"{world_size}: the ranks saved different values of {_some(differ)} "
+                    "(rank-local values: a data loader's position, RNG states), which cannot "
+                    "be given to other ranks. restore(..., rank_local='keep') keeps this "
+                    "process's own values for them"
+                )
+            if absent:
+                # Not a refusal of this state: the step lacks parts here (another step,
+                # or another node's tiers, may have them), as a missing piece would be.
+                files = dict(zip(m.missing_ranks, m.missing_parts, strict=True))
+                where = [files[r] for r in absent if r in files]
+                raise CorruptSnapshot(
+                    f"step {m.step}: the part of rank(s) {_some([str(r) for r in absent])} "
+                    f"({_some(where)}) is in none of the tiers read here (a node-local tier "
+                    f"holds its own node's ranks only), so the values the {m.world_size} "
+                    "ranks saved (rank-local values: a data loader's position, RNG states) "
+                    f"cannot all be compared for a restore by {world_size}. restore(..., "
+                    f"rank_local='keep') restores the values ranks {compared} saved alike "
+                    "and keeps this process's own for the others",
+                    step=m.step,
+                    file=where[0] if where else None,
+                )
+            return
+        if absent:
+            log.warning(
+                "step %d: %s in none of the tiers read here: the values restored were "
+                "compared among ranks %s only",
+                m.step,
+                _their_parts(absent),
+                compared,
             )
         self.dropped = drop_units(self.tree, differ)
         self.tree = without(self.tree, self.dropped)
+
+    def _at_hand(self) -> dict[int, tuple[mf.Manifest, dict[str, Any]]]:
+        """The ranks of a sharded snapshot whose parts a tier read here holds, each with
+        the first copy holding it (the reference first) and its tree there: a node-local
+        tier holds its node's ranks' parts, the peer tier other nodes' (snapcore/peer)."""
+        assert self.m.rank_trees is not None
+        world = len(self.m.rank_trees)
+        copies = [(self.m, self.m.rank_trees)] + [
+            (c, c.rank_trees)
+            for _, c in self._usable
+            if c is not self.m and c.rank_trees is not None and len(c.rank_trees) == world
+        ]
+        out: dict[int, tuple[mf.Manifest, dict[str, Any]]] = {}
+        for r in range(world):
+            for c, trees in copies:
+                tree = trees[r]
+                if tree is not None:
+                    out[r] = (c, tree)
+                    break
+        return out
 
     def _select_merged(self, groups: dict[frozenset[str], list[int]]) -> None:
         """``load`` of a snapshot whose ranks saved different tensors (pipeline stages):
@@ -603,7 +739,11 @@ class Reader:
         self.tree = self._rank_tree(rank)
 
     def _rank_tree(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s tree, from the reference, or else from the tiers' copy of the
+        step with the most parts among those that hold the rank's part, which becomes
+        the reference."""
         assert self.m.rank_trees is not None
+        self._use_holder([rank])
         tree = self.m.rank_trees[rank]
         if tree is None:
             raise CorruptSnapshot(
@@ -1082,6 +1222,13 @@ def _said(error: BaseException | None) -> bytes:
     if isinstance(error, CorruptSnapshot | SnapshotNotFound):
         return b"D" + str(error).encode()
     return b"E" + f"{type(error).__name__}: {error}".encode()
+
+
+def _their_parts(ranks: list[int]) -> str:
+    """ "rank 3's part is", "the parts of ranks 0, 1 are" (for messages)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}'s part is"
+    return f"the parts of ranks {_some([str(r) for r in ranks])} are"
 
 
 def _some(paths: list[str], n: int = 8) -> str:

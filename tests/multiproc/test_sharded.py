@@ -995,6 +995,34 @@ def test_each_node_holds_the_replicated_tensors_its_ranks_need_and_restores_alon
             assert r["tier"].split("+")[0] == "host", r["tier"]
 
 
+def test_node_local_tiers_serve_a_part_lost_from_host_memory_and_another_world_size(
+    tmp_path: Path,
+) -> None:
+    """DDP on two nodes of 2 ranks, no object storage. Rank 3's part of the step is lost
+    from node 1's host memory only (its directory holds it): every rank still restores
+    the step, rank 3 reading its part from the directory (every rank once skipped the
+    step, rank 3 finding its part "in none of the tiers"). Node 1's directory alone
+    loads with no rank (rank 2's values), and restores into one rank per node with
+    rank_local="keep": node 1's rank takes rank 2's tree (rank 0's is not on node 1)."""
+    with Nodes(tmp_path) as nodes:
+        saved = _launch(nodes, [{"op": "save", "kind": "ddp", "step": 3}])
+        digests = saved[0][0]["digests"]
+        (part,) = (nodes.shm[1] / "step-000000000003").glob("part-00003-*.json")
+        part.unlink()
+        res = _launch(nodes, [{"op": "restore", "kind": "ddp"}])
+        for rank, (r,) in enumerate(res):
+            assert r.get("step") == 3 and r["digests"] == digests and not r["skipped"], r
+            assert r["pos"] == 100 * rank + 3, r
+        assert "local" in res[3][0]["tier"], res[3][0]
+        assert loaded_digests(nodes.dirs[1]) == digests
+        assert snapcore.load(nodes.dirs[1])["data"]["value"] == {"pos": 203}
+        snapcore.close()
+        keep = {"op": "restore", "kind": "ddp", "rank_local": "keep"}
+        res = _launch(nodes, [keep], 1, spec={"local": "$SNAPCORE_TEST_LOCAL"})
+        for (r,) in res:
+            assert r.get("step") == 3 and r["digests"] == digests, r
+
+
 def test_object_storage_gets_each_replicated_tensor_once_and_each_node_a_copy(
     tmp_path: Path, s3_bucket, s3_client
 ) -> None:
