@@ -116,8 +116,8 @@ def test_a_rank_that_asks_for_another_step_makes_every_rank_raise_out_of_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """restore(step=None) here, restore(step=1) on the other rank: this rank raises
-    OutOfStep (it used to find no step in common and raise SnapshotNotFound, "nothing
-    to restore", which a Checkpointer takes for a fresh start)."""
+    OutOfStep, as the other does (it used to take the other's message for a list of
+    steps, find no step in common and raise "nothing to restore")."""
     _save(tmp_path, 1, 1.0, None)
     _other_rank(monkeypatch, lambda mine: {"kind": "steps", "step": 1, "steps": [1]})
     with pytest.raises(OutOfStep, match=r"rank 0: restore\(step=None\), rank 1: restore\(step=1\)"):
