@@ -395,7 +395,8 @@ def restore(
     across ``torch.compile`` (``_orig_mod.``) and DDP (``module.``) wrappers.
 
     Under torch.distributed every rank takes the same step (the newest every rank can
-    read) and reads only the bytes of its own shards, whatever world size and sharding
+    read), and the same save of it (a re-saved step is never read as a mix of two
+    saves), and reads only the bytes of its own shards, whatever world size and sharding
     saved it; DTensors are filled shard by shard. A snapshot saved by as many ranks gives
     each rank its own rank-local values (``snapcore.RNGState``,
     ``snapcore.distributed.RankLocal``); restored by another number of ranks, values the
