@@ -15,11 +15,20 @@ from typing import Any, TypeVar
 from .distributed.job import Job, all_gather_bytes
 from .distributed.job import current as current_job
 from .errors import CorruptSnapshot, SnapcoreError, SnapshotNotFound, StateMismatch, StoreInUse
+from .manifest import Manifest
 from .peer import Fetched, peer_copies
 from .peer import prepare_restore as prepare_peer_restore
-from .read import OutOfStep, Reader, RestoreInfo, describe_error, exchange_plan, out_of_step
+from .read import (
+    OutOfStep,
+    Reader,
+    RestoreInfo,
+    describe_error,
+    exchange_plan,
+    exchange_save,
+    out_of_step,
+)
 from .staging.handle import SaveHandle, SaveStats
-from .tiers import HostTier, Store, host_area_names
+from .tiers import HostTier, Store, Tier, host_area_names
 from .tree import RestorePlan, flatten
 from .write import writer_lock
 from .write.engine import Engine, close_all, engine_for, engine_uses_host
@@ -90,8 +99,12 @@ def committed(store: StoreLike) -> dict[str, list[int]]:
     return out
 
 
-def _reader(engine: Engine, steps: dict[str, list[int]], step: int, verify: bool) -> Reader:
-    """A reader of ``step`` over every tier that lists it (``steps``: ``committed()``)."""
+Sources = list[tuple[Tier, Manifest]]  # each tier with its manifest of a step
+
+
+def _opened(engine: Engine, steps: dict[str, list[int]], step: int) -> tuple[Sources, list[str]]:
+    """The manifest of ``step`` in every tier that lists it (``steps``: ``committed()``),
+    and the tiers whose manifest could not be read; raises when none could."""
     sources = []
     damaged: list[str] = []
     first: SnapcoreError | None = None
@@ -107,8 +120,23 @@ def _reader(engine: Engine, steps: dict[str, list[int]], step: int, verify: bool
     if not sources:
         assert first is not None
         raise first
+    return sources, damaged
+
+
+def _reader(
+    engine: Engine,
+    steps: dict[str, list[int]],
+    step: int,
+    verify: bool,
+    opened: tuple[Sources, list[str]] | None = None,
+    save: str | None = None,
+) -> Reader:
+    """A reader of ``step`` over every tier that lists it (``opened``: their manifests,
+    read here when not given), of save ``save`` only when one is given (the save the
+    ranks agreed on: ``exchange_save``)."""
+    sources, damaged = _opened(engine, steps, step) if opened is None else opened
     sources = _with_peer_copies(engine, sources, step)
-    reader = Reader(sources, verify=verify)
+    reader = Reader(sources, verify=verify, save=save)
     reader.damaged.extend(damaged)
     return reader
 
@@ -150,11 +178,20 @@ def _read_agreed(
     tried: damaged or missing on any rank, it raises on every rank alike (so that all
     can try another step together). Any other exception on a rank (a bug, memory) is
     told to the others too, who raise ``StateMismatch`` naming it, instead of waiting
-    for it until the timeout."""
+    for it until the timeout.
+
+    The ranks agree on a save, not only a step number (``exchange_save``, before
+    anything is read): a re-saved step whose newer save did not reach every node is
+    restored from the newest save every rank reaches, or, when the ranks' tiers hold
+    no save in common, skipped by all (for ``step``: ``CorruptSnapshot`` on every rank),
+    never read as a mix of two saves. The first exchange carries each rank's ``step``,
+    so that ranks that asked for different steps all raise ``OutOfStep``."""
     every = sorted({s for ss in steps.values() for s in ss}, reverse=True)
+    mine_steps = {"kind": "steps", "step": step, "steps": every}
+    heard = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine_steps).encode())]
+    out_of_step(heard, "steps", step)  # restore(step=None) on one rank, step=N on another
     if step is None:
-        heard = [json.loads(b) for b in all_gather_bytes(job, json.dumps(every).encode())]
-        common = sorted(set.intersection(*(set(h) for h in heard)), reverse=True)
+        common = sorted(set.intersection(*(set(h["steps"]) for h in heard)), reverse=True)
     else:
         common = [step]
     skipped: list[str] = []
@@ -163,13 +200,28 @@ def _read_agreed(
         reader: Reader | None = None
         mine: dict[str, Any] = {"kind": "verdict", "step": s, "damaged": None, "refused": None}
         error: BaseException | None = None
+        opened: tuple[Sources, list[str]] | None = None
+        unopened: BaseException | None = None
         try:
             if s not in every:
                 raise SnapshotNotFound(
                     f"no committed snapshot of step {s} in {engine.config.describe()} on "
                     f"rank {job.rank}"
                 )
-            reader = _reader(engine, steps, s, verify)
+            opened = _opened(engine, steps, s)
+        except Exception as e:  # told in the exchange of saves, raised below
+            unopened = e
+        save, apart = exchange_save(job, s, opened[0] if opened else [], unopened is not None)
+        if apart is not None:  # known alike on every rank: none reads the step
+            if step is not None:
+                raise CorruptSnapshot(apart, step=s)
+            log.warning("%s: skipping %s", engine.config.describe(), apart)
+            skipped.append(apart)
+            continue
+        try:
+            if unopened is not None:
+                raise unopened
+            reader = _reader(engine, steps, s, verify, opened, save)
         except SnapcoreError as e:
             # the others enter the restore's exchange: take part in it, with the refusal
             exchange_plan(job, s, e)
@@ -220,7 +272,7 @@ def _read_agreed(
         f"no step of {engine.config.describe()} is committed and intact on every rank "
         f"(steps here: {every[:8]}; skipped: {skipped[:4]})"
     )
-    if step is None and not any(heard):  # no rank holds any step: a store to start from
+    if step is None and not any(h["steps"] for h in heard):  # no rank holds any step
         raise SnapshotNotFound(why)
     # Some rank holds a step that the job cannot restore whole: not a store to start
     # afresh from (a Checkpointer would otherwise begin again at step 0), and the state
@@ -343,7 +395,8 @@ def restore(
     across ``torch.compile`` (``_orig_mod.``) and DDP (``module.``) wrappers.
 
     Under torch.distributed every rank takes the same step (the newest every rank can
-    read) and reads only the bytes of its own shards, whatever world size and sharding
+    read), and the same save of it (a re-saved step is never read as a mix of two
+    saves), and reads only the bytes of its own shards, whatever world size and sharding
     saved it; DTensors are filled shard by shard. A snapshot saved by as many ranks gives
     each rank its own rank-local values (``snapcore.RNGState``,
     ``snapcore.distributed.RankLocal``); restored by another number of ranks, values the

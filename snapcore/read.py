@@ -94,13 +94,24 @@ class Reader:
 
     ``sources`` pairs each tier with its own manifest of the step; the first is the
     reference. A chunk that cannot be read from a tier, or fails its hash there, is read
-    from the next one, and the damage is recorded in ``damaged``.
+    from the next one, and the damage is recorded in ``damaged``. A source that holds
+    another save of the step than the reference (a re-saved step: ``save_of``) is not
+    read, nor, with ``save`` (the save the ranks agreed on), one of another save than
+    that; ``damaged`` says so.
     """
 
-    def __init__(self, sources: list[tuple[Tier, mf.Manifest]], *, verify: bool = True) -> None:
+    def __init__(
+        self,
+        sources: list[tuple[Tier, mf.Manifest]],
+        *,
+        verify: bool = True,
+        save: str | None = None,
+    ) -> None:
         if not sources:
             raise ValueError("no source to read from")
         self.damaged: list[str] = []
+        if save is not None:
+            sources = self._of_save(sources, save)
         self._sizes: dict[tuple[int, str], int | None] = {}
         # The reference tier's files are all checked before anything is allocated: its
         # manifest's sizes bound what a reader trusts. A tier whose files do not match is
@@ -123,13 +134,15 @@ class Reader:
         if not usable:
             assert first is not None
             raise first
-        self._usable = usable
         # The reference is the copy that holds the most ranks' parts (all of them, unless
         # every copy is node-local: a node-local tier of a sharded step holds its node's
         # only), the fastest of those; the others serve the chunks they hold, found by
         # content when their layout differs. ``select`` takes another copy as the
-        # reference when this one lacks the tree of a rank it needs.
-        self._use(min(usable, key=lambda s: len(s[1].missing_ranks))[1])
+        # reference when this one lacks the tree of a rank it needs. A copy of another
+        # save of the step than the reference's (a re-saved step) is never read.
+        ref = min(usable, key=lambda s: len(s[1].missing_ranks))[1]
+        self._usable = self._of_save(usable, save_of(ref))
+        self._use(ref)
         self.dropped: set[str] = set()  # rank-local values left out (select)
         self.verify = verify
         # Blobs read chunk by chunk (the pieces of a sharded tensor a box needs): the
@@ -188,6 +201,25 @@ class Reader:
         best = max(self._usable, key=lambda s: held(s[1]))[1]  # the first of the best
         if held(best)[0] > held(self.m)[0]:
             self._use(best)
+
+    def _of_save(
+        self, sources: list[tuple[Tier, mf.Manifest]], save: str
+    ) -> list[tuple[Tier, mf.Manifest]]:
+        """The sources that hold save ``save`` of the step; each other one is noted in
+        ``damaged`` (two saves of a step are never read as one)."""
+        kept = [(t, m) for t, m in sources if save_of(m) == save]
+        if not kept:
+            step = sources[0][1].step
+            raise CorruptSnapshot(
+                f"step {step}: no tier read here holds {describe_save(save)}", step=step
+            )
+        for t, m in sources:
+            if save_of(m) != save:
+                self.damaged.append(
+                    f"{t.name}: holds {describe_save(save_of(m), m.created_unix)} of step "
+                    f"{m.step}, not {describe_save(save, kept[0][1].created_unix)}: not read"
+                )
+        return kept
 
     @property
     def tier(self) -> str:
@@ -1236,13 +1268,87 @@ def _some(paths: list[str], n: int = 8) -> str:
     return shown + (f" and {len(paths) - n} more" if len(paths) > n else "")
 
 
+def save_of(m: mf.Manifest | mf.Index) -> str:
+    """Which save of its step a manifest belongs to: ``writer.save`` of a sharded step's
+    index (the same in every tier's index of one save, and in a manifest assembled from
+    it; docs/format.md), or "" when it names none (a snapshot of one process, a step
+    written before snapcore recorded it): the saves that name none are told apart by
+    nothing, as they were before."""
+    save = m.writer.get("save") if isinstance(m.writer, dict) else None
+    return save if isinstance(save, str) and len(save) <= 64 else ""
+
+
+def describe_save(save: str, created: float | None = None) -> str:
+    """A save of a step, for messages: its identity and, when known, its time."""
+    when = "" if created is None else f" of {_utc(created)}"
+    return f"the save {save}{when}" if save else f"the unnamed save{when}"
+
+
+def _utc(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def _holds_rank(m: mf.Manifest, rank: int, world_size: int) -> bool:
+    """Whether ``m`` holds what rank ``rank`` of ``world_size`` restores from it: its own
+    part, when the step was saved by as many ranks (else any part may serve)."""
+    trees = m.rank_trees
+    return trees is None or m.world_size != world_size or trees[rank] is not None
+
+
+def exchange_save(
+    job: Job, step: int, sources: list[tuple[Tier, mf.Manifest]], failed: bool
+) -> tuple[str | None, str | None]:
+    """The ranks agree which save of ``step`` they restore (a collective on snapcore's
+    group, made by every rank that tries the step): each rank tells the saves its tiers
+    hold (``sources``: each tier's manifest of the step; none when it could not open the
+    step, ``failed``), with their times, tiers and whether one of them holds this rank's
+    part. Returns the same on every rank: the newest save that every rank that opened
+    the step reaches whole (or else reaches at all), and None; or (None, why) when the
+    ranks hold different saves of the step and none is in the tiers of every rank (a
+    re-saved step whose newer save did not reach every node): the step cannot be
+    restored as one save. (None, None) when no rank could open the step."""
+    saves: dict[str, dict[str, Any]] = {}
+    for t, m in sources:
+        d = saves.setdefault(save_of(m), {"t": m.created_unix, "tiers": [], "whole": False})
+        d["t"] = max(d["t"], m.created_unix)
+        d["tiers"].append(t.name)
+        d["whole"] = d["whole"] or _holds_rank(m, job.rank, job.world_size)
+    mine = {"kind": "save", "step": step, "saves": saves, "failed": failed}
+    said = [json.loads(b) for b in all_gather_bytes(job, json.dumps(mine).encode())]
+    out_of_step(said, "save", step)
+    opened = [d["saves"] for d in said if not d["failed"]]
+    if not opened:
+        return None, None
+    for whole in (True, False):
+        common = set.intersection(
+            *({k for k, v in held.items() if v["whole"] or not whole} for held in opened)
+        )
+        if common:
+            return max(common, key=lambda k: (max(held[k]["t"] for held in opened), k)), None
+    groups: dict[str, list[str]] = {}
+    for r, d in enumerate(said):
+        held = ", ".join(
+            f"{describe_save(k, v['t'])} in {'+'.join(v['tiers'])}"
+            for k, v in sorted(d["saves"].items(), key=lambda kv: -kv[1]["t"])
+        )
+        groups.setdefault("cannot open it" if d["failed"] else held, []).append(str(r))
+    held = "; ".join(f"rank {_some(ranks, 4)}: {what}" for what, ranks in list(groups.items())[:4])
+    return None, (
+        f"step {step}: the ranks hold different saves of it, and no save is in the tiers "
+        f"of every rank (a re-saved step whose newer save did not reach every node): "
+        f"{held}"
+    )
+
+
 class OutOfStep(StateMismatch):
     """The ranks of a restore were not at the same exchange of the same step. Raised on
     every rank of that exchange, and never followed by another exchange (each rank
     leaves the restore after the same number of collectives)."""
 
 
-def out_of_step(said: list[Any], kind: str, step: int) -> None:
+def out_of_step(said: list[Any], kind: str, step: int | None) -> None:
     """Raise ``OutOfStep`` on every rank of an exchange of a restore when the ranks
     were not at the same exchange (``kind``) of the same step: a rank that raised out of
     its restore's order, or ranks that asked for different steps. Each rank's message
@@ -1250,7 +1356,10 @@ def out_of_step(said: list[Any], kind: str, step: int) -> None:
     exchanges (one rank's step filled with another's tensors)."""
     where = [(d.get("kind"), d.get("step")) if isinstance(d, dict) else (None, None) for d in said]
     if any(w != (kind, step) for w in where):
-        at = ", ".join(f"rank {r}: {k or '?'} of step {s}" for r, (k, s) in enumerate(where))
+        at = ", ".join(
+            f"rank {r}: restore(step={s})" if k == "steps" else f"rank {r}: {k or '?'} of step {s}"
+            for r, (k, s) in enumerate(where)
+        )
         raise OutOfStep(
             f"the ranks' restores are out of step ({at}): every rank must restore the same "
             "step, with step=None or the same step="

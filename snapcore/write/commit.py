@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,9 @@ class ShardedSave:
     _tiers_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _why: str | None = None
     handed: bool = False  # the persist job has this save (it tells its own failures)
+    # This save's identity, which rank 0 writes into every tier's index of the step
+    # (``writer.save``): a restore tells a re-save of a step from the first save by it
+    save: str = field(default_factory=lambda: secrets.token_hex(8))
 
     @classmethod
     def failed_seq(cls, job: Job, sharder: Sharder, eid: int, seq: int) -> ShardedSave:
@@ -137,7 +141,16 @@ class ShardedSave:
         sharder = self.sharder
         node = tier != "remote" and sharder.leads(tier) and not sharder.with_rank0[tier]
         commit_part(
-            self.job, self.eid, self.spec, tier, step, ref, write_index, failed, node_index=node
+            self.job,
+            self.eid,
+            self.spec,
+            tier,
+            step,
+            ref,
+            write_index,
+            failed,
+            node_index=node,
+            save=self.save,
         )
 
     def verdict_now(self, tier: str) -> bool | None:
@@ -247,11 +260,13 @@ def commit_part(
     failed: str | None = None,
     *,
     node_index: bool = False,
+    save: str = "",
 ) -> None:
     """Announce this rank's part of ``step`` in ``tier`` (or its failure), and on rank 0
     commit the step once every part is there. ``node_index``: this rank writes the index
-    into its own node's directory too, once rank 0 has committed. Returns when the step
-    is committed in the tier; raises ``SnapshotFailed`` naming what went wrong
+    into its own node's directory too, once rank 0 has committed. ``save``: the save's
+    identity (rank 0's is written into the index, the same in every tier). Returns when
+    the step is committed in the tier; raises ``SnapshotFailed`` naming what went wrong
     otherwise."""
     mine = {
         "step": step,
@@ -266,7 +281,7 @@ def commit_part(
     job.kv.set(_key(job, eid, spec.seq, tier, "part", spec.rank), json.dumps(mine))
     verdict_key = _key(job, eid, spec.seq, tier, "verdict")
     if job.rank == 0:
-        verdict = _coordinate(job, eid, spec, tier, step, write_index)
+        verdict = _coordinate(job, eid, spec, tier, step, write_index, save)
         job.kv.set(verdict_key, json.dumps(verdict))
         if verdict["ok"]:  # a committed step: no rank may lose its part for want of it
             job.expect_acks(_key(job, eid, spec.seq, tier, "ack"))
@@ -342,6 +357,7 @@ def _coordinate(
     tier: str,
     step: int,
     write_index: Callable[[mf.Index], None],
+    save: str = "",
 ) -> dict[str, object]:
     keys = [_key(job, eid, spec.seq, tier, "part", r) for r in range(job.world_size)]
     missing = kv_wait_all(job, keys, job.timeout_s)
@@ -373,7 +389,7 @@ def _coordinate(
             "plan was agreed; every rank agrees a new plan at its next save",
         }
     refs = [mf.PartRef(r, p["name"], p["size"], p["xxh3"]) for r, p in enumerate(parts)]
-    index = build_index(step, spec.plan, refs)
+    index = build_index(step, spec.plan, refs, save=save)
     try:
         write_index(index)
     except Exception as e:

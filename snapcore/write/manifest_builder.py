@@ -163,13 +163,14 @@ def restrict(m: mf.Manifest, drop: Collection[int]) -> mf.Manifest:
     )
 
 
-def build_index(step: int, plan: str, parts: list[mf.PartRef]) -> mf.Index:
+def build_index(step: int, plan: str, parts: list[mf.PartRef], *, save: str = "") -> mf.Index:
     """The index (``manifest.json``) that commits a sharded step made of ``parts``, one
-    per rank in rank order."""
+    per rank in rank order. ``save``: the save's identity, the same in every tier's index
+    of one save (``writer.save``; docs/format.md), none when empty."""
     return mf.Index(
         step=step,
         created_unix=time.time(),
-        writer=writer_info(),
+        writer={**writer_info(), "save": save} if save else writer_info(),
         world_size=len(parts),
         plan=plan,
         parts=parts,

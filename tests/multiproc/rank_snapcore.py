@@ -104,6 +104,15 @@ def digests(model: Any, optim: Any) -> dict[str, str]:
     return {k: models.digest(t) for k, t in models.global_tensors(sd).items()}
 
 
+def _size(path: str) -> int:
+    """A data file's size; 0 once gone (a re-save of a step collects the former save's
+    files in the background)."""
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+
+
 def save(a: dict[str, Any]) -> dict[str, Any]:
     if "max_groups" in a:  # fewer groups of ranks planned from their descriptions
         from snapcore.write import sharded
@@ -121,7 +130,7 @@ def save(a: dict[str, Any]) -> dict[str, Any]:
     return {
         "digests": digests(model, optim),
         "rng_next": torch.rand(1).item(),
-        "data_bytes": sum(os.path.getsize(p) for p in mine),
+        "data_bytes": sum(_size(p) for p in mine),
         "exchange": sharder.exchange if sharder is not None else None,
         "exchange_why": sharder.exchange_why if sharder is not None else None,
     }

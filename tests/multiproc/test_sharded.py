@@ -12,6 +12,7 @@ Each run has a hard timeout (run_ranks kills the whole run), so a hang fails the
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -944,7 +945,7 @@ def test_a_rank_whose_part_is_missing_makes_every_rank_skip_the_step(tmp_path: P
     res = _launch(nodes, [apart, {"op": "restore", "kind": "fsdp2"}], 1, spec=spec)
     for r, again in res:
         assert r.get("error") == "OutOfStep", r
-        assert "rank 0: plan of step 1, rank 1: plan of step 2" in r["message"], r
+        assert "rank 0: restore(step=1), rank 1: restore(step=2)" in r["message"], r
         assert again.get("step") == 1 and again["digests"] == first, again
     # An exception that is not snapcore's, on one rank mid-restore: that rank raises it,
     # the other raises at once naming it (not after the timeout), and the next agrees.
@@ -957,6 +958,55 @@ def test_a_rank_whose_part_is_missing_makes_every_rank_skip_the_step(tmp_path: P
     assert "rank 1 cannot restore it: RuntimeError: boom" in b0["message"], b0
     for again in (again0, again1):
         assert again.get("step") == 1 and again["digests"] == first, again
+
+
+def test_a_re_saved_step_is_restored_as_one_save_never_a_mix_of_two(tmp_path: Path) -> None:
+    """Two nodes of one rank each, a directory and a host-memory area each. Step 2 is
+    saved (seed 5), then saved again (seed 9: a job that rolled back re-saves the step),
+    but node 1's directory keeps the first save (its leader writes a node-local index
+    after rank 0 has committed: the node was lost in between). The ranks agree on a save,
+    not only on a step number: while node 1's memory holds the re-save, both restore the
+    re-save (node 1 does not read its directory's first save); once node 1 holds the
+    first save only and node 0 the re-save only, both skip step 2 for step 1, or raise
+    for step=2, instead of restoring a mix of the two saves (each rank its own part of a
+    different save: before, 8 of the 29 tensors equal to each save, the rest mixed)."""
+    with Nodes(tmp_path) as nodes:
+        dirs, shm = nodes.dirs, nodes.shm
+        saves = [{"step": 1, "seed": 0}, {"step": 2, "seed": 5}]
+        saved = _launch(nodes, [{"op": "save", "kind": "fsdp2", **a} for a in saves], 1)
+        first, former = saved[0][0]["digests"], saved[0][1]["digests"]
+        step2 = "step-000000000002"
+        shutil.copytree(dirs[1] / step2, tmp_path / "node1-first-save")
+        resaved = _launch(nodes, [{"op": "save", "kind": "fsdp2", "step": 2, "seed": 9}], 1)
+        latest = resaved[0][0]["digests"]
+        assert former != latest and first not in (former, latest)
+        shutil.rmtree(dirs[1] / step2)
+        shutil.copytree(tmp_path / "node1-first-save", dirs[1] / step2)
+
+        res = _launch(nodes, [{"op": "restore", "kind": "fsdp2"}], 1)
+        for (r,) in res:
+            assert r.get("step") == 2 and r["digests"] == latest and r["skipped"] == [], r
+            assert r["tier"] == "host", r
+        other = [d for d in res[1][0]["damaged"] if d.endswith(": not read")]
+        assert len(other) == 1 and other[0].startswith("local: holds the save "), res[1]
+
+        (shm[1] / step2 / "manifest.json").unlink()  # node 1: the first save alone
+        asked = [
+            {"op": "restore", "kind": "fsdp2"},
+            {"op": "restore", "kind": "fsdp2", "at": 2},
+            # restore(step=None) on rank 0, step=1 on rank 1: both raise OutOfStep
+            {"op": "restore", "kind": "fsdp2", "at_by_rank": {"1": 1}},
+        ]
+        res = _launch(nodes, asked, 1)
+        for newest, named, apart in res:
+            assert newest.get("step") == 1 and newest["digests"] == first, newest
+            (why,) = newest["skipped"]
+            assert why.startswith("step 2: the ranks hold different saves of it"), why
+            assert "rank 0: the save " in why and "rank 1: the save " in why, why
+            assert named.get("error") == "CorruptSnapshot", named
+            assert named["message"].startswith("step 2: the ranks hold different saves"), named
+            assert apart.get("error") == "OutOfStep", apart
+            assert "rank 0: restore(step=None), rank 1: restore(step=1)" in apart["message"]
 
 
 def _launch(
