@@ -858,16 +858,6 @@ def injected(a: dict[str, Any]) -> dict[str, Any]:
     handles: list[tuple[Any, float]] = []
     tiers: list[dict[str, Any] | None] = []
 
-    def outcome(h: Any, t0: float) -> dict[str, Any]:
-        out = {}
-        for tier in h.tiers:
-            try:
-                h.wait(tier=tier)
-                out[tier] = ["ok", time.monotonic() - t0]
-            except snapcore.SnapcoreError as e:
-                out[tier] = [f"{type(e).__name__}: {e}", time.monotonic() - t0]
-        return out
-
     for step in range(1, a["steps"] + 1):
         state["step"] = step
         if mine and a.get("settle") and step == at + 1 and handles[-1][0] is not None:
@@ -884,15 +874,27 @@ def injected(a: dict[str, Any]) -> dict[str, Any]:
                 calls[-1] += " | again: handed"
         handles.append((h, t0))
         if a.get("wait_each"):
-            tiers.append(outcome(h, t0) if h is not None else None)
+            tiers.append(_tier_outcomes(h, t0) if h is not None else None)
     if not a.get("wait_each"):
-        tiers = [outcome(h, t0) if h is not None else None for h, t0 in handles]
+        tiers = [_tier_outcomes(h, t0) if h is not None else None for h, t0 in handles]
     try:
         snapcore.wait_all(store)
         end = "ok"
     except snapcore.SnapcoreError as e:
         end = f"{type(e).__name__}: {e}"
     return {"calls": calls, "tiers": tiers, "end": end}
+
+
+def _tier_outcomes(h: Any, t0: float) -> dict[str, list[Any]]:
+    """Each tier of handle ``h``: "ok" or its error, and when it ended (since ``t0``)."""
+    out: dict[str, list[Any]] = {}
+    for tier in h.tiers:
+        try:
+            h.wait(tier=tier)
+            out[tier] = ["ok", time.monotonic() - t0]
+        except snapcore.SnapcoreError as e:
+            out[tier] = [f"{type(e).__name__}: {e}", time.monotonic() - t0]
+    return out
 
 
 def early(a: dict[str, Any]) -> dict[str, Any]:
@@ -964,16 +966,7 @@ def early(a: dict[str, Any]) -> dict[str, Any]:
             h = None
             calls.append([f"{type(e).__name__}: {e}", time.monotonic() - t0])
         state.pop("bad", None)
-        out: dict[str, list[Any]] | None = None
-        if h is not None:
-            out = {}
-            for tier in h.tiers:
-                try:
-                    h.wait(tier=tier)
-                    out[tier] = ["ok", time.monotonic() - t0]
-                except snapcore.SnapcoreError as e:
-                    out[tier] = [f"{type(e).__name__}: {e}", time.monotonic() - t0]
-        tiers.append(out)
+        tiers.append(_tier_outcomes(h, t0) if h is not None else None)
         launch.report([{"calls": calls, "tiers": tiers}])
         dist.barrier()  # training's next collective: every rank must come
         if step == at:
