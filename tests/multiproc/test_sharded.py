@@ -586,12 +586,14 @@ def test_the_checkpointer_snapshots_the_same_steps_on_every_rank(tmp_path: Path)
 def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote(
     tmp_path: Path, s3_bucket
 ) -> None:
-    """Two "nodes" (two torchruns, --nnodes 2), each with its own local directory and
+    """Two "nodes" (two torchruns, --nnodes 2, as on two machines: the other tests start
+    their ranks directly, launch.run_nodes), each with its own local directory and
     host-memory area."""
     remote = {"remote": s3_bucket.url, "storage_options": s3_bucket.storage_options}
     with Nodes(tmp_path) as nodes:
         dirs, shm = nodes.dirs, nodes.shm
-        saved = _launch(nodes, [{"op": "save", "kind": "fsdp2", "step": 6}], **remote)
+        actions = [{"op": "save", "kind": "fsdp2", "step": 6}]
+        saved = _launch(nodes, actions, torchrun=True, **remote)
         digests = saved[0][0]["digests"]
         for node in range(2):
             for root in (dirs[node], shm[node]):
@@ -604,7 +606,7 @@ def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote
             assert {s.split("-")[1] for s in slots} == {f"r{2 * node}", f"r{2 * node + 1}"}
 
         nodes.replace(1)  # node 1 was replaced: its directory and memory are gone
-        res = _launch(nodes, [{"op": "restore", "kind": "fsdp2"}], **remote)
+        res = _launch(nodes, [{"op": "restore", "kind": "fsdp2"}], torchrun=True, **remote)
         for rank, (r,) in enumerate(res):
             assert r["digests"] == digests and r["step"] == 6 and r["pos"] == 100 * rank + 6
             tiers = r["tier"].split("+")
@@ -1010,15 +1012,22 @@ def test_a_re_saved_step_is_restored_as_one_save_never_a_mix_of_two(tmp_path: Pa
 
 
 def _launch(
-    nodes: Nodes, actions: list[dict[str, Any]], nproc: int = 2, spec: Any = None, **tiers: Any
+    nodes: Nodes,
+    actions: list[dict[str, Any]],
+    nproc: int = 2,
+    spec: Any = None,
+    *,
+    torchrun: bool | None = None,
+    **tiers: Any,
 ) -> list[list[dict[str, Any]]]:
     """Run ``actions`` on ``nodes`` (``nproc`` ranks each), every action with the store
     ``spec``, by default each node's directory and host-memory area and ``tiers``
-    (object storage); the results by rank."""
+    (object storage); the results by rank. ``torchrun``: as in launch.run_nodes."""
     if spec is None:
         spec = {"local": "$SNAPCORE_TEST_LOCAL", "host": "$SNAPCORE_TEST_HOST", **tiers}
     args = [json.dumps([{**a, "store": spec} for a in actions])]
-    return [r.result for r in nodes.run(SCRIPT, nproc, args, timeout=TIMEOUT, env=ENV)]
+    runs = nodes.run(SCRIPT, nproc, args, timeout=TIMEOUT, env=ENV, torchrun=torchrun)
+    return [r.result for r in runs]
 
 
 def test_each_node_holds_the_replicated_tensors_its_ranks_need_and_restores_alone(
