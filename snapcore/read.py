@@ -1253,7 +1253,7 @@ def _said(error: BaseException | None) -> bytes:
         return b""
     if isinstance(error, CorruptSnapshot | SnapshotNotFound):
         return b"D" + str(error).encode()
-    return b"E" + f"{type(error).__name__}: {error}".encode()
+    return b"E" + describe_error(error).encode()
 
 
 def _their_parts(ranks: list[int]) -> str:
