@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -1285,8 +1286,6 @@ def describe_save(save: str, created: float | None = None) -> str:
 
 
 def _utc(t: float) -> str:
-    import time
-
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
