@@ -186,37 +186,26 @@ def test_ddp_writes_replicated_tensors_once_and_restores_into_fsdp2(tmp_path: Pa
     assert loaded_digests(store) == saved
 
 
-@pytest.mark.parametrize("max_groups", [128, 1])
 def test_pipeline_stages_plan_from_one_description_per_stage(
-    tmp_path: Path, max_groups: int, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Two pipeline stages of 2 ranks (FSDP2 within each stage, other tensors in each):
     the ranks' states differ, and the plan follows from one description per stage
     (``uniform.combine``), not from every rank's items; each stage's replicated tensors
     (its AdamW ``step`` counters, its buffer) are written once, by a rank of the stage;
     the same ranks restore every tensor bit-exact. With more groups than
-    ``MAX_GROUPS``, the items are exchanged, with the same result."""
-    store = tmp_path / "pp"
-    save = {"op": "save", "kind": "pp", "store": str(store), "step": 2}
-    res = run(
-        4,
-        [save | {"max_groups": max_groups}, {"op": "restore", "kind": "pp", "store": str(store)}],
-    )
-    for rank, (saved, restored) in enumerate(res):
-        assert saved["exchange"] == ("grouped" if max_groups > 1 else "items"), rank
-        assert restored["digests"] == saved["digests"], rank
-        assert saved["data_bytes"] > 0, rank
-    stages = [set(res[0][0]["digests"]), set(res[2][0]["digests"])]
-    for mine, other in ((0, 1), (1, 0)):  # model.stage0.*, optim.state.stage0.*, ...
-        assert all(f"stage{mine}." in k and f"stage{other}." not in k for k in stages[mine])
-    assert res[1][0]["digests"] == res[0][0]["digests"]  # one stage, one state
-    data, _ = saved_bytes(store, 2)
-    # each rank's tree is its stage's: load(rank=r) gives rank r's, with full tensors
-    unique = sum(_nbytes(snapcore.load(store, rank=r)["app"]) for r in (0, 2))
-    own = [_nbytes(snapcore.load(store, rank=r)["rng"]) for r in range(4)]  # rank-local
-    assert unique + sum(own) <= data <= unique + sum(own) + 64 * 64  # + alignment
-    if max_groups == 1:
-        return
+    ``MAX_GROUPS`` (a second store, saved by the same job), the items are exchanged,
+    with the same result."""
+    actions: list[dict[str, Any]] = []
+    for max_groups in (128, 1):
+        store = str(tmp_path / f"pp-{max_groups}")
+        save = {"op": "save", "kind": "pp", "store": store, "step": 2, "max_groups": max_groups}
+        actions += [save, {"op": "restore", "kind": "pp", "store": store}]
+    both = run(4, actions)
+    for k, max_groups in enumerate((128, 1)):
+        res = [r[2 * k : 2 * k + 2] for r in both]
+        _check_pipeline_stages(tmp_path / f"pp-{max_groups}", res, max_groups)
+    store, res = tmp_path / "pp-128", [r[:2] for r in both]
     # into 2 ranks: each stage on one rank now, its tensors from the 2 ranks that saved it
     into2 = {"op": "restore", "kind": "pp", "store": str(store), "rank_local": "keep"}
     (a,), (b,) = run(2, [into2])
@@ -247,6 +236,22 @@ def test_pipeline_stages_plan_from_one_description_per_stage(
     differ = set(doc["rank_local"])
     assert {"app.optim.param_groups", "data.value.pos"} <= differ, differ
     assert all(p.startswith("rng.") for p in differ - {"app.optim.param_groups", "data.value.pos"})
+
+
+def _check_pipeline_stages(store: Path, res: list[list[dict[str, Any]]], max_groups: int) -> None:
+    for rank, (saved, restored) in enumerate(res):
+        assert saved["exchange"] == ("grouped" if max_groups > 1 else "items"), rank
+        assert restored["digests"] == saved["digests"], rank
+        assert saved["data_bytes"] > 0, rank
+    stages = [set(res[0][0]["digests"]), set(res[2][0]["digests"])]
+    for mine, other in ((0, 1), (1, 0)):  # model.stage0.*, optim.state.stage0.*, ...
+        assert all(f"stage{mine}." in k and f"stage{other}." not in k for k in stages[mine])
+    assert res[1][0]["digests"] == res[0][0]["digests"]  # one stage, one state
+    data, _ = saved_bytes(store, 2)
+    # each rank's tree is its stage's: load(rank=r) gives rank r's, with full tensors
+    unique = sum(_nbytes(snapcore.load(store, rank=r)["app"]) for r in (0, 2))
+    own = [_nbytes(snapcore.load(store, rank=r)["rng"]) for r in range(4)]  # rank-local
+    assert unique + sum(own) <= data <= unique + sum(own) + 64 * 64  # + alignment
 
 
 def _nbytes(tree: Any) -> int:
