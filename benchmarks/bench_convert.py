@@ -507,24 +507,53 @@ def probes(args: argparse.Namespace, work: Path) -> Result:
     return out
 
 
+def child_job(job: str, args: argparse.Namespace, work: Path) -> Result:
+    """What a child process runs: the preparation, a probe, or a timed job."""
+    if job == "prepare":
+        return prepare(args, work)
+    if job == "probes":
+        return probes(args, work)
+    return run_job(job, args, work)
+
+
 # -- the parent -------------------------------------------------------------------------------
-def run_child(job: str, args: argparse.Namespace, work: Path, tag: str) -> Result:
-    out_file, log_file = work / f"{tag}.json", work / f"{tag}.log"
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", job, "--child-out", str(out_file)]
+def child_cmd(args: argparse.Namespace, work: Path, out_file: Path) -> list[str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child-out", str(out_file)]
     cmd += ["--dir", str(work), "--size-gb", str(args.size_gb), "--shard-size", args.shard_size]
     cmd += ["--quiet-cores", str(args.quiet_cores), "--quiet-wait", str(args.quiet_wait)]
-    cmd += [] if args.verify else ["--no-verify"]
+    return cmd + ([] if args.verify else ["--no-verify"])
+
+
+def run_children(jobs: list[tuple[str, str]], args: argparse.Namespace, work: Path) -> list[Result]:
+    """Run each (job, tag) in a fresh child process, in order; with --smoke, all of them in
+    one child (a process's start, torch's import, costs more than a smoke job), whose peak
+    RSS figures are then the shared process's. Each result (or its error) in order."""
+    if not args.smoke:
+        return [run_child(["--child", job], args, work, tag) for job, tag in jobs]
+    batch = ",".join(f"{job}:{tag}" for job, tag in jobs)
+    done = run_child(["--child-batch", batch], args, work, "batch")
+    if "error" in done:
+        return [done for _ in jobs]
+    return [json.loads((work / f"{tag}.json").read_text()) for _, tag in jobs]
+
+
+def run_child(child: list[str], args: argparse.Namespace, work: Path, tag: str) -> Result:
+    out_file, log_file = work / f"{tag}.json", work / f"{tag}.log"
     print(f"[{tag}] running ...", flush=True)
     t0 = time.perf_counter()
     with open(log_file, "w") as log:
         try:
             rc = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, timeout=CHILD_TIMEOUT_S
+                child_cmd(args, work, out_file) + child,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=CHILD_TIMEOUT_S,
             ).returncode
         except subprocess.TimeoutExpired:
             rc = -1
     wall = time.perf_counter() - t0
-    shutil.rmtree(work / f"out-{job}", ignore_errors=True)
+    if child[0] == "--child":
+        shutil.rmtree(work / f"out-{child[1]}", ignore_errors=True)
     if rc != 0 or not out_file.exists():
         tail = log_file.read_text(errors="replace")[-2000:]
         print(f"[{tag}] FAILED (rc={rc}) after {wall:.1f}s:\n{tail}", flush=True)
@@ -756,9 +785,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--smoke",
         action="store_true",
         help="a tiny run that only checks the benchmark works (~10 MB state, 4 MB shards, "
-        "no waiting for a quiet machine); its figures mean nothing",
+        "no waiting for a quiet machine, every job in one child process); its figures "
+        "mean nothing",
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # child process mode
+    p.add_argument("--child-batch", default=None, help=argparse.SUPPRESS)  # JOB:TAG,... (smoke)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
@@ -772,17 +803,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     common.set_quiet(args.quiet_cores, args.quiet_wait)
-    if args.child:
+    if args.child or args.child_batch:
         work = Path(args.dir)
-        funcs: dict[str, Callable[[argparse.Namespace, Path], Result]] = {
-            "prepare": prepare,
-            "probes": probes,
-        }
-        if args.child in funcs:
-            result = funcs[args.child](args, work)
-        else:
-            result = run_job(args.child, args, work)
-        Path(args.child_out).write_text(json.dumps(result, indent=1))
+        if args.child:
+            Path(args.child_out).write_text(json.dumps(child_job(args.child, args, work), indent=1))
+            return 0
+        for item in args.child_batch.split(","):  # --smoke: every job in this one process
+            job, tag = item.split(":")
+            (work / f"{tag}.json").write_text(json.dumps(child_job(job, args, work), indent=1))
+            shutil.rmtree(work / f"out-{job}", ignore_errors=True)
+            print(f"[{tag}] done", flush=True)
+        Path(args.child_out).write_text("{}")
         return 0
     command = "python benchmarks/bench_convert.py " + " ".join(
         sys.argv[1:] if argv is None else argv
@@ -791,40 +822,28 @@ def main(argv: list[str] | None = None) -> int:
     with common.work_dir(args.dir, prefix="snapcore-bench-convert-") as work:
         r: Result = {"command": command.strip(), "info": machine_info(work)}
         r["shard_size"], r["shard_bytes"] = args.shard_size, args.shard_bytes
-        r["prepare"] = run_child("prepare", args, work, "prepare")
+        r["prepare"] = run_child(["--child", "prepare"], args, work, "prepare")
         if "error" in r["prepare"]:
             raise SystemExit("preparing the state failed: see above")
-        r["probes"] = [run_child("probes", args, work, "probes-start")]
-        order: list[tuple[str, Result]] = []
-        copies: list[Result] = []
-        jobs: Result = {}
-
-        def run(job: str, tag: str | None = None) -> None:
-            reason = skip_reason(job, r["prepare"])
-            x = {"skipped": reason} if reason else run_child(job, args, work, tag or job)
+        steps = [("copy", "copy#before"), ("convert_to_safetensors", "convert_to_safetensors")]
+        steps += [(job, job) for job in TO_SAFETENSORS]
+        steps += [("copy", "copy#between"), ("convert_to_snapcore", "convert_to_snapcore")]
+        steps += [(job, job) for job in TO_SNAPCORE]
+        steps += [("copy", "copy#after"), ("convert_to_torch", "convert_to_torch")]
+        steps += [(job, job) for job in TO_TORCH] + [("copy", "copy#end")]
+        skipped = {job: skip_reason(job, r["prepare"]) for job, _ in steps}
+        for job, reason in skipped.items():
             if reason:
                 print(f"[{job}] skipped: {reason}", flush=True)
-            order.append((tag or job, x))
-            if job == "copy":
-                copies.append(x)
-            else:
-                jobs[job] = x
-
-        run("copy", "copy#before")
-        run("convert_to_safetensors")
-        for job in TO_SAFETENSORS:
-            run(job)
-        run("copy", "copy#between")
-        run("convert_to_snapcore")
-        for job in TO_SNAPCORE:
-            run(job)
-        run("copy", "copy#after")
-        run("convert_to_torch")
-        for job in TO_TORCH:
-            run(job)
-        run("copy", "copy#end")
-        r["probes"].append(run_child("probes", args, work, "probes-end"))
-        r["order"], r["copies"], r["jobs"] = order, copies, jobs
+        todo = [("probes", "probes-start")]
+        todo += [(job, tag) for job, tag in steps if not skipped[job]]
+        todo += [("probes", "probes-end")]
+        results = dict(zip((tag for _, tag in todo), run_children(todo, args, work), strict=True))
+        r["probes"] = [results["probes-start"], results["probes-end"]]
+        order = [(tag, results.get(tag, {"skipped": skipped[job]})) for job, tag in steps]
+        r["order"] = order
+        r["copies"] = [x for (job, _), (_, x) in zip(steps, order, strict=True) if job == "copy"]
+        r["jobs"] = {job: x for (job, _), (_, x) in zip(steps, order, strict=True) if job != "copy"}
         r["targets"] = check_targets(r)
     r["total_s"] = time.perf_counter() - t0
     text = render(r)

@@ -744,9 +744,26 @@ PHASE_FUNCS: dict[str, Callable[[argparse.Namespace, Path], Result]] = {
 
 
 # -- the parent: runs the phases, checks the targets, writes the report -------------------------
+def run_phases(names: list[str], args: argparse.Namespace, work: Path) -> dict[str, Result]:
+    """Each phase in a fresh child process; with --smoke, all of them in one child (a
+    process's start, torch's import, costs more than a smoke phase), whose wall time and
+    others' CPU every phase then reports."""
+    if not args.smoke:
+        return {name: run_phase(name, args, work) for name in names}
+    done = run_phase(",".join(names), args, work)
+    if "error" in done:
+        return {name: done for name in names}
+    out = {name: json.loads((work / f"{name}.json").read_text()) for name in names}
+    for res in out.values():
+        res["wall_s"], res["others_cores"] = done["wall_s"], done["others_cores"]
+    return out
+
+
 def run_phase(name: str, args: argparse.Namespace, work: Path) -> Result:
-    out_file = work / f"{name}.json"
-    log_file = work / f"{name}.log"
+    """Run phase ``name`` (or the phases "a,b,...", one after another) in a child."""
+    tag = name.replace(",", "+")
+    out_file = work / f"{name.split(',')[-1]}.json"
+    log_file = work / f"{tag}.log"
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -772,7 +789,7 @@ def run_phase(name: str, args: argparse.Namespace, work: Path) -> Result:
         str(args.quiet_wait),
     ]
     t0 = time.perf_counter()
-    print(f"[{name}] running ...", flush=True)
+    print(f"[{tag}] running ...", flush=True)
     busy0, children0 = jiffies()[0], _children_cpu()
     with open(log_file, "w") as log:
         try:
@@ -786,12 +803,12 @@ def run_phase(name: str, args: argparse.Namespace, work: Path) -> Result:
     others = max(0.0, busy - (_children_cpu() - children0)) / wall
     if rc != 0 or not out_file.exists():
         tail = log_file.read_text(errors="replace")[-2000:]
-        print(f"[{name}] FAILED (rc={rc}) after {wall:.1f}s:\n{tail}", flush=True)
+        print(f"[{tag}] FAILED (rc={rc}) after {wall:.1f}s:\n{tail}", flush=True)
         return {"error": f"phase exited with {rc}", "log_tail": tail, "wall_s": wall}
     result = json.loads(out_file.read_text())
     result["wall_s"] = wall
     result["others_cores"] = others
-    print(f"[{name}] done in {wall:.1f}s", flush=True)
+    print(f"[{tag}] done in {wall:.1f}s", flush=True)
     return result
 
 
@@ -1229,7 +1246,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--smoke",
         action="store_true",
         help="a tiny run that only checks the benchmark works (~12 MB state, one warm run, "
-        "no waiting for a quiet machine); its figures mean nothing",
+        "no waiting for a quiet machine, every phase in one child process); its figures "
+        "mean nothing",
     )
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # child process mode
     args = p.parse_args(argv)
@@ -1244,8 +1262,9 @@ def main(argv: list[str] | None = None) -> int:
     common.set_quiet(args.quiet_cores, args.quiet_wait)
     if args.phase:
         work = Path(args.dir)
-        result = PHASE_FUNCS[args.phase](args, work)
-        (work / f"{args.phase}.json").write_text(json.dumps(result, indent=1))
+        for name in args.phase.split(","):  # several with --smoke
+            result = PHASE_FUNCS[name](args, work)
+            (work / f"{name}.json").write_text(json.dumps(result, indent=1))
         return 0
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     unknown = set(phases) - set(PHASES)
@@ -1255,9 +1274,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with common.work_dir(args.dir) as work:
         report: Result = {"command": command.strip(), "info": machine_info(work)}
-        for name in PHASES:
-            if name in phases:
-                report[name] = run_phase(name, args, work)
+        report.update(run_phases([name for name in PHASES if name in phases], args, work))
         report["targets"] = check_targets(report)
     report["total_s"] = time.perf_counter() - t0
     text = render(report)

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -1253,7 +1254,7 @@ def _said(error: BaseException | None) -> bytes:
         return b""
     if isinstance(error, CorruptSnapshot | SnapshotNotFound):
         return b"D" + str(error).encode()
-    return b"E" + f"{type(error).__name__}: {error}".encode()
+    return b"E" + describe_error(error).encode()
 
 
 def _their_parts(ranks: list[int]) -> str:
@@ -1285,8 +1286,6 @@ def describe_save(save: str, created: float | None = None) -> str:
 
 
 def _utc(t: float) -> str:
-    import time
-
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 

@@ -16,12 +16,6 @@ from snapcore.cli import main
 from snapcore.tiers import LocalTier
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "snapcore", *args], capture_output=True, text=True, check=False
-    )
-
-
 def _state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
@@ -123,8 +117,9 @@ def test_diff_two_steps_of_one_store_and_exit_codes(tmp_path, capsys):
     assert main(["diff", str(tmp_path), str(tmp_path / "missing")]) == 2  # trouble, as diff(1)
     assert "no store at" in capsys.readouterr().err
     assert main(["diff", str(tmp_path), "--step", "9", "--step-b", "1"]) == 2
-    r = run("diff", str(tmp_path), "--bogus")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
+    with pytest.raises(SystemExit) as e:  # argparse's own exit, with its usage line
+        main(["diff", str(tmp_path), "--bogus"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_diff_shape_change_and_zero_norm(tmp_path, capsys):
@@ -220,18 +215,21 @@ def test_inspect_a_sharded_snapshot(tmp_path, capsys):
     assert main(["diff", str(tmp_path), str(tmp_path), "--step", str(corpus.STEP)]) == 0
 
 
-def test_progress_only_when_asked_or_on_a_terminal(tmp_path):
+def test_progress_only_when_asked_or_on_a_terminal(tmp_path, capsys):
     snapcore.save(_state(), tmp_path / "a", step=1)
     snapcore.save(_state(1), tmp_path / "b", step=1)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     for args in (["verify", a], ["diff", a, b], ["gc", a]):
-        quiet = run(*args)  # stderr is a pipe: no bar
-        assert quiet.stderr == "", (args, quiet.stderr)
-        shown = run(*args, "--progress")
-        assert args[0] in shown.stderr and "100%" in shown.stderr, (args, shown.stderr)
-        assert shown.stdout == quiet.stdout
-    r = run("verify", a, "--quiet", "--progress")
-    assert r.returncode == 2  # one or the other
+        main(args)  # stderr is captured, not a terminal: no bar
+        quiet = capsys.readouterr()
+        assert quiet.err == "", (args, quiet.err)
+        main([*args, "--progress"])
+        shown = capsys.readouterr()
+        assert args[0] in shown.err and "100%" in shown.err, (args, shown.err)
+        assert shown.out == quiet.out
+    with pytest.raises(SystemExit) as e:
+        main(["verify", a, "--quiet", "--progress"])
+    assert e.value.code == 2  # one or the other
 
 
 @pytest.mark.parametrize(

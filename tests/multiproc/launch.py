@@ -3,18 +3,26 @@
 The test side calls `run_ranks` (one node) or `run_nodes` (several torchrun "nodes" on
 one machine, each with its own environment; `Nodes` gives each node its own local
 directory and host-memory area), or `spawn_nodes` (the ranks as plain processes, for
-tests that kill some). Each torchrun listens on 127.0.0.1 only
+tests that kill some). `run_nodes` starts each node's ranks directly, with the
+environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR/PORT) and torchrun's teardown when a rank fails; with
+`torchrun=True` (or SNAPCORE_MP_TORCHRUN=1 for every run) it starts one torchrun per
+node instead, as on several machines: tests/multiproc/test_harness.py runs its launcher
+tests both ways, and one two-node snapcore test runs under torchrun. The agents cost
+two imports of torch per node and run, about 5 s of CPU, most of a short test's time on
+two cores. Each torchrun listens on 127.0.0.1 only
 (static rendezvous, a free port found by binding port 0; gloo is pinned to `lo`). Quirk
 of torch 2.13: torchrun's TCPStore, on the master port, listens on every interface
 (`*:port`) whatever --master-addr says, and torch offers no bind address; every
 connection still goes to 127.0.0.1, and gloo's listeners are on 127.0.0.1 only.
 
-torchrun starts every worker through this module's trampoline (`python launch.py
---rank-entry SCRIPT ARGS...`, standard library only), which runs SCRIPT as its child with
-stdout and stderr in `<workdir>/rank<R>.log` and records the child's exit status in
-`rank<R>.exit` (negative: killed by that signal). A rank's own status is thus known even
-when it was SIGKILLed or torchrun tore it down (torchrun sends SIGTERM to every other rank
-once one fails, and reports only the first failures, as text).
+torchrun (or run_nodes itself) starts every worker through this module's trampoline
+(`python launch.py --rank-entry SCRIPT ARGS...`, standard library only), which runs
+SCRIPT as its child with stdout and stderr in `<workdir>/rank<R>.log` and records the
+child's exit status in `rank<R>.exit` (negative: killed by that signal). A rank's own
+status is thus known even when it was SIGKILLed or torchrun tore it down (torchrun sends
+SIGTERM to every other rank once one fails, and reports only the first failures, as
+text).
 
 The rank side (a script run this way) may call `report(value)` to hand a JSON value back
 (`RankResult.result`), `maybe_die(point)` to SIGKILL itself where the launcher asked it
@@ -55,6 +63,9 @@ ENV_DIE = "SNAPCORE_MP_DIE"  # "RANK@POINT[#N],...": where maybe_die() kills a r
 
 _TAIL_CHARS = 4000
 _PORT_TRIES = 3
+# run_ranks/run_nodes under torchrun by default? SNAPCORE_MP_TORCHRUN=1 runs every test's
+# job under torchrun agents; tests/multiproc/test_harness.py runs some both ways.
+TORCHRUN = os.environ.get("SNAPCORE_MP_TORCHRUN") == "1"
 
 
 # ---------------------------------------------------------------------------- test side
@@ -104,14 +115,15 @@ def run_ranks(
     kill_at: Mapping[int, str] | None = None,
     check: bool = True,
     workdir: Path | None = None,
+    torchrun: bool | None = None,
 ) -> list[RankResult]:
-    """Run `script args` as `world_size` ranks under one torchrun; results by rank.
+    """Run `script args` as `world_size` ranks of one node; results by rank.
 
     `timeout` bounds the whole run (seconds). `env` is added to the ranks' environment.
     `kill_at` maps a rank to a point ("POINT" or "POINT#N": its Nth time) at which its
     `maybe_die` SIGKILLs it. With `check`, any non-zero exit raises LaunchError.
     `workdir` (default: a temporary directory, removed unless the run failed) holds the
-    logs and results."""
+    logs and results. `torchrun`: as in `run_nodes`."""
     return run_nodes(
         script,
         world_size,
@@ -121,6 +133,7 @@ def run_ranks(
         kill_at=kill_at,
         check=check,
         workdir=workdir,
+        torchrun=torchrun,
     )
 
 
@@ -135,10 +148,18 @@ def run_nodes(
     kill_at: Mapping[int, str] | None = None,
     check: bool = True,
     workdir: Path | None = None,
+    torchrun: bool | None = None,
 ) -> list[RankResult]:
-    """Run one torchrun per entry of `node_envs` (`--nnodes len(node_envs)`, all on the
-    same master port): node N runs global ranks N*nproc_per_node and up, with `env` and
-    then `node_envs[N]` added to its environment. Otherwise as `run_ranks`."""
+    """Run a job of `len(node_envs)` nodes: node N runs global ranks N*nproc_per_node and
+    up, with `env` and then `node_envs[N]` added to its environment. Otherwise as
+    `run_ranks`.
+
+    With `torchrun` (default: `TORCHRUN`), one torchrun per node (`--nnodes
+    len(node_envs)`, all on the same master port), as a job is started on several
+    machines. Without it, the ranks are started directly (`_launch_direct`) with the
+    environment torchrun gives its workers, and the first rank that fails has the
+    others terminated, as torchrun does: the same job, without two agents that each
+    import torch (about 2.5 s of CPU each, and most of a short test's time on 2 cores)."""
     if not node_envs:
         raise ValueError("node_envs: at least one node")
     world = nproc_per_node * len(node_envs)
@@ -151,7 +172,8 @@ def run_nodes(
     for _ in range(_PORT_TRIES):
         _clear(wd, world, len(node_envs))  # a reused workdir's old results
         run_id = uuid.uuid4().hex
-        timed_out, agents = _launch(
+        launch = _launch if (TORCHRUN if torchrun is None else torchrun) else _launch_direct
+        timed_out, agents = launch(
             Path(script), nproc_per_node, args, timeout, node_envs, env, kill_at, wd, run_id
         )
         if not _lost_port_race(wd, world, agents):
@@ -381,6 +403,84 @@ def _launch(
     return timed_out, [a.returncode for a in agents]
 
 
+def _launch_direct(
+    script: Path,
+    nproc: int,
+    args: Sequence[str],
+    timeout: float,
+    node_envs: Sequence[Mapping[str, str]],
+    env: Mapping[str, str] | None,
+    kill_at: Mapping[int, str] | None,
+    wd: Path,
+    run_id: str,
+) -> tuple[bool, list[int | None]]:
+    """`_launch` without torchrun: each rank's trampoline started here, with the
+    variables torchrun sets for its workers (rank 0 hosts the job's TCPStore on the
+    master port, as env:// does). When a rank exits non-zero, the others get SIGTERM
+    (forwarded by their trampolines), as torchrun's agent does. Returns (timed out,
+    each trampoline's exit status)."""
+    port = free_port()
+    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    world = nproc * len(node_envs)
+    procs: list[subprocess.Popen[bytes]] = []
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        for rank in range(world):
+            node = rank // nproc
+            rank_env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "GLOO_SOCKET_IFNAME": "lo",
+                "PYTHONUNBUFFERED": "1",
+                **(env or {}),
+                **node_envs[node],
+                "PYTHONPATH": pythonpath,
+                "MASTER_ADDR": LOOPBACK,
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank % nproc),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": str(node),
+                "GROUP_WORLD_SIZE": str(len(node_envs)),
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(world),
+                ENV_RUN: run_id,
+                ENV_DIR: str(wd),
+                ENV_DIE: ",".join(f"{r}@{p}" for r, p in (kill_at or {}).items()),
+            }
+            cmd = [sys.executable, str(HERE / "launch.py"), "--rank-entry", str(script), *args]
+            with open(wd / f"node{node}.log", "ab") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env=rank_env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        while [p.poll() for p in procs].count(None):  # polls every one (any() would stop)
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            if any(p.returncode not in (None, 0) for p in procs):  # torchrun's teardown
+                for p in procs:
+                    if p.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            p.terminate()
+                for p in procs:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        p.wait(timeout=max(0.1, min(30.0, deadline - time.monotonic())))
+                break
+            time.sleep(0.05)
+    finally:
+        _kill_run(run_id, procs)
+    return timed_out, [p.returncode for p in procs]
+
+
 def _kill_run(run_id: str, agents: Sequence[subprocess.Popen[bytes]]) -> None:
     """SIGKILL the torchruns' process groups, then every process left with the run's id
     until none is (a worker forked meanwhile carries the id too), then reap."""
@@ -402,16 +502,17 @@ def _kill_run(run_id: str, agents: Sequence[subprocess.Popen[bytes]]) -> None:
 
 
 def _lost_port_race(wd: Path, world: int, agents: Sequence[int | None]) -> bool:
-    """True when the master port was taken between free_port() and torchrun's bind (no
-    rank started): the only case worth a second try."""
-    if all(code == 0 for code in agents) or any(
-        (wd / f"rank{r}.log").exists() for r in range(world)
-    ):
+    """True when the master port was taken between free_port() and its bind, by
+    torchrun (no rank started) or, launched directly, by rank 0's TCPStore: the only
+    case worth a second try."""
+    if all(code == 0 for code in agents):
         return False
-    logs = " ".join(
-        p.read_text(errors="replace").lower() for p in wd.glob("node*.log") if p.is_file()
-    )
-    return "address already in use" in logs or "eaddrinuse" in logs
+    if any((wd / f"rank{r}.log").exists() for r in range(world)):
+        logs = [wd / "rank0.log"] if len(agents) == world else []  # direct: rank 0's store
+    else:
+        logs = [p for p in wd.glob("node*.log") if p.is_file()]
+    text = " ".join(p.read_text(errors="replace").lower() for p in logs if p.exists())
+    return "address already in use" in text or "eaddrinuse" in text
 
 
 def _clear(wd: Path, world: int, nnodes: int) -> None:
@@ -437,7 +538,7 @@ def _report(why: str, results: list[RankResult], wd: Path, nnodes: int) -> str:
     for n in range(nnodes):
         log = wd / f"node{n}.log"
         text = log.read_text(errors="replace") if log.exists() else ""
-        lines.append(f"--- torchrun of node {n}")
+        lines.append(f"--- torchrun (or the trampolines, launched directly) of node {n}")
         lines.append(text[-_TAIL_CHARS // 2 :] or "<no output>")
     return "\n".join(lines)
 

@@ -37,9 +37,16 @@ def _gone(pid: int) -> bool:
 # ---------------------------------------------------------------------------- launcher
 
 
-def test_a_failing_rank_raises_with_its_traceback(tmp_path: Path) -> None:
+# Each launcher test runs twice: under torchrun (as a job is started on several machines)
+# and with the ranks started directly (run_nodes' default: the same job, its workers'
+# environment and torchrun's teardown, without the agents' own startup).
+TORCHRUN = pytest.mark.parametrize("torchrun", [True, False], ids=["torchrun", "direct"])
+
+
+@TORCHRUN
+def test_a_failing_rank_raises_with_its_traceback(tmp_path: Path, torchrun: bool) -> None:
     with pytest.raises(LaunchError) as info:
-        run_ranks(PLAIN, 2, ["fail"], timeout=TIMEOUT, workdir=tmp_path)
+        run_ranks(PLAIN, 2, ["fail"], timeout=TIMEOUT, workdir=tmp_path, torchrun=torchrun)
     err = info.value
     assert not err.timed_out
     assert err.results[1].exitcode == 1
@@ -50,11 +57,12 @@ def test_a_failing_rank_raises_with_its_traceback(tmp_path: Path) -> None:
     assert str(tmp_path) in str(err)  # where the logs are kept
 
 
-def test_a_hung_rank_is_killed_on_timeout(tmp_path: Path) -> None:
+@TORCHRUN
+def test_a_hung_rank_is_killed_on_timeout(tmp_path: Path, torchrun: bool) -> None:
     timeout = 10.0  # these ranks import no torch: they start in about a second
     started = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        run_ranks(PLAIN, 2, ["hang"], timeout=timeout, workdir=tmp_path)
+        run_ranks(PLAIN, 2, ["hang"], timeout=timeout, workdir=tmp_path, torchrun=torchrun)
     elapsed = time.monotonic() - started
     err = info.value
     assert err.timed_out
@@ -67,14 +75,19 @@ def test_a_hung_rank_is_killed_on_timeout(tmp_path: Path) -> None:
     assert processes_of(err.run_id) == []
 
 
-def test_a_rank_killed_at_a_point_reports_sigkill() -> None:
-    results = run_ranks(PLAIN, 2, ["die"], timeout=TIMEOUT, kill_at={1: "loop#2"}, check=False)
+@TORCHRUN
+def test_a_rank_killed_at_a_point_reports_sigkill(torchrun: bool) -> None:
+    kill = {1: "loop#2"}
+    results = run_ranks(
+        PLAIN, 2, ["die"], timeout=TIMEOUT, kill_at=kill, check=False, torchrun=torchrun
+    )
     survivor, killed = results
     assert killed.exitcode == -signal.SIGKILL
     assert "pass 1" in killed.output and "pass 2" not in killed.output
     assert "SIGKILLs itself at loop#2" in killed.output
     assert killed.result is None
-    # rank 0 blocked (as in a collective with the dead rank) until torchrun tore it down
+    # rank 0 blocked (as in a collective with the dead rank) until torchrun (or the direct
+    # launcher, as torchrun does) tore it down
     assert survivor.exitcode == -signal.SIGTERM
     assert survivor.result == {"passes": 3}
 
@@ -96,8 +109,9 @@ _TWO_NODES_SEEN = [
 ]
 
 
-def test_two_nodes_form_one_job_each_with_its_own_env() -> None:
-    results = run_nodes(PLAIN, 2, ["nodes"], timeout=TIMEOUT, **_TWO_NODES)
+@TORCHRUN
+def test_two_nodes_form_one_job_each_with_its_own_env(torchrun: bool) -> None:
+    results = run_nodes(PLAIN, 2, ["nodes"], timeout=TIMEOUT, torchrun=torchrun, **_TWO_NODES)
     assert [(r.rank, r.node) for r in results] == [(0, 0), (1, 0), (2, 1), (3, 1)]
     expected = _TWO_NODES_SEEN
     for r in results:

@@ -1,8 +1,9 @@
 """The peer tier (issue 13): each rank's host snapshot is copied into a partner's memory
 on the other node, and a replaced node restores from it.
 
-Two "nodes" are two torchruns (--nnodes 2) on this machine, each with its own local
-directory and host-memory area; ranks 0, 1 are node 0 and ranks 2, 3 node 1, so rank r's
+Two "nodes" are the ranks of two torchruns (--nnodes 2) on this machine, started with
+torchrun's environment by launch.run_nodes, each with its own local directory and
+host-memory area; ranks 0, 1 are node 0 and ranks 2, 3 node 1, so rank r's
 partner is rank (r + 2) % 4. Every restored tensor is compared bit for bit (sha256) with
 the one saved, and the bytes each rank read are counted per tier (``RestoreInfo
 .tier_bytes``, and ``peer_bytes``: received from a partner's memory). Each run has a

@@ -186,37 +186,26 @@ def test_ddp_writes_replicated_tensors_once_and_restores_into_fsdp2(tmp_path: Pa
     assert loaded_digests(store) == saved
 
 
-@pytest.mark.parametrize("max_groups", [128, 1])
 def test_pipeline_stages_plan_from_one_description_per_stage(
-    tmp_path: Path, max_groups: int, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Two pipeline stages of 2 ranks (FSDP2 within each stage, other tensors in each):
     the ranks' states differ, and the plan follows from one description per stage
     (``uniform.combine``), not from every rank's items; each stage's replicated tensors
     (its AdamW ``step`` counters, its buffer) are written once, by a rank of the stage;
     the same ranks restore every tensor bit-exact. With more groups than
-    ``MAX_GROUPS``, the items are exchanged, with the same result."""
-    store = tmp_path / "pp"
-    save = {"op": "save", "kind": "pp", "store": str(store), "step": 2}
-    res = run(
-        4,
-        [save | {"max_groups": max_groups}, {"op": "restore", "kind": "pp", "store": str(store)}],
-    )
-    for rank, (saved, restored) in enumerate(res):
-        assert saved["exchange"] == ("grouped" if max_groups > 1 else "items"), rank
-        assert restored["digests"] == saved["digests"], rank
-        assert saved["data_bytes"] > 0, rank
-    stages = [set(res[0][0]["digests"]), set(res[2][0]["digests"])]
-    for mine, other in ((0, 1), (1, 0)):  # model.stage0.*, optim.state.stage0.*, ...
-        assert all(f"stage{mine}." in k and f"stage{other}." not in k for k in stages[mine])
-    assert res[1][0]["digests"] == res[0][0]["digests"]  # one stage, one state
-    data, _ = saved_bytes(store, 2)
-    # each rank's tree is its stage's: load(rank=r) gives rank r's, with full tensors
-    unique = sum(_nbytes(snapcore.load(store, rank=r)["app"]) for r in (0, 2))
-    own = [_nbytes(snapcore.load(store, rank=r)["rng"]) for r in range(4)]  # rank-local
-    assert unique + sum(own) <= data <= unique + sum(own) + 64 * 64  # + alignment
-    if max_groups == 1:
-        return
+    ``MAX_GROUPS`` (a second store, saved by the same job), the items are exchanged,
+    with the same result."""
+    actions: list[dict[str, Any]] = []
+    for max_groups in (128, 1):
+        store = str(tmp_path / f"pp-{max_groups}")
+        save = {"op": "save", "kind": "pp", "store": store, "step": 2, "max_groups": max_groups}
+        actions += [save, {"op": "restore", "kind": "pp", "store": store}]
+    both = run(4, actions)
+    for k, max_groups in enumerate((128, 1)):
+        res = [r[2 * k : 2 * k + 2] for r in both]
+        _check_pipeline_stages(tmp_path / f"pp-{max_groups}", res, max_groups)
+    store, res = tmp_path / "pp-128", [r[:2] for r in both]
     # into 2 ranks: each stage on one rank now, its tensors from the 2 ranks that saved it
     into2 = {"op": "restore", "kind": "pp", "store": str(store), "rank_local": "keep"}
     (a,), (b,) = run(2, [into2])
@@ -247,6 +236,22 @@ def test_pipeline_stages_plan_from_one_description_per_stage(
     differ = set(doc["rank_local"])
     assert {"app.optim.param_groups", "data.value.pos"} <= differ, differ
     assert all(p.startswith("rng.") for p in differ - {"app.optim.param_groups", "data.value.pos"})
+
+
+def _check_pipeline_stages(store: Path, res: list[list[dict[str, Any]]], max_groups: int) -> None:
+    for rank, (saved, restored) in enumerate(res):
+        assert saved["exchange"] == ("grouped" if max_groups > 1 else "items"), rank
+        assert restored["digests"] == saved["digests"], rank
+        assert saved["data_bytes"] > 0, rank
+    stages = [set(res[0][0]["digests"]), set(res[2][0]["digests"])]
+    for mine, other in ((0, 1), (1, 0)):  # model.stage0.*, optim.state.stage0.*, ...
+        assert all(f"stage{mine}." in k and f"stage{other}." not in k for k in stages[mine])
+    assert res[1][0]["digests"] == res[0][0]["digests"]  # one stage, one state
+    data, _ = saved_bytes(store, 2)
+    # each rank's tree is its stage's: load(rank=r) gives rank r's, with full tensors
+    unique = sum(_nbytes(snapcore.load(store, rank=r)["app"]) for r in (0, 2))
+    own = [_nbytes(snapcore.load(store, rank=r)["rng"]) for r in range(4)]  # rank-local
+    assert unique + sum(own) <= data <= unique + sum(own) + 64 * 64  # + alignment
 
 
 def _nbytes(tree: Any) -> int:
@@ -586,12 +591,14 @@ def test_the_checkpointer_snapshots_the_same_steps_on_every_rank(tmp_path: Path)
 def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote(
     tmp_path: Path, s3_bucket
 ) -> None:
-    """Two "nodes" (two torchruns, --nnodes 2), each with its own local directory and
+    """Two "nodes" (two torchruns, --nnodes 2, as on two machines: the other tests start
+    their ranks directly, launch.run_nodes), each with its own local directory and
     host-memory area."""
     remote = {"remote": s3_bucket.url, "storage_options": s3_bucket.storage_options}
     with Nodes(tmp_path) as nodes:
         dirs, shm = nodes.dirs, nodes.shm
-        saved = _launch(nodes, [{"op": "save", "kind": "fsdp2", "step": 6}], **remote)
+        actions = [{"op": "save", "kind": "fsdp2", "step": 6}]
+        saved = _launch(nodes, actions, torchrun=True, **remote)
         digests = saved[0][0]["digests"]
         for node in range(2):
             for root in (dirs[node], shm[node]):
@@ -604,7 +611,7 @@ def test_two_nodes_keep_their_own_parts_and_a_lost_node_restores_from_the_remote
             assert {s.split("-")[1] for s in slots} == {f"r{2 * node}", f"r{2 * node + 1}"}
 
         nodes.replace(1)  # node 1 was replaced: its directory and memory are gone
-        res = _launch(nodes, [{"op": "restore", "kind": "fsdp2"}], **remote)
+        res = _launch(nodes, [{"op": "restore", "kind": "fsdp2"}], torchrun=True, **remote)
         for rank, (r,) in enumerate(res):
             assert r["digests"] == digests and r["step"] == 6 and r["pos"] == 100 * rank + 6
             tiers = r["tier"].split("+")
@@ -1010,15 +1017,22 @@ def test_a_re_saved_step_is_restored_as_one_save_never_a_mix_of_two(tmp_path: Pa
 
 
 def _launch(
-    nodes: Nodes, actions: list[dict[str, Any]], nproc: int = 2, spec: Any = None, **tiers: Any
+    nodes: Nodes,
+    actions: list[dict[str, Any]],
+    nproc: int = 2,
+    spec: Any = None,
+    *,
+    torchrun: bool | None = None,
+    **tiers: Any,
 ) -> list[list[dict[str, Any]]]:
     """Run ``actions`` on ``nodes`` (``nproc`` ranks each), every action with the store
     ``spec``, by default each node's directory and host-memory area and ``tiers``
-    (object storage); the results by rank."""
+    (object storage); the results by rank. ``torchrun``: as in launch.run_nodes."""
     if spec is None:
         spec = {"local": "$SNAPCORE_TEST_LOCAL", "host": "$SNAPCORE_TEST_HOST", **tiers}
     args = [json.dumps([{**a, "store": spec} for a in actions])]
-    return [r.result for r in nodes.run(SCRIPT, nproc, args, timeout=TIMEOUT, env=ENV)]
+    runs = nodes.run(SCRIPT, nproc, args, timeout=TIMEOUT, env=ENV, torchrun=torchrun)
+    return [r.result for r in runs]
 
 
 def test_each_node_holds_the_replicated_tensors_its_ranks_need_and_restores_alone(
