@@ -329,6 +329,30 @@ def processes_of(run_id: str) -> list[int]:
     return found
 
 
+def _run_env(
+    env: Mapping[str, str] | None,
+    node_env: Mapping[str, str],
+    kill_at: Mapping[int, str] | None,
+    wd: Path,
+    run_id: str,
+) -> dict[str, str]:
+    """A node's environment (its torchrun's, or its ranks' before their own variables):
+    this process's, the run's settings, `env`, then `node_env`."""
+    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",  # 2 cores; also spares torchrun's banner about it
+        "GLOO_SOCKET_IFNAME": "lo",  # gloo binds the hostname's address otherwise
+        "PYTHONUNBUFFERED": "1",  # a killed rank's last lines reach its log
+        **(env or {}),
+        **node_env,
+        "PYTHONPATH": pythonpath,
+        ENV_RUN: run_id,
+        ENV_DIR: str(wd),
+        ENV_DIE: ",".join(f"{r}@{p}" for r, p in (kill_at or {}).items()),
+    }
+
+
 def _launch(
     script: Path,
     nproc: int,
@@ -343,14 +367,6 @@ def _launch(
     """Start the torchruns, wait until they end or the deadline passes, kill whatever of
     the run is left. Returns (timed out, each torchrun's exit status)."""
     port = free_port()
-    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    base = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",  # 2 cores; also spares torchrun's banner about it
-        "GLOO_SOCKET_IFNAME": "lo",  # gloo binds the hostname's address otherwise
-        "PYTHONUNBUFFERED": "1",  # a killed rank's last lines reach its log
-        **(env or {}),
-    }
     agents: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + timeout
     timed_out = False
@@ -373,19 +389,11 @@ def _launch(
                 str(script),
                 *args,
             ]
-            node_full_env = {
-                **base,
-                **node_env,
-                "PYTHONPATH": pythonpath,
-                ENV_RUN: run_id,
-                ENV_DIR: str(wd),
-                ENV_DIE: ",".join(f"{r}@{p}" for r, p in (kill_at or {}).items()),
-            }
             with open(wd / f"node{node}.log", "wb") as log:
                 agents.append(
                     subprocess.Popen(
                         cmd,
-                        env=node_full_env,
+                        env=_run_env(env, node_env, kill_at, wd, run_id),
                         stdin=subprocess.DEVNULL,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -420,7 +428,6 @@ def _launch_direct(
     (forwarded by their trampolines), as torchrun's agent does. Returns (timed out,
     each trampoline's exit status)."""
     port = free_port()
-    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     world = nproc * len(node_envs)
     procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + timeout
@@ -429,13 +436,7 @@ def _launch_direct(
         for rank in range(world):
             node = rank // nproc
             rank_env = {
-                **os.environ,
-                "OMP_NUM_THREADS": "1",
-                "GLOO_SOCKET_IFNAME": "lo",
-                "PYTHONUNBUFFERED": "1",
-                **(env or {}),
-                **node_envs[node],
-                "PYTHONPATH": pythonpath,
+                **_run_env(env, node_envs[node], kill_at, wd, run_id),
                 "MASTER_ADDR": LOOPBACK,
                 "MASTER_PORT": str(port),
                 "RANK": str(rank),
@@ -446,9 +447,6 @@ def _launch_direct(
                 "GROUP_WORLD_SIZE": str(len(node_envs)),
                 "ROLE_RANK": str(rank),
                 "ROLE_WORLD_SIZE": str(world),
-                ENV_RUN: run_id,
-                ENV_DIR: str(wd),
-                ENV_DIE: ",".join(f"{r}@{p}" for r, p in (kill_at or {}).items()),
             }
             cmd = [sys.executable, str(HERE / "launch.py"), "--rank-entry", str(script), *args]
             with open(wd / f"node{node}.log", "ab") as log:
