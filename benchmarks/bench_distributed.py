@@ -217,9 +217,14 @@ def same_sums(a: dict[str, float], b: dict[str, float]) -> bool:
 
 # -- helpers on the ranks ---------------------------------------------------------------------
 def dir_bytes(root: Path) -> dict[str, int]:
-    """Every file under ``root`` with its size."""
+    """Every file under ``root`` with its size, but the spare data files (``spare/``):
+    files retention freed, moved there by a rename, not written (docs/format.md)."""
+    from snapcore.directory import SPARE_DIR
+
     out = {}
     for p in root.rglob("*"):
+        if p.relative_to(root).parts[0] == SPARE_DIR:
+            continue
         with contextlib.suppress(FileNotFoundError):
             if p.is_file():
                 out[str(p)] = p.stat().st_size

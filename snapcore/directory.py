@@ -355,10 +355,21 @@ class LocalDirectory:
     ) -> None:
         # While any writer is live, only dead writers' own files go: a live one may be
         # about to reference any other file (shared chunks), even in an uncommitted dir.
+        # A writer whose files a committed manifest names already committed and only
+        # has its lock to remove (the node's other ranks, while their leader applies
+        # retention right after the step's commit): it will reference nothing more.
+        referenced: set[str] | None = None
+        if full and live:
+            referenced = self.referenced_files()
+            if referenced is None:
+                return
+            names = sorted(referenced)
+            live.difference_update({t for t in live if _tokens_in(names, {t})})
         orphan_dirs = [] if live else [s for s in snaps if not s.committed]
         if not (dead or orphan_dirs or full):
             return
-        referenced = self.referenced_files()
+        if referenced is None:
+            referenced = self.referenced_files()
         if referenced is None:
             return
         if full and live:

@@ -148,3 +148,38 @@ def test_a_spare_that_is_not_a_regular_file_is_neither_taken_nor_deleted(tmp_pat
     assert main(["gc", str(root)]) == 0
     assert sorted(os.listdir(root / SPARE_DIR)) == ["eeeeeeeeeeee.bin", "ffffffffffff.bin"]
     assert torch.equal(snapcore.load(root)["x"], torch.full((1000,), 3.0))
+
+
+def test_a_writer_whose_files_are_committed_does_not_hold_back_retention(tmp_path):
+    """The node's other ranks still hold their step's lock for a moment after its commit,
+    when their leader applies retention: their files are committed, so they will
+    reference nothing more; a writer of a step not committed yet still holds it back."""
+    import fcntl
+
+    store = snapcore.Store(local=tmp_path, retention={"local": 0})
+    for step in (1, 2):
+        _save({"x": torch.full((1000,), float(step))}, store, step)
+    d = LocalDirectory(tmp_path)
+    (old,) = _data_files(tmp_path, 1)
+    (new,) = _data_files(tmp_path, 2)
+    token = new.name.split("-")[1]  # data-<token>-r0.bin
+
+    def hold(step: int, token: str) -> int:
+        (tmp_path / step_dir_name(step)).mkdir(exist_ok=True)
+        fd = os.open(tmp_path / step_dir_name(step) / f"{token}.pending", os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+
+    d.uncommit(1)
+    pending = hold(3, "abcdef012345")  # a step being written: holds back the full pass
+    assert d.collect_leftovers(full=True) == [] and old.exists()
+    os.close(pending)
+    (tmp_path / step_dir_name(3) / "abcdef012345.pending").unlink()
+    finishing = hold(2, token)  # committed in step 2, its lock not removed yet
+    try:
+        assert old in d.collect_leftovers(full=True, recycle=True)
+        assert not old.exists() and len(_spares(tmp_path)) == 1
+        assert (tmp_path / step_dir_name(2) / f"{token}.pending").exists()  # still its own
+    finally:
+        os.close(finishing)
+    assert torch.equal(snapcore.load(tmp_path)["x"], torch.full((1000,), 2.0))
