@@ -217,9 +217,14 @@ def same_sums(a: dict[str, float], b: dict[str, float]) -> bool:
 
 # -- helpers on the ranks ---------------------------------------------------------------------
 def dir_bytes(root: Path) -> dict[str, int]:
-    """Every file under ``root`` with its size."""
+    """Every file under ``root`` with its size, but the spare data files (``spare/``):
+    files retention freed, moved there by a rename, not written (docs/format.md)."""
+    from snapcore.directory import SPARE_DIR
+
     out = {}
     for p in root.rglob("*"):
+        if p.relative_to(root).parts[0] == SPARE_DIR:
+            continue
         with contextlib.suppress(FileNotFoundError):
             if p.is_file():
                 out[str(p)] = p.stat().st_size
@@ -1025,7 +1030,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size-gb", type=float, default=1.5, help="whole state, all ranks (1.5)")
     p.add_argument("--world", type=int, default=4, help="ranks of the saving job (4)")
     p.add_argument("--reshard-world", type=int, default=2, help="ranks of the resharding restore")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds after the first (3)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds after the first (5)")
     p.add_argument("--restore-rounds", type=int, default=2, help="restores of each kind (2)")
     p.add_argument("--rank-threads", type=int, default=1, help="SNAPCORE_THREADS of each rank (1)")
     p.add_argument(

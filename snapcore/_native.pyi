@@ -181,10 +181,12 @@ class FileWriter:
     takes it. write_at and sync may run on several threads at once (disjoint ranges).
     """
 
-    def __init__(self, path: str, *, direct: bool = True) -> None:
+    def __init__(self, path: str, *, direct: bool = True, truncate: bool = True) -> None:
         """
         Creates or truncates `path` (0644). `direct` asks for O_DIRECT; where the
         file system refuses it the writer is buffered and `direct` is False.
+        `truncate=False` keeps an existing file's bytes and blocks (a recycled file:
+        writes over its blocks need no allocation).
         """
 
     @property

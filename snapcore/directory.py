@@ -34,6 +34,11 @@ STEP_DIR = re.compile(rf"^step-({STEP_DIGITS})$")
 MANIFEST = "manifest.json"
 PENDING_SUFFIX = ".pending"
 COLLECT_MARKER = "collect.needed"
+# Data files retention freed, kept to be written over by the next saves (docs/format.md,
+# "Spare data files"): at most SPARES_MAX of them, in the store's SPARE_DIR.
+SPARE_DIR = "spare"
+SPARES_MAX = 16
+DATA_FILE = re.compile(r"^data-[0-9a-f]+-r\d+(?:-\d+)?\.bin$")
 
 
 def step_dir_name(step: int) -> str:
@@ -279,7 +284,9 @@ class LocalDirectory:
                 return None
         return names
 
-    def collect_leftovers(self, *, full: bool = False, dry_run: bool = False) -> list[Path]:
+    def collect_leftovers(
+        self, *, full: bool = False, dry_run: bool = False, recycle: bool = False
+    ) -> list[Path]:
         """Delete what interrupted snapshots left behind; returns the paths removed.
 
         A `.pending` file whose flock can be taken belongs to a dead writer, and the files
@@ -289,6 +296,10 @@ class LocalDirectory:
         ``full`` also removes every other unreferenced data file (after retention deleted
         manifests), but only while no writer is live: a live writer may be about to
         reference an old file.
+
+        ``recycle`` (retention, after a commit) keeps unreferenced data files as spares
+        (``SPARE_DIR``) for the next saves to write over, up to ``SPARES_MAX``; a ``full``
+        collection without it (``snapcore gc``, ``delete``) removes the spares too.
         """
         snaps = self.snapshots()
         live: set[str] = set()
@@ -309,7 +320,9 @@ class LocalDirectory:
                         claimed[snap.path / name] = fd
             owed = [s for s in snaps if COLLECT_MARKER in listing[s.path]]
             full = full or bool(owed and not live)
-            self._collect(snaps, listing, live, dead, full, dry_run, removed)
+            self._collect(snaps, listing, live, dead, full, dry_run, recycle, removed)
+            if full and not recycle:
+                removed += self._drop_spares(dry_run)
             if full and not live and not dry_run:
                 for s in owed:
                     with contextlib.suppress(FileNotFoundError):
@@ -337,14 +350,26 @@ class LocalDirectory:
         dead: set[str],
         full: bool,
         dry_run: bool,
+        recycle: bool,
         removed: list[Path],
     ) -> None:
         # While any writer is live, only dead writers' own files go: a live one may be
         # about to reference any other file (shared chunks), even in an uncommitted dir.
+        # A writer whose files a committed manifest names already committed and only
+        # has its lock to remove (the node's other ranks, while their leader applies
+        # retention right after the step's commit): it will reference nothing more.
+        referenced: set[str] | None = None
+        if full and live:
+            referenced = self.referenced_files()
+            if referenced is None:
+                return
+            names = sorted(referenced)
+            live.difference_update({t for t in live if _tokens_in(names, {t})})
         orphan_dirs = [] if live else [s for s in snaps if not s.committed]
         if not (dead or orphan_dirs or full):
             return
-        referenced = self.referenced_files()
+        if referenced is None:
+            referenced = self.referenced_files()
         if referenced is None:
             return
         if full and live:
@@ -353,6 +378,10 @@ class LocalDirectory:
                 self.root,
             )
             full = False
+        spare_dir = self._spare_dir()
+        spares = SPARES_MAX
+        if recycle and not dry_run:
+            spares = len(_listdir(spare_dir)) if spare_dir is not None else 0
         for snap in snaps:
             for name in listing[snap.path]:
                 if name in (MANIFEST, COLLECT_MARKER) or name.endswith(PENDING_SUFFIX):
@@ -368,13 +397,99 @@ class LocalDirectory:
                     continue  # only regular files are ours to delete
                 if not dry_run:
                     try:
-                        path.unlink()
+                        if spares < SPARES_MAX and DATA_FILE.match(name) and self._spare(path):
+                            spares += 1
+                        else:
+                            path.unlink()
                     except FileNotFoundError:
                         continue
                 removed.append(path)
             if not dry_run and not (snap.path / MANIFEST).exists():
                 with contextlib.suppress(OSError):
                     snap.path.rmdir()  # only if nothing is left in it
+
+    # -- spare data files (docs/format.md, "Spare data files") ---------------------------
+    def _spare_dir(self) -> Path | None:
+        """The spares' directory; None unless it is a directory (a symbolic link there
+        could lead out of the store: its files are neither taken nor deleted)."""
+        path = self.root / SPARE_DIR
+        return path if stat.S_ISDIR(_lstat_mode(path)) else None
+
+    def _spare(self, path: Path) -> bool:
+        """Move unreferenced data file ``path`` into the spares; False where that fails."""
+        try:
+            (self.root / SPARE_DIR).mkdir()
+        except FileExistsError:
+            pass
+        except OSError as e:
+            log.debug("not keeping %s as a spare: %s", path, e)
+            return False
+        spare_dir = self._spare_dir()
+        if spare_dir is None:
+            return False
+        try:
+            os.rename(path, spare_dir / f"{secrets.token_hex(6)}.bin")
+        except FileNotFoundError:
+            raise  # gone meanwhile: nothing to remove either
+        except OSError as e:
+            log.debug("not keeping %s as a spare: %s", path, e)
+            return False
+        return True
+
+    def give_back(self, path: Path) -> bool:
+        """Return a spare taken by ``take_spare`` and not used; False where it failed."""
+        try:
+            return self._spare(path)
+        except FileNotFoundError:
+            return False
+
+    def take_spare(self, dest: Path) -> int | None:
+        """Move the largest spare data file to ``dest`` (a new data file's path, in a
+        pending step); its size, or None when there is none (write a new file then).
+
+        A rename, so a spare goes to one writer only, and any time before it may still be
+        removed by a collection; a spare that is not a regular file is left alone."""
+        spare_dir = self._spare_dir()
+        if spare_dir is None:
+            return None
+        sizes: list[tuple[int, str]] = []
+        for name in _listdir(spare_dir):
+            try:
+                st = os.lstat(spare_dir / name)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                sizes.append((st.st_size, name))
+        for size, name in sorted(sizes, reverse=True):
+            try:
+                os.rename(spare_dir / name, dest)
+            except FileNotFoundError:
+                continue  # taken by another writer, or collected
+            except OSError as e:
+                log.debug("not reusing spare %s: %s", spare_dir / name, e)
+                return None
+            return size
+        return None
+
+    def _drop_spares(self, dry_run: bool) -> list[Path]:
+        spare_dir = self._spare_dir()
+        if spare_dir is None:
+            return []
+        removed = []
+        for name in _listdir(spare_dir):
+            path = spare_dir / name
+            if not stat.S_ISREG(_lstat_mode(path)):
+                continue  # only regular files are ours to delete
+            if not dry_run:
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    continue
+            removed.append(path)
+        if not dry_run:
+            with contextlib.suppress(OSError):
+                spare_dir.rmdir()  # only if nothing is left in it
+        return removed
 
     def delete(self, step: int) -> None:
         """Delete a committed snapshot: its manifest first (so it is never half-visible),

@@ -39,6 +39,15 @@ def o_direct() -> str:
     return value
 
 
+def recycle() -> bool:
+    """SNAPCORE_RECYCLE: ``on`` (data files that retention frees on local disk are kept as
+    spares and written over by the next saves), or ``off`` (deleted)."""
+    value = _get("SNAPCORE_RECYCLE", "on").lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"SNAPCORE_RECYCLE must be 'on' or 'off', not {value!r}")
+    return value == "on"
+
+
 def pipeline() -> str:
     """SNAPCORE_PIPELINE: whether the default mode's CPU staging is pipelined with hashing
     and writing: ``auto`` (when the copies leave a core to them: ``SNAPCORE_THREADS``

@@ -131,13 +131,16 @@ class LocalTier:
         """Uncommit a snapshot; its data goes when nothing references it (``collect``)."""
         self.store.uncommit(step)
 
-    def collect(self, *, dry_run: bool = False) -> list[str]:
+    def collect(self, *, dry_run: bool = False, recycle: bool = False) -> list[str]:
         """Delete data files no committed manifest references, and leftovers of dead writers.
 
         Content-addressed chunks make a file of an old snapshot live on while a newer
-        manifest points into it; files of live writers are never touched.
+        manifest points into it; files of live writers are never touched. ``recycle``
+        keeps the unreferenced data files as spares for the next saves to write over
+        (``LocalDirectory.take_spare``); without it the spares go too.
         """
-        return [str(p) for p in self.store.collect_leftovers(full=True, dry_run=dry_run)]
+        removed = self.store.collect_leftovers(full=True, dry_run=dry_run, recycle=recycle)
+        return [str(p) for p in removed]
 
 
 class HostTier(LocalTier):

@@ -241,10 +241,12 @@ NB_MODULE(_native, m) {
       m, "FileWriter",
       "Writes one file at explicit offsets, through O_DIRECT where the file system\n"
       "takes it. write_at and sync may run on several threads at once (disjoint ranges).")
-      .def(nb::init<std::string, bool>(), "path"_a, nb::kw_only(), "direct"_a = true,
-           release_gil(),
+      .def(nb::init<std::string, bool, bool>(), "path"_a, nb::kw_only(), "direct"_a = true,
+           "truncate"_a = true, release_gil(),
            "Creates or truncates `path` (0644). `direct` asks for O_DIRECT; where the\n"
-           "file system refuses it the writer is buffered and `direct` is False.")
+           "file system refuses it the writer is buffered and `direct` is False.\n"
+           "`truncate=False` keeps an existing file's bytes and blocks (a recycled file:\n"
+           "writes over its blocks need no allocation).")
       .def_prop_ro("direct", &snapcore::FileWriter::direct, "Whether O_DIRECT is in use.")
       .def_prop_ro("path", &snapcore::FileWriter::path)
       .def_prop_ro("bytes_written", &snapcore::FileWriter::bytes_written)

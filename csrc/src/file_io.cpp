@@ -71,8 +71,8 @@ struct Fd {
 
 }  // namespace
 
-FileWriter::FileWriter(std::string path, bool direct) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+FileWriter::FileWriter(std::string path, bool direct, bool truncate) : path_(std::move(path)) {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | (truncate ? O_TRUNC : 0) | O_CLOEXEC, 0644);
   SYSCALL_CHECK(fd_, "open for writing", path_);
   if (direct) {
     direct_fd_ = ::open(path_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);

@@ -526,7 +526,12 @@ class Engine:
             t.uncommit(step)
         if doomed:
             self.index.invalidate(tier, doomed)  # shared chunks may have gone with them
-            removed = t.collect()
+            # The local tier keeps freed data files for the next saves to write over
+            # (docs/format.md, "Spare data files"): no new blocks to allocate.
+            if tier == "local" and self.local is not None and settings.recycle():
+                removed = self.local.collect(recycle=True)
+            else:
+                removed = t.collect()
             log.info("%s tier: retention removed steps %s (%d files)", tier, doomed, len(removed))
 
     # -- internals ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from .. import _native, settings
+from .. import settings
 from ..directory import Pending
 from ..errors import SnapcoreError, SnapshotFailed
 from ..io_types import Aborted, Location, StagingAborted, Window, WindowItem
@@ -23,7 +23,7 @@ from ..staging.copy import settle_window
 from ..staging.handle import SaveHandle
 from .chunks import Staged, chunk_list, hash_chunks, hash_window
 from .commit import OutcomeUnknown, ShardedSave, part_ref, verdict_ok
-from .local import LocalWriter, commit_host
+from .local import LocalWriter, commit_host, data_writer, trim
 from .manifest_builder import BlobRecord, ChunkRecord, build_manifest, staged_manifest
 from .upload import Upload
 
@@ -361,9 +361,7 @@ class PersistJob:
         digests: list[list[str]] = [[""] * len(c) for c in chunks]
         partial: dict[tuple[int, int], Any] = {}
         name = self.pending.data_name(0)
-        writer = _native.FileWriter(
-            str(engine.local.root / name), direct=settings.o_direct() == "auto"
-        )
+        writer, spare = data_writer(self.pending, engine.local.root / name)
         h.stats.o_direct = writer.direct
         written = 0
         try:
@@ -374,6 +372,7 @@ class PersistJob:
                 hashed.result()
                 written = w.end
                 self.halves[w.half].set()
+            trim(engine.local.root / name, spare, written)
             writer.sync()
         finally:
             writer.close()

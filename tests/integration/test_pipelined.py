@@ -99,8 +99,8 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
         real_advance(self, upto)
 
     class Checked:
-        def __init__(self, path: str, *, direct: bool = True) -> None:
-            self._w = real_writer(path, direct=direct)
+        def __init__(self, path: str, *, direct: bool = True, truncate: bool = True) -> None:
+            self._w = real_writer(path, direct=direct, truncate=truncate)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._w, name)

@@ -218,7 +218,10 @@ def test_retention_keeps_shared_chunks_alive(tmp_path):
         assert torch.equal(out["frozen"], frozen) and out["x"][0] == step
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.bin"))
     referenced = {f.name for s in (4, 5) for f in LocalDirectory(tmp_path).read_manifest(s).files}
-    assert set(files) == referenced  # nothing else was kept
+    kept = {f for f in files if not f.startswith("spare/")}
+    assert kept == referenced  # nothing else was kept in the steps
+    # steps 2 and 3's files were freed: kept as spares, unless a later save wrote over one
+    assert 1 <= len(files) - len(kept) <= 2
 
 
 def test_identical_chunks_within_one_snapshot_are_stored_once(tmp_path):

@@ -480,8 +480,8 @@ def early_verdict(a: dict[str, Any]) -> dict[str, Any]:
     real = _native.FileWriter
 
     class Held:
-        def __init__(self, path: str, *, direct: bool = True) -> None:
-            self._w = real(path, direct=direct)
+        def __init__(self, path: str, *, direct: bool = True, truncate: bool = True) -> None:
+            self._w = real(path, direct=direct, truncate=truncate)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._w, name)

@@ -14,10 +14,11 @@ namespace snapcore {
 // threads at once (on disjoint ranges); close() waits for calls in progress.
 class FileWriter {
  public:
-  // Creates or truncates `path` (0644). With `direct`, a second descriptor is opened with
-  // O_DIRECT; where the file system refuses it (EINVAL: tmpfs, some FUSE), the writer
-  // stays buffered and direct() is false.
-  FileWriter(std::string path, bool direct);
+  // Creates or truncates `path` (0644); with `truncate` false an existing file keeps its
+  // bytes and blocks, so that writes over them need no new allocation (a recycled file).
+  // With `direct`, a second descriptor is opened with O_DIRECT; where the file system
+  // refuses it (EINVAL: tmpfs, some FUSE), the writer stays buffered and direct() is false.
+  FileWriter(std::string path, bool direct, bool truncate = true);
   ~FileWriter();
   FileWriter(const FileWriter&) = delete;
   FileWriter& operator=(const FileWriter&) = delete;
