@@ -448,7 +448,8 @@ class LocalDirectory:
         pending step); its size, or None when there is none (write a new file then).
 
         A rename, so a spare goes to one writer only, and any time before it may still be
-        removed by a collection; a spare that is not a regular file is left alone."""
+        removed by a collection. A spare that is not a regular file, or that has another
+        name besides (a hard link: its bytes are another file's too), is left alone."""
         spare_dir = self._spare_dir()
         if spare_dir is None:
             return None
@@ -458,7 +459,7 @@ class LocalDirectory:
                 st = os.lstat(spare_dir / name)
             except FileNotFoundError:
                 continue
-            if stat.S_ISREG(st.st_mode):
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
                 sizes.append((st.st_size, name))
         for size, name in sorted(sizes, reverse=True):
             try:

@@ -134,19 +134,22 @@ def test_a_spare_directory_that_is_a_link_is_never_followed(tmp_path):
     assert torch.equal(snapcore.load(root)["x"], torch.full((1000,), 3.0))
 
 
-def test_a_spare_that_is_not_a_regular_file_is_neither_taken_nor_deleted(tmp_path):
+def test_a_spare_that_is_not_a_plain_file_of_its_own_is_never_written_over(tmp_path):
     target = tmp_path / "elsewhere.bin"
     target.write_bytes(b"x" * 10000)  # larger than any real spare here: taken first if followed
     root = tmp_path / "store"
     (root / SPARE_DIR).mkdir(parents=True)
     (root / SPARE_DIR / "ffffffffffff.bin").symlink_to(target)
+    os.link(target, root / SPARE_DIR / "dddddddddddd.bin")  # the same bytes under two names
     os.mkfifo(root / SPARE_DIR / "eeeeeeeeeeee.bin")
     store = snapcore.Store(local=root, retention={"local": 1})
     for step in (1, 2, 3):
         _save({"x": torch.full((1000,), float(step))}, store, step)
     assert target.read_bytes() == b"x" * 10000
-    assert main(["gc", str(root)]) == 0
+    assert (root / SPARE_DIR / "dddddddddddd.bin").exists()  # not taken
+    assert main(["gc", str(root)]) == 0  # removes the link (a name), not the file's bytes
     assert sorted(os.listdir(root / SPARE_DIR)) == ["eeeeeeeeeeee.bin", "ffffffffffff.bin"]
+    assert target.read_bytes() == b"x" * 10000
     assert torch.equal(snapcore.load(root)["x"], torch.full((1000,), 3.0))
 
 
