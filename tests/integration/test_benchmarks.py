@@ -326,7 +326,9 @@ def test_bench_peer(tmp_path: Path) -> None:
     # and the device-wait loop (each step sleeps first, as one waiting on its GPU), alike
     wait = report["device_wait"]
     assert wait["device_ms"] == 4.0 and list(wait["lost_per_snapshot_s"]) == modes[1:]
-    assert all(wait["step_s"][m] > report["step_s"][m] for m in modes)  # the sleeps count
+    # the sleeps count: every step of that loop sleeps 4 ms first (not compared with the
+    # CPU-bound loop's steps, which a busy minute of the machine can make the slower)
+    assert all(wait["step_s"][m] >= wait["device_ms"] / 1000 for m in modes)
     assert all(len(t["device_wait"]["step_s"][m]) == 3 for t in report["trained"] for m in modes)
     assert "The device-wait loop (each step sleeps 4 ms first" in out
     assert "| target | measured |" in out
