@@ -106,6 +106,8 @@ class CheckpointerStats:
 @dataclass
 class _InFlight:
     handle: SaveHandle
+    number: int  # the Checkpointer's count of snapshots, this one's
+    since: float  # the Checkpointer's clock at its async_save
     seen: set[str] = field(default_factory=set)  # tiers whose outcome was recorded
     told: bool = False  # its failure reached the caller already
 
@@ -130,7 +132,8 @@ class Checkpointer:
     snapshot (SIGTERM, ``snapshot_now``) may take. ``handle_sigterm``: take a final
     snapshot on SIGTERM at the next ``step()``, then hand the signal on. ``overlap`` and
     ``budget_bytes`` are passed to ``async_save``. ``slowdown``: how much training slows
-    while a snapshot persists (not measured). ``replan_s``: the least time between two
+    while a snapshot persists, until measured (the step time while one persists over
+    the step time while none does). ``replan_s``: the least time between two
     plans. ``max_interval_s``: a hard upper bound on every tier's interval, from the
     first step on (default 1 h). ``journal``: keep the run journal (default: yes, on
     rank 0 only under torch.distributed). ``clock``: seconds, monotonic (tests inject a
@@ -572,8 +575,8 @@ class Checkpointer:
         measured, finished snapshots polled (a failure is raised, and what was due stays
         due at the next call), the run's heartbeat, a re-plan when it is time."""
         self._trained = True
+        failure = self._poll(now)  # first: the snapshots done since are not counted on
         self._meter.steps(step, now)
-        failure = self._poll()
         if failure is not None:
             self._next_check = -math.inf
             raise failure
@@ -711,7 +714,8 @@ class Checkpointer:
             self._sent[t] = step
             self._made[t] = step
         self._snapshots += 1
-        self._pending.append(_InFlight(h))
+        self._pending.append(_InFlight(h, number=self._snapshots, since=now))
+        self._meter.persisting(self._snapshots, now)
         log.debug("step %d: snapshot to %s (stall %.3fs)", step, ",".join(h.tiers), h.stats.stall_s)
         return h, earlier
 
@@ -725,9 +729,10 @@ class Checkpointer:
         sharder = self._engine().sharder
         return None if sharder is None else sharder.seq
 
-    def _poll(self) -> SnapshotFailed | None:
-        """Record snapshots that finished (without blocking): persist latency per tier, a
-        journal event per snapshot; return the first failure nobody was told of."""
+    def _poll(self, now: float | None = None) -> SnapshotFailed | None:
+        """Record snapshots that finished (without blocking): persist latency per tier,
+        when each persisted (until ``now`` at the latest: the clock), a journal event per
+        snapshot; return the first failure nobody was told of."""
         first: SnapshotFailed | None = None
         for rec in list(self._pending):
             h = rec.handle
@@ -745,6 +750,10 @@ class Checkpointer:
             if not h.done():
                 continue
             self._pending.remove(rec)
+            took = max(h.stats.tiers.values(), default=math.inf)  # seconds from the call
+            now = self._clock() if now is None else now
+            end = max(rec.since, min(now, rec.since + took))
+            self._meter.persisting(rec.number, rec.since, end)
             failures = self._drain(rec)
             ok = [t for t in h.tiers if t in h.stats.tiers]
             if ok:

@@ -1,9 +1,10 @@
 """What a snapshot costs on this machine: measured as the run goes, assumed until then.
 
 The Checkpointer feeds a ``CostMeter`` with what it sees (the clock at slow ``step()``
-calls, each snapshot's stall, each tier's persist time, each restore's time); the meter
-keeps an exponentially weighted mean of each (a few snapshots follow a change) and gives
-the ``Costs`` a plan is made with, the defaults standing in for what was not measured yet.
+calls, each snapshot's stall, when each snapshot persisted, each tier's persist time,
+each restore's time); the meter keeps an exponentially weighted mean of each (a few
+snapshots follow a change) and gives the ``Costs`` a plan is made with, the defaults
+standing in for what was not measured yet.
 Pure Python: no torch, no native extension, no other part of snapcore.
 """
 
@@ -33,6 +34,15 @@ DEFAULT_SLOWDOWN = 0.05
 
 EWMA_WEIGHT = 0.3  # weight of a new measurement: a few snapshots to follow a change
 
+# The slowdown is the step time while a snapshot persists over the step time while none
+# does, from the stretches between two slow step() calls that a snapshot covered almost
+# wholly (BUSY_FRACTION) or hardly at all (QUIET_FRACTION); stretches in between say
+# nothing clear and are left out. Measured once each side has SLOWDOWN_MIN_STEPS steps.
+BUSY_FRACTION = 0.9
+QUIET_FRACTION = 0.1
+SLOWDOWN_MIN_STEPS = 50
+MAX_SLOWDOWN = 0.9  # the cost model takes a slowdown below 1
+
 
 def restore_tier(tier: str) -> str:
     """The tier a restore's time is charged to, from ``RestoreInfo.tier`` (``"host"``,
@@ -50,28 +60,29 @@ def ewma(old: float | None, new: float, weight: float = EWMA_WEIGHT) -> float:
 @dataclass(frozen=True)
 class Costs:
     """The costs the plan is made with; ``measured`` names those that are not defaults
-    (``"step_s"``, ``"stall_s"``, ``"persist_s:<tier>"``, ``"restore_s:<tier>"``)."""
+    (``"step_s"``, ``"stall_s"``, ``"slowdown"``, ``"persist_s:<tier>"``,
+    ``"restore_s:<tier>"``)."""
 
     step_s: float | None  # None until two step() calls were seen
     stall_s: float
     persist_s: dict[str, float]  # from the end of the stall until durable, per tier
     restore_s: dict[str, float]  # reading the snapshot back, per tier (restart apart)
     restart_s: float  # requeue, process start, process-group init: not measurable here
-    slowdown: float
+    slowdown: float  # training's step time while a snapshot persists, over it without, - 1
     measured: frozenset[str] = frozenset()
 
 
 class CostMeter:
     """The measured costs of one run over ``tiers``; ``costs()`` fills in the defaults.
 
-    ``restart_s`` (requeue and process start) and ``slowdown`` (training while a snapshot
-    persists) are given, not measured.
+    ``restart_s`` (requeue and process start) is given, not measured; ``slowdown``
+    (training while a snapshot persists) stands in until it is measured.
     """
 
     def __init__(self, tiers: Sequence[str], *, restart_s: float, slowdown: float) -> None:
         self.tiers = tuple(tiers)
         self.restart_s = restart_s
-        self.slowdown = slowdown
+        self.default_slowdown = slowdown
         self.step_s: float | None = None  # None: not measured yet, the default is used
         self.stall_s: float | None = None
         self.persist_s: dict[str, float] = {}
@@ -79,6 +90,12 @@ class CostMeter:
         self._mark: float | None = None  # clock and step of the last steps() call
         self._mark_step = 0
         self._stall_since_mark = 0.0
+        # when snapshots persisted: key -> (start, end), end None while in flight
+        self._windows: dict[object, tuple[float, float | None]] = {}
+        self._busy_step_s: float | None = None  # step time while a snapshot persists
+        self._quiet_step_s: float | None = None  # ... while none does
+        self._busy_steps = 0
+        self._quiet_steps = 0
 
     def steps(self, step: int, now: float) -> None:
         """The clock ``now`` at training step ``step``: the step time is the time since the
@@ -87,10 +104,51 @@ class CostMeter:
         steps = step - self._mark_step
         if self._mark is not None and steps > 0:
             per_step = max(0.0, now - self._mark - self._stall_since_mark) / steps
-            self.step_s = ewma(self.step_s, per_step, weight=min(0.5, 0.05 * steps))
+            weight = min(0.5, 0.05 * steps)
+            self.step_s = ewma(self.step_s, per_step, weight=weight)
+            if now > self._mark:
+                covered = self._persisting(self._mark, now) / (now - self._mark)
+                if covered >= BUSY_FRACTION:
+                    self._busy_step_s = ewma(self._busy_step_s, per_step, weight=weight)
+                    self._busy_steps += steps
+                elif covered <= QUIET_FRACTION:
+                    self._quiet_step_s = ewma(self._quiet_step_s, per_step, weight=weight)
+                    self._quiet_steps += steps
         self._mark = now
         self._mark_step = step
         self._stall_since_mark = 0.0
+        self._windows = {
+            k: (start, end) for k, (start, end) in self._windows.items() if end is None or end > now
+        }
+
+    def persisting(self, key: object, start: float, end: float | None = None) -> None:
+        """Snapshot ``key`` persisted from ``start`` (the clock at its ``async_save``) to
+        ``end`` (when its last tier was done), or is still persisting (``end`` None)."""
+        self._windows[key] = (start, end)
+
+    def _persisting(self, lo: float, hi: float) -> float:
+        """The seconds of ``[lo, hi]`` during which a snapshot persisted."""
+        windows = self._windows.values()
+        spans = sorted((max(lo, s), hi if e is None else min(hi, e)) for s, e in windows)
+        covered, reach = 0.0, lo
+        for s, e in spans:
+            s = max(s, reach)
+            if e > s:
+                covered += e - s
+                reach = e
+        return covered
+
+    def slowdown(self) -> float | None:
+        """The measured slowdown, None until each side has ``SLOWDOWN_MIN_STEPS`` steps."""
+        busy, quiet = self._busy_step_s, self._quiet_step_s
+        if (
+            busy is None
+            or quiet is None
+            or quiet <= 0.0
+            or min(self._busy_steps, self._quiet_steps) < SLOWDOWN_MIN_STEPS
+        ):
+            return None
+        return min(MAX_SLOWDOWN, max(0.0, busy / quiet - 1.0))
 
     def stalled(self, seconds: float) -> None:
         """A snapshot blocked training for ``seconds``."""
@@ -111,6 +169,9 @@ class CostMeter:
             measured.add("step_s")
         if self.stall_s is not None:
             measured.add("stall_s")
+        slowdown = self.slowdown()
+        if slowdown is not None:
+            measured.add("slowdown")
         persist, restore = {}, {}
         for t in self.tiers:
             if t in self.persist_s:
@@ -130,7 +191,7 @@ class CostMeter:
             persist_s=persist,
             restore_s=restore,
             restart_s=self.restart_s,
-            slowdown=self.slowdown,
+            slowdown=self.default_slowdown if slowdown is None else slowdown,
             measured=frozenset(measured),
         )
 
@@ -143,6 +204,7 @@ __all__ = [
     "DEFAULT_SLOWDOWN",
     "DEFAULT_STALL_S",
     "EWMA_WEIGHT",
+    "MAX_SLOWDOWN",
     "PEER_TRANSFER_S",
     "CostMeter",
     "Costs",

@@ -113,6 +113,7 @@ def plan_inputs(costs: Costs, rate: RateInfo, tiers: Sequence[str]) -> tuple[flo
         *(costs.restore_s[t] for t in tiers),
         rate.conservative_per_hour,
         *(rate.rates_per_s[c] for c in sorted(rate.rates_per_s)),
+        costs.slowdown,
     )
 
 

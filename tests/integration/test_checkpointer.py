@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -20,6 +21,7 @@ import torch
 import snapcore
 from snapcore.errors import SnapshotFailed
 from snapcore.scheduling import journal as jn
+from snapcore.scheduling.policy import make_schedule
 from snapcore.tiers import TIER_ORDER
 from snapcore.write.engine import close_all
 
@@ -175,6 +177,48 @@ def test_step_measures_costs_and_replans(tmp_path, monkeypatch):
     assert p.intervals_s["local"] < first.intervals_s["local"]
     assert p.predicted_waste < first.predicted_waste
     assert ckpt.stats().replans >= 2
+
+
+
+def test_step_measures_the_slowdown_while_snapshots_persist(tmp_path, monkeypatch):
+    # Each snapshot persists for 30 s of the fake clock (its handle says done only then,
+    # and durable 30 s after the call); training's steps take 1.25 s meanwhile, 1 s
+    # otherwise. The Checkpointer measures a slowdown of 0.25 and plans with it.
+    clock = FakeClock()
+    windows: list[float] = []  # the clock at each snapshot's call
+    real = snapcore.api.async_save
+
+    def save(*args: Any, **kwargs: Any) -> Any:
+        h = real(*args, **kwargs)
+        h.wait()
+        since = clock.t
+        windows.append(since)
+        h.stats.stall_s = 0.0
+        h.stats.tiers = dict.fromkeys(h.stats.tiers, 30.0)
+        h.done = lambda tier=None: clock.t >= since + 30.0
+        return h
+
+    monkeypatch.setattr(snapcore.api, "async_save", save)
+    state = make_state()
+    ckpt = snapcore.Checkpointer(tmp_path, devices=16384, replan_s=5.0, clock=clock)
+    assert ckpt.plan().costs.slowdown == 0.05  # the given one, until measured
+    for step in range(3000):
+        persisting = bool(windows) and clock.t < windows[-1] + 30.0
+        clock.t += 1.25 if persisting else 1.0
+        ckpt.step(step, state)
+        if ckpt.stats().snapshots >= 6:
+            break
+    p = ckpt.plan()
+    clock.t += 30.0  # the last snapshot done: close() waits for it
+    ckpt.close()
+    assert len(windows) >= 6
+    assert "slowdown" in p.costs.measured
+    assert p.costs.slowdown == pytest.approx(0.25, abs=0.02)
+    assert p.costs.persist_s["local"] == pytest.approx(30.0)
+    # the same costs with the given slowdown: snapshots would come more often
+    given = dataclasses.replace(p.costs, slowdown=0.05, measured=p.costs.measured - {"slowdown"})
+    other = make_schedule(given, p.rate, ("local",), target=p.target, max_interval_s=3600.0)
+    assert p.intervals_s["local"] > other.intervals_s["local"]
 
 
 def test_several_tiers_share_one_staged_copy(tmp_path, host_name):

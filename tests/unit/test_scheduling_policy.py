@@ -101,6 +101,68 @@ def test_meter_step_time_leaves_out_the_stalls_of_snapshots():
     assert m.costs().step_s == pytest.approx(1.5)
 
 
+
+def _meter_run(busy_s: float, quiet_s: float, snapshots: int, meter: CostMeter | None = None):
+    """Ten-step stretches between slow calls: ``quiet_s`` a step, then a snapshot that
+    persists for two stretches at ``busy_s`` a step, ``snapshots`` times."""
+    m = meter or CostMeter(("local",), restart_s=0.0, slowdown=0.05)
+    t, step = 1000.0, 0
+    m.steps(step, t)
+    for k in range(snapshots):
+        for _ in range(3):
+            t, step = t + 10 * quiet_s, step + 10
+            m.steps(step, t)
+        m.persisting(k, t)
+        start = t
+        for _ in range(2):
+            t, step = t + 10 * busy_s, step + 10
+            m.steps(step, t)
+        m.persisting(k, start, t)
+    return m
+
+
+def test_meter_measures_the_slowdown_while_snapshots_persist():
+    m = _meter_run(busy_s=1.2, quiet_s=1.0, snapshots=2)  # 40 steps persisting: too few
+    c = m.costs()
+    assert c.slowdown == 0.05 and "slowdown" not in c.measured  # the given one, until then
+    m = _meter_run(busy_s=1.2, quiet_s=1.0, snapshots=3, meter=m)
+    c = m.costs()
+    assert "slowdown" in c.measured and c.slowdown == pytest.approx(0.2)
+    assert c.step_s is not None and 1.0 < c.step_s < 1.2  # the step time mixes both
+    # a training that a snapshot does not slow (or that ran faster meanwhile): 0
+    assert _meter_run(busy_s=0.9, quiet_s=1.0, snapshots=4).costs().slowdown == 0.0
+    # the model takes a slowdown below 1
+    assert _meter_run(busy_s=5.0, quiet_s=1.0, snapshots=4).costs().slowdown == cm.MAX_SLOWDOWN
+
+
+def test_meter_leaves_out_stretches_a_snapshot_covered_in_part():
+    m = CostMeter(("local",), restart_s=0.0, slowdown=0.05)
+    t, step = 0.0, 0
+    m.steps(step, t)
+    for k in range(20):
+        t, step = t + 10.0, step + 10  # quiet: 1 s a step
+        m.steps(step, t)
+        m.persisting(k, t + 5.0, t + 10.0)  # half of the next stretch: left out
+        t, step = t + 30.0, step + 10  # 3 s a step: would be a slowdown of 2
+        m.steps(step, t)
+    assert m.slowdown() is None and m.costs().slowdown == 0.05
+    # a snapshot still in flight covers the stretch up to the call
+    m.persisting("open", t)
+    for _ in range(6):
+        t, step = t + 12.0, step + 10
+        m.steps(step, t)
+    assert m.costs().slowdown == pytest.approx(0.2)
+
+
+def test_meter_counts_overlapping_snapshots_once():
+    m = CostMeter(("local",), restart_s=0.0, slowdown=0.0)
+    m.persisting("a", 0.0, 6.0)
+    m.persisting("b", 4.0, 9.0)  # overlaps a: 0-9 persisting, not 11 s
+    m.persisting("c", 20.0)  # still persisting
+    assert m._persisting(0.0, 10.0) == pytest.approx(9.0)
+    assert m._persisting(5.0, 25.0) == pytest.approx(4.0 + 5.0)
+
+
 # -- the rate --------------------------------------------------------------------------------
 def test_rate_info_adds_past_and_own_failures_and_exposure():
     r = rate_info(
