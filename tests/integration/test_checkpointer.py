@@ -179,7 +179,6 @@ def test_step_measures_costs_and_replans(tmp_path, monkeypatch):
     assert ckpt.stats().replans >= 2
 
 
-
 def test_step_measures_the_slowdown_while_snapshots_persist(tmp_path, monkeypatch):
     # Each snapshot persists for 30 s of the fake clock (its handle says done only then,
     # and durable 30 s after the call); training's steps take 1.25 s meanwhile, 1 s

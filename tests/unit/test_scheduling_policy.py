@@ -101,7 +101,6 @@ def test_meter_step_time_leaves_out_the_stalls_of_snapshots():
     assert m.costs().step_s == pytest.approx(1.5)
 
 
-
 def _meter_run(busy_s: float, quiet_s: float, snapshots: int, meter: CostMeter | None = None):
     """Ten-step stretches between slow calls: ``quiet_s`` a step, then a snapshot that
     persists for two stretches at ``busy_s`` a step, ``snapshots`` times."""
