@@ -217,7 +217,7 @@ def same_sums(a: dict[str, float], b: dict[str, float]) -> bool:
 
 # -- helpers on the ranks ---------------------------------------------------------------------
 def dir_bytes(root: Path) -> dict[str, int]:
-    """Every file under ``root`` with its size, but the spare data files (``spare/``):
+    """Every file under ``root`` with its size, but the spare data files (``SPARE_DIR``):
     files retention freed, moved there by a rename, not written (docs/format.md)."""
     from snapcore.directory import SPARE_DIR
 

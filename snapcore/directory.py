@@ -35,8 +35,11 @@ MANIFEST = "manifest.json"
 PENDING_SUFFIX = ".pending"
 COLLECT_MARKER = "collect.needed"
 # Data files retention freed, kept to be written over by the next saves (docs/format.md,
-# "Spare data files"): at most SPARES_MAX of them, in the store's SPARE_DIR.
-SPARE_DIR = "spare"
+# "Spare data files"): in the store's SPARE_DIR, named as SPARE_NAME says (snapcore
+# touches no other file there), at most as many as the newest snapshot has data files
+# and at most SPARES_MAX.
+SPARE_DIR = "snapcore-spare"
+SPARE_NAME = re.compile(r"^[0-9a-f]{12}\.bin$")
 SPARES_MAX = 16
 DATA_FILE = re.compile(r"^data-[0-9a-f]+-r\d+(?:-\d+)?\.bin$")
 
@@ -378,10 +381,10 @@ class LocalDirectory:
                 self.root,
             )
             full = False
-        spare_dir = self._spare_dir()
-        spares = SPARES_MAX
+        # spares: how many more freed files to keep (none unless recycling)
+        keep = 0
         if recycle and not dry_run:
-            spares = len(_listdir(spare_dir)) if spare_dir is not None else 0
+            keep = self._spares_wanted(snaps, listing) - len(self._spares())
         for snap in snaps:
             for name in listing[snap.path]:
                 if name in (MANIFEST, COLLECT_MARKER) or name.endswith(PENDING_SUFFIX):
@@ -397,8 +400,8 @@ class LocalDirectory:
                     continue  # only regular files are ours to delete
                 if not dry_run:
                     try:
-                        if spares < SPARES_MAX and DATA_FILE.match(name) and self._spare(path):
-                            spares += 1
+                        if keep > 0 and DATA_FILE.match(name) and self._spare(path):
+                            keep -= 1
                         else:
                             path.unlink()
                     except FileNotFoundError:
@@ -407,6 +410,11 @@ class LocalDirectory:
             if not dry_run and not (snap.path / MANIFEST).exists():
                 with contextlib.suppress(OSError):
                     snap.path.rmdir()  # only if nothing is left in it
+        if recycle and not dry_run and keep < 0:  # more than the next saves take
+            for _, path in sorted(self._spares())[:-keep]:  # the smallest go
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed.append(path)
 
     # -- spare data files (docs/format.md, "Spare data files") ---------------------------
     def _spare_dir(self) -> Path | None:
@@ -415,8 +423,41 @@ class LocalDirectory:
         path = self.root / SPARE_DIR
         return path if stat.S_ISDIR(_lstat_mode(path)) else None
 
+    def _spares_wanted(self, snaps: list[SnapshotInfo], listing: dict[Path, list[str]]) -> int:
+        """How many spares the next save may take: as many data files as the newest
+        committed snapshot has (every rank's, in a node's shared directory)."""
+        newest = max((s for s in snaps if s.committed), key=lambda s: s.step, default=None)
+        if newest is None:
+            return 0
+        return min(SPARES_MAX, sum(1 for n in listing.get(newest.path, ()) if DATA_FILE.match(n)))
+
+    def _spares(self) -> list[tuple[int, Path]]:
+        """The spares a save may take, with their sizes: files named as ``_spare`` names
+        them, regular, with no other name (a hard link's bytes are another file's too),
+        owned by this user and writable by it. Other entries are left alone."""
+        spare_dir = self._spare_dir()
+        if spare_dir is None:
+            return []
+        out = []
+        for name in _listdir(spare_dir):
+            if not SPARE_NAME.match(name):
+                continue
+            try:
+                st = os.lstat(spare_dir / name)
+            except FileNotFoundError:
+                continue
+            if _takeable(st):
+                out.append((st.st_size, spare_dir / name))
+        return out
+
     def _spare(self, path: Path) -> bool:
-        """Move unreferenced data file ``path`` into the spares; False where that fails."""
+        """Move unreferenced data file ``path`` into the spares; False where that fails
+        or where it is no use as one (another name links to it, another user owns it)."""
+        try:
+            if not _takeable(os.lstat(path)):
+                return False
+        except FileNotFoundError:
+            raise  # gone meanwhile: nothing to remove either
         try:
             (self.root / SPARE_DIR).mkdir()
         except FileExistsError:
@@ -430,6 +471,8 @@ class LocalDirectory:
         try:
             os.rename(path, spare_dir / f"{secrets.token_hex(6)}.bin")
         except FileNotFoundError:
+            if os.path.lexists(path):
+                return False  # the spares' directory went meanwhile (snapcore gc)
             raise  # gone meanwhile: nothing to remove either
         except OSError as e:
             log.debug("not keeping %s as a spare: %s", path, e)
@@ -443,34 +486,55 @@ class LocalDirectory:
         except FileNotFoundError:
             return False
 
-    def take_spare(self, dest: Path) -> int | None:
-        """Move the largest spare data file to ``dest`` (a new data file's path, in a
-        pending step); its size, or None when there is none (write a new file then).
+    def take_spare(self, dest: Path, size: int) -> int | None:
+        """Move a spare data file to ``dest`` (a new data file's path, in a pending step)
+        for a file of at most ``size`` bytes: the smallest spare that holds it, else the
+        largest. Returns its size, or None when there is none (write a new file then).
 
         A rename, so a spare goes to one writer only, and any time before it may still be
-        removed by a collection. A spare that is not a regular file, or that has another
-        name besides (a hard link: its bytes are another file's too), is left alone."""
-        spare_dir = self._spare_dir()
-        if spare_dir is None:
-            return None
-        sizes: list[tuple[int, str]] = []
-        for name in _listdir(spare_dir):
+        removed by a collection. What arrives at ``dest`` is checked to be the file that
+        was checked in the spares (else it is removed and the next one tried)."""
+        spares = self._spares()
+        fits = sorted(s for s in spares if s[0] >= size)
+        rest = sorted((s for s in spares if s[0] < size), reverse=True)
+        for _, path in fits + rest:
             try:
-                st = os.lstat(spare_dir / name)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                sizes.append((st.st_size, name))
-        for size, name in sorted(sizes, reverse=True):
-            try:
-                os.rename(spare_dir / name, dest)
+                before = os.lstat(path)
+                if not _takeable(before):
+                    continue
+                os.rename(path, dest)
             except FileNotFoundError:
                 continue  # taken by another writer, or collected
             except OSError as e:
-                log.debug("not reusing spare %s: %s", spare_dir / name, e)
+                log.debug("not reusing spare %s: %s", path, e)
                 return None
-            return size
+            try:
+                after = os.lstat(dest)
+            except FileNotFoundError:
+                continue
+            if (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino) and _takeable(after):
+                return after.st_size
+            with contextlib.suppress(FileNotFoundError):
+                dest.unlink()  # swapped after the check: not ours to write
         return None
+
+    def room_for(self, dest: Path, nbytes: int) -> None:
+        """A new data file at ``dest`` needs ``nbytes`` more: if the file system has less
+        room than that, the spares are deleted first (they are retention's freed files,
+        held only to be written over)."""
+        try:
+            st = os.statvfs(dest.parent)
+        except OSError:
+            return
+        if st.f_bavail * st.f_frsize < nbytes:
+            dropped = self._drop_spares(dry_run=False)
+            if dropped:
+                log.info(
+                    "%s: %d spare data file(s) deleted to make room for %d bytes",
+                    self.root,
+                    len(dropped),
+                    nbytes,
+                )
 
     def _drop_spares(self, dry_run: bool) -> list[Path]:
         spare_dir = self._spare_dir()
@@ -479,8 +543,8 @@ class LocalDirectory:
         removed = []
         for name in _listdir(spare_dir):
             path = spare_dir / name
-            if not stat.S_ISREG(_lstat_mode(path)):
-                continue  # only regular files are ours to delete
+            if not SPARE_NAME.match(name) or not stat.S_ISREG(_lstat_mode(path)):
+                continue  # only the files _spare made are ours to delete
             if not dry_run:
                 try:
                     path.unlink()
@@ -548,6 +612,17 @@ def _claim_if_dead(path: Path) -> int | None:
             return None
         raise
     return fd
+
+
+def _takeable(st: os.stat_result) -> bool:
+    """Whether a file may be a spare: regular, its only name, owned and writable by this
+    process's user."""
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_nlink == 1
+        and st.st_uid == os.geteuid()
+        and bool(st.st_mode & stat.S_IWUSR)
+    )
 
 
 def _lstat_mode(path: Path) -> int:

@@ -517,6 +517,8 @@ class Engine:
             if removed:
                 log.info("remote tier: removed %d leftover object(s)", len(removed))
         protected = self.uploading if tier == "local" else set()
+        # read before anything is dropped: a bad setting fails here, not half-way
+        recycle = tier == "local" and self.local is not None and settings.recycle()
         doomed = [
             s
             for s in self.config.retention_for(tier).doomed(t.committed_steps())
@@ -528,7 +530,8 @@ class Engine:
             self.index.invalidate(tier, doomed)  # shared chunks may have gone with them
             # The local tier keeps freed data files for the next saves to write over
             # (docs/format.md, "Spare data files"): no new blocks to allocate.
-            if tier == "local" and self.local is not None and settings.recycle():
+            if recycle:
+                assert self.local is not None
                 removed = self.local.collect(recycle=True)
             else:
                 removed = t.collect()

@@ -361,7 +361,7 @@ class PersistJob:
         digests: list[list[str]] = [[""] * len(c) for c in chunks]
         partial: dict[tuple[int, int], Any] = {}
         name = self.pending.data_name(0)
-        writer, spare = data_writer(self.pending, engine.local.root / name)
+        writer, spare = data_writer(self.pending, engine.local.root / name, layout.total)
         h.stats.o_direct = writer.direct
         written = 0
         try:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import snapcore
-from snapcore.directory import LocalDirectory
+from snapcore.directory import SPARE_DIR, LocalDirectory
 from snapcore.tiers import HostTier, Retention
 from snapcore.write.engine import close_all, engine_for
 
@@ -218,7 +218,7 @@ def test_retention_keeps_shared_chunks_alive(tmp_path):
         assert torch.equal(out["frozen"], frozen) and out["x"][0] == step
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.bin"))
     referenced = {f.name for s in (4, 5) for f in LocalDirectory(tmp_path).read_manifest(s).files}
-    kept = {f for f in files if not f.startswith("spare/")}
+    kept = {f for f in files if not f.startswith(f"{SPARE_DIR}/")}
     assert kept == referenced  # nothing else was kept in the steps
     # steps 2 and 3's files were freed: kept as spares, unless a later save wrote over one
     assert 1 <= len(files) - len(kept) <= 2

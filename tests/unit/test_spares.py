@@ -12,7 +12,7 @@ import torch
 import snapcore
 from snapcore import directory, settings
 from snapcore.cli.main import main
-from snapcore.directory import SPARE_DIR, LocalDirectory, step_dir_name
+from snapcore.directory import SPARE_DIR, SPARE_NAME, LocalDirectory, step_dir_name
 from snapcore.tiers import LocalTier
 
 
@@ -21,7 +21,7 @@ def _data_files(root: Path, step: int) -> list[Path]:
 
 
 def _spares(root: Path) -> list[Path]:
-    return sorted((root / SPARE_DIR).glob("*.bin"))
+    return sorted(p for p in (root / SPARE_DIR).glob("*.bin") if SPARE_NAME.match(p.name))
 
 
 def _save(state: dict[str, torch.Tensor], store: snapcore.Store, step: int) -> None:
@@ -104,18 +104,127 @@ def test_with_recycling_off_freed_files_are_deleted(tmp_path):
         settings.recycle()
 
 
-def test_at_most_spares_max_are_kept(tmp_path, monkeypatch):
-    monkeypatch.setattr(directory, "SPARES_MAX", 2)
+def _make_spares(d: LocalDirectory, sizes: list[int]) -> list[int]:
+    """Spares of ``sizes`` bytes, made as retention makes them; their inodes."""
+    inodes = []
+    for i, size in enumerate(sizes):
+        f = d.root / f"freed-{i}"
+        f.write_bytes(b"\x01" * size)
+        inodes.append(f.stat().st_ino)
+        assert d._spare(f)
+    return inodes
+
+
+def test_spares_are_as_many_as_the_newest_snapshot_has_data_files(tmp_path, monkeypatch):
     store = snapcore.Store(local=tmp_path, retention={"local": 0})  # keeps every step
     for step in range(1, 6):
         _save({"x": torch.full((1000,), float(step))}, store, step)
     d = LocalDirectory(tmp_path)
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4):  # retention lowered: four steps' files freed at once
         d.uncommit(step)
     freed = d.collect_leftovers(full=True, recycle=True)
     assert len(freed) == 4 and not any(p.exists() for p in freed)  # out of the steps
-    assert len(_spares(tmp_path)) == 2  # the other two were deleted
+    assert len(_spares(tmp_path)) == 1  # what the next save takes: step 5 has one file
     assert [p.parent.name for p in tmp_path.rglob("data-*.bin")] == [step_dir_name(5)]
+    # spares beyond that (left by an earlier collection) go, the smallest first
+    kept = _make_spares(d, [5000, 100, 3000])
+    _save({"x": torch.full((1000,), 6.0)}, store, 6)  # takes one
+    d.uncommit(5)
+    d.collect_leftovers(full=True, recycle=True)
+    assert [p.stat().st_ino for p in _spares(tmp_path)] == [kept[0]]  # the largest
+    monkeypatch.setattr(directory, "SPARES_MAX", 0)
+    d.uncommit(6)
+    _save({"x": torch.full((1000,), 7.0)}, store, 7)
+    d.collect_leftovers(full=True, recycle=True)
+    assert _spares(tmp_path) == []
+    assert torch.equal(snapcore.load(tmp_path)["x"], torch.full((1000,), 7.0))
+
+
+def test_the_smallest_spare_that_holds_the_file_is_taken(tmp_path):
+    d = LocalDirectory(tmp_path)
+    small, fits, large = _make_spares(d, [10_000, 300_000, 4 << 20])
+    state = {"x": torch.randn(50_000)}  # 200 kB
+    stats = snapcore.save(state, snapcore.Store(local=tmp_path), step=1)
+    (written,) = _data_files(tmp_path, 1)
+    assert written.stat().st_ino == fits and written.stat().st_size == stats.file_bytes
+    assert sorted(p.stat().st_ino for p in _spares(tmp_path)) == sorted([small, large])
+    stats = snapcore.save({"x": torch.randn(2 << 20)}, snapcore.Store(local=tmp_path), step=2)
+    (written,) = _data_files(tmp_path, 2)
+    assert written.stat().st_ino == large  # none holds 8 MB: the largest, which grows
+    assert torch.equal(snapcore.load(tmp_path, step=1)["x"], state["x"])
+
+
+def test_spares_go_when_the_disk_has_no_room_for_a_new_file(tmp_path, monkeypatch):
+    d = LocalDirectory(tmp_path)
+    _make_spares(d, [1000, 2000, 3000])
+    snapcore.save({"x": torch.randn(100_000)}, snapcore.Store(local=tmp_path), step=1)
+    assert len(_spares(tmp_path)) == 2  # one taken; room for the rest of the file
+    real = os.statvfs
+
+    def full(path):  # what statvfs says of a disk with 4 kB free
+        st = real(path)
+        return os.statvfs_result((*st[:4], 1, *st[5:]))  # f_bavail = 1 block
+
+    monkeypatch.setattr(directory.os, "statvfs", full)
+    state = {"x": torch.randn(100_000)}
+    snapcore.save(state, snapcore.Store(local=tmp_path), step=2)  # takes one: too small
+    assert _spares(tmp_path) == [] and not (tmp_path / SPARE_DIR).exists()
+    assert torch.equal(snapcore.load(tmp_path, step=2)["x"], state["x"])
+
+
+def test_files_in_the_spare_directory_that_snapcore_did_not_make_are_left_alone(tmp_path):
+    (tmp_path / SPARE_DIR).mkdir()
+    notes = tmp_path / SPARE_DIR / "notes.txt"
+    notes.write_bytes(b"n" * 100_000)  # the largest file there: taken first if it were a spare
+    other = tmp_path / SPARE_DIR / "0123456789abcdef.bin"  # not the names spares have
+    other.write_bytes(b"o" * 100_000)
+    store = snapcore.Store(local=tmp_path, retention={"local": 1})
+    for step in (1, 2, 3):
+        _save({"x": torch.full((1000,), float(step))}, store, step)
+    assert len(_spares(tmp_path)) == 1  # step 2's file
+    assert main(["gc", str(tmp_path)]) == 0
+    assert sorted(os.listdir(tmp_path / SPARE_DIR)) == ["0123456789abcdef.bin", "notes.txt"]
+    assert notes.read_bytes() == b"n" * 100_000 and other.read_bytes() == b"o" * 100_000
+
+
+def test_a_spare_this_user_may_not_write_is_not_taken(tmp_path):
+    d = LocalDirectory(tmp_path)
+    (inode,) = _make_spares(d, [100_000])
+    (spare,) = _spares(tmp_path)
+    spare.chmod(0o444)  # another user's file, say: renaming it would fail the save
+    snapcore.save({"x": torch.ones(1000)}, snapcore.Store(local=tmp_path), step=1)
+    (written,) = _data_files(tmp_path, 1)
+    assert written.stat().st_ino != inode and spare.exists()
+
+
+def test_a_freed_file_with_another_name_is_deleted_not_kept(tmp_path):
+    store = snapcore.Store(local=tmp_path, retention={"local": 1})
+    _save({"x": torch.full((1000,), 1.0)}, store, 1)
+    (first,) = _data_files(tmp_path, 1)
+    backup = tmp_path.parent / f"{tmp_path.name}-backup.bin"
+    os.link(first, backup)  # a hard-link backup (cp -al) of the step
+    _save({"x": torch.full((1000,), 2.0)}, store, 2)
+    assert _spares(tmp_path) == [] and not first.exists()  # its name went, not its bytes
+    assert backup.stat().st_nlink == 1 and backup.stat().st_size > 0
+
+
+def test_with_recycling_off_no_spare_is_taken(tmp_path):
+    d = LocalDirectory(tmp_path)
+    (inode,) = _make_spares(d, [100_000])
+    with settings.override(SNAPCORE_RECYCLE="off"):
+        snapcore.save({"x": torch.ones(1000)}, snapcore.Store(local=tmp_path), step=1)
+    (written,) = _data_files(tmp_path, 1)
+    assert written.stat().st_ino != inode and len(_spares(tmp_path)) == 1
+
+
+def test_a_bad_recycle_setting_fails_the_save_before_retention_drops_anything(tmp_path):
+    store = snapcore.Store(local=tmp_path, retention={"local": 1})
+    _save({"x": torch.full((1000,), 1.0)}, store, 1)
+    bad = settings.override(SNAPCORE_RECYCLE="maybe")
+    with bad, pytest.raises(snapcore.SnapshotFailed, match="SNAPCORE_RECYCLE must be"):
+        _save({"x": torch.full((1000,), 2.0)}, store, 2)
+    assert LocalDirectory(tmp_path).committed_steps() == [1]
+    assert torch.equal(snapcore.load(tmp_path)["x"], torch.full((1000,), 1.0))
 
 
 def test_a_spare_directory_that_is_a_link_is_never_followed(tmp_path):
