@@ -124,7 +124,10 @@ class CostMeter:
     def persisting(self, key: object, start: float, end: float | None = None) -> None:
         """Snapshot ``key`` persisted from ``start`` (the clock at its ``async_save``) to
         ``end`` (when its last tier was done), or is still persisting (``end`` None)."""
-        self._windows[key] = (start, end)
+        if end is not None and (self._mark is None or end <= self._mark):
+            self._windows.pop(key, None)  # over before the stretch being measured
+        else:
+            self._windows[key] = (start, end)
 
     def _persisting(self, lo: float, hi: float) -> float:
         """The seconds of ``[lo, hi]`` during which a snapshot persisted."""

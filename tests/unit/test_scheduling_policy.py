@@ -155,11 +155,24 @@ def test_meter_leaves_out_stretches_a_snapshot_covered_in_part():
 
 def test_meter_counts_overlapping_snapshots_once():
     m = CostMeter(("local",), restart_s=0.0, slowdown=0.0)
+    m.steps(0, 0.0)  # the first call marks
     m.persisting("a", 0.0, 6.0)
     m.persisting("b", 4.0, 9.0)  # overlaps a: 0-9 persisting, not 11 s
     m.persisting("c", 20.0)  # still persisting
     assert m._persisting(0.0, 10.0) == pytest.approx(9.0)
     assert m._persisting(5.0, 25.0) == pytest.approx(4.0 + 5.0)
+    # nothing is kept of a snapshot over before the stretch being measured (a rank that
+    # measures no steps keeps nothing at all)
+    m.steps(0, 30.0)
+    m.persisting("c", 20.0, 25.0)
+    assert set(m._windows) == set()
+    m.persisting("d", 28.0, 31.0)
+    assert set(m._windows) == {"d"}
+    idle = CostMeter(("local",), restart_s=0.0, slowdown=0.0)
+    for k in range(100):
+        idle.persisting(k, float(k))
+        idle.persisting(k, float(k), k + 0.5)
+    assert idle._windows == {}
 
 
 # -- the rate --------------------------------------------------------------------------------
