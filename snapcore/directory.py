@@ -382,9 +382,9 @@ class LocalDirectory:
             )
             full = False
         # spares: how many more freed files to keep (none unless recycling)
-        keep = 0
-        if recycle and not dry_run:
-            keep = self._spares_wanted(snaps, listing) - len(self._spares())
+        recycle = recycle and not dry_run
+        wanted = self._spares_wanted(snaps, listing) if recycle else 0
+        keep = wanted - len(self._spares()) if recycle else 0
         for snap in snaps:
             for name in listing[snap.path]:
                 if name in (MANIFEST, COLLECT_MARKER) or name.endswith(PENDING_SUFFIX):
@@ -410,11 +410,11 @@ class LocalDirectory:
             if not dry_run and not (snap.path / MANIFEST).exists():
                 with contextlib.suppress(OSError):
                     snap.path.rmdir()  # only if nothing is left in it
-        if recycle and not dry_run and keep < 0:  # more than the next saves take
-            for _, path in sorted(self._spares())[:-keep]:  # the smallest go
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                    removed.append(path)
+        spares = sorted(self._spares()) if recycle else []
+        for _, path in spares[: max(0, len(spares) - wanted)]:  # beyond what saves take
+            with contextlib.suppress(FileNotFoundError):  # (the smallest go)
+                path.unlink()
+                removed.append(path)
 
     # -- spare data files (docs/format.md, "Spare data files") ---------------------------
     def _spare_dir(self) -> Path | None:
