@@ -383,8 +383,10 @@ class LocalDirectory:
             full = False
         # spares: how many more freed files to keep (none unless recycling)
         recycle = recycle and not dry_run
-        wanted = self._spares_wanted(snaps, listing) if recycle else 0
-        keep = wanted - len(self._spares()) if recycle else 0
+        wanted, largest = self._spares_wanted(snaps, listing) if recycle else (0, 0)
+        # (spares too large for the next save do not count: they are deleted below)
+        fit = sum(1 for size, _ in self._spares() if size <= largest) if recycle else 0
+        keep = wanted - fit
         for snap in snaps:
             for name in listing[snap.path]:
                 if name in (MANIFEST, COLLECT_MARKER) or name.endswith(PENDING_SUFFIX):
@@ -410,9 +412,10 @@ class LocalDirectory:
             if not dry_run and not (snap.path / MANIFEST).exists():
                 with contextlib.suppress(OSError):
                     snap.path.rmdir()  # only if nothing is left in it
-        spares = sorted(self._spares()) if recycle else []
-        for _, path in spares[: max(0, len(spares) - wanted)]:  # beyond what saves take
-            with contextlib.suppress(FileNotFoundError):  # (the smallest go)
+        # beyond what the next save takes: those too large for it, then the smallest
+        spares = sorted(self._spares(), key=lambda s: (s[0] <= largest, s[0])) if recycle else []
+        for _, path in spares[: max(0, len(spares) - wanted)]:
+            with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(path)
 
@@ -423,13 +426,21 @@ class LocalDirectory:
         path = self.root / SPARE_DIR
         return path if stat.S_ISDIR(_lstat_mode(path)) else None
 
-    def _spares_wanted(self, snaps: list[SnapshotInfo], listing: dict[Path, list[str]]) -> int:
-        """How many spares the next save may take: as many data files as the newest
-        committed snapshot has (every rank's, in a node's shared directory)."""
+    def _spares_wanted(
+        self, snaps: list[SnapshotInfo], listing: dict[Path, list[str]]
+    ) -> tuple[int, int]:
+        """How many spares the next save may take, and the largest it would take: as many
+        data files as the newest committed snapshot has (every rank's, in a node's shared
+        directory), the size ``take_spare`` accepts for the largest of them."""
         newest = max((s for s in snaps if s.committed), key=lambda s: s.step, default=None)
         if newest is None:
-            return 0
-        return min(SPARES_MAX, sum(1 for n in listing.get(newest.path, ()) if DATA_FILE.match(n)))
+            return 0, 0
+        sizes = []
+        for name in listing.get(newest.path, ()):
+            if DATA_FILE.match(name):
+                with contextlib.suppress(OSError):
+                    sizes.append(os.lstat(newest.path / name).st_size)
+        return min(SPARES_MAX, len(sizes)), _largest_spare_for(max(sizes, default=0))
 
     def _spares(self) -> list[tuple[int, Path]]:
         """The spares a save may take, with their sizes: files named as ``_spare`` names
@@ -494,9 +505,9 @@ class LocalDirectory:
         A rename, so a spare goes to one writer only, and any time before it may still be
         removed by a collection. What arrives at ``dest`` is checked to be the file that
         was checked in the spares (else it is removed and the next one tried)."""
-        spares = self._spares()
-        fits = sorted(s for s in spares if s[0] >= size)
-        rest = sorted((s for s in spares if s[0] < size), reverse=True)
+        spares = [sp for sp in self._spares() if sp[0] <= _largest_spare_for(size)]
+        fits = sorted(sp for sp in spares if sp[0] >= size)
+        rest = sorted((sp for sp in spares if sp[0] < size), reverse=True)
         for _, path in fits + rest:
             try:
                 before = os.lstat(path)
@@ -514,8 +525,14 @@ class LocalDirectory:
                 continue
             if (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino) and _takeable(after):
                 return after.st_size
-            with contextlib.suppress(FileNotFoundError):
-                dest.unlink()  # swapped after the check: not ours to write
+            # swapped after the check: not ours to write; back where it was
+            try:
+                os.rename(dest, path)
+            except OSError as e:
+                raise StorageError(
+                    f"{path} was replaced while it was taken as a spare data file, and "
+                    f"what came in its place could not be moved back from {dest}: {e}"
+                ) from e
         return None
 
     def room_for(self, dest: Path, nbytes: int) -> None:
@@ -526,15 +543,22 @@ class LocalDirectory:
             st = os.statvfs(dest.parent)
         except OSError:
             return
-        if st.f_bavail * st.f_frsize < nbytes:
-            dropped = self._drop_spares(dry_run=False)
-            if dropped:
-                log.info(
-                    "%s: %d spare data file(s) deleted to make room for %d bytes",
-                    self.root,
-                    len(dropped),
-                    nbytes,
-                )
+        if st.f_bavail * st.f_frsize >= nbytes:
+            return
+        dropped = 0
+        for _, path in self._spares():  # this user's: another's are not in its way
+            try:
+                path.unlink()
+                dropped += 1
+            except OSError as e:  # never the save's failure: the write may still fit
+                log.debug("not deleting spare %s: %s", path, e)
+        if dropped:
+            log.info(
+                "%s: %d spare data file(s) deleted to make room for %d bytes",
+                self.root,
+                dropped,
+                nbytes,
+            )
 
     def _drop_spares(self, dry_run: bool) -> list[Path]:
         spare_dir = self._spare_dir()
@@ -612,6 +636,12 @@ def _claim_if_dead(path: Path) -> int | None:
             return None
         raise
     return fd
+
+
+def _largest_spare_for(size: int) -> int:
+    """The largest spare worth taking for a file of ``size`` bytes: cutting a spare back
+    to the bytes written is on the path to durable, and costs what it frees."""
+    return 2 * size + (1 << 20)
 
 
 def _takeable(st: os.stat_result) -> bool:

@@ -168,8 +168,56 @@ def test_spares_go_when_the_disk_has_no_room_for_a_new_file(tmp_path, monkeypatc
     monkeypatch.setattr(directory.os, "statvfs", full)
     state = {"x": torch.randn(100_000)}
     snapcore.save(state, snapcore.Store(local=tmp_path), step=2)  # takes one: too small
-    assert _spares(tmp_path) == [] and not (tmp_path / SPARE_DIR).exists()
+    assert _spares(tmp_path) == []
     assert torch.equal(snapcore.load(tmp_path, step=2)["x"], state["x"])
+
+
+def test_the_free_space_check_deletes_only_this_users_spares(tmp_path, monkeypatch):
+    d = LocalDirectory(tmp_path)
+    _make_spares(d, [1000, 2000])
+    (other,) = _make_spares(d, [3000])
+    (theirs,) = [p for p in _spares(tmp_path) if p.stat().st_ino == other]
+    theirs.chmod(0o444)  # another user's (or read-only): not this save's to delete
+    real = os.statvfs
+    monkeypatch.setattr(
+        directory.os, "statvfs", lambda p: os.statvfs_result((*real(p)[:4], 1, *real(p)[5:]))
+    )
+    state = {"x": torch.randn(100_000)}
+    snapcore.save(state, snapcore.Store(local=tmp_path), step=1)
+    assert _spares(tmp_path) == [theirs]
+    assert torch.equal(snapcore.load(tmp_path)["x"], state["x"])
+
+
+def test_a_spare_much_larger_than_the_save_is_not_taken_and_goes_first(tmp_path):
+    d = LocalDirectory(tmp_path)
+    (large,) = _make_spares(d, [8 << 20])
+    store = snapcore.Store(local=tmp_path, retention={"local": 1})
+    _save({"x": torch.randn(1000)}, store, 1)  # 4 kB: cutting 8 MB back costs more
+    (written,) = _data_files(tmp_path, 1)
+    assert written.stat().st_ino != large
+    _save({"x": torch.randn(1000)}, store, 2)  # step 1's file freed: a spare that fits
+    assert [p.stat().st_size < 1 << 20 for p in _spares(tmp_path)] == [True]  # 8 MB went
+
+
+def test_a_spare_swapped_for_a_directory_is_put_back_and_a_new_file_written(tmp_path, monkeypatch):
+    d = LocalDirectory(tmp_path)
+    _make_spares(d, [100_000])
+    (spare,) = _spares(tmp_path)
+    real = os.rename
+
+    def swap(src, dst):  # another process replaces the spare between check and rename
+        if Path(src) == spare and not Path(src).is_dir():
+            Path(src).unlink()
+            Path(src).mkdir()
+        return real(src, dst)
+
+    monkeypatch.setattr(directory.os, "rename", swap)
+    state = {"x": torch.randn(10_000)}
+    snapcore.save(state, snapcore.Store(local=tmp_path), step=1)
+    assert spare.is_dir()  # back where it was
+    (written,) = _data_files(tmp_path, 1)
+    assert written.is_file()
+    assert torch.equal(snapcore.load(tmp_path)["x"], state["x"])
 
 
 def test_files_in_the_spare_directory_that_snapcore_did_not_make_are_left_alone(tmp_path):
