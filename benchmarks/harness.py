@@ -548,6 +548,14 @@ SCENARIOS: list[Scenario] = [
         markdown=True,
         in_quick=False,
     ),
+    Scenario(
+        "slowdown",
+        "bench_slowdown.py",
+        "the slowdown of training the Checkpointer measures while snapshots persist, "
+        "against the training loop's own",
+        markdown=True,
+        in_quick=False,
+    ),
 ]
 
 
@@ -887,6 +895,7 @@ TABLES: dict[str, tuple[str, Callable[[Result], str]]] = {
     "peer-report": ("peer", table_script_report),
     "training-report": ("training", table_script_report),
     "plan-report": ("plan", table_script_report),
+    "slowdown-report": ("slowdown", table_script_report),
     "manifest-report": ("manifest", table_manifest),
 }
 

@@ -716,6 +716,8 @@ class Checkpointer:
         self._snapshots += 1
         self._pending.append(_InFlight(h, number=self._snapshots, since=now))
         self._meter.persisting(self._snapshots, now)
+        # look at it soon: under torch.distributed this save is not made at a slow call
+        self._next_check = min(self._next_check, now + POLL_S)
         log.debug("step %d: snapshot to %s (stall %.3fs)", step, ",".join(h.tiers), h.stats.stall_s)
         return h, earlier
 

@@ -10,7 +10,9 @@ Pure Python: no torch, no native extension, no other part of snapcore.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # The peer tier sends a node's host snapshot to a partner node over the job's network
@@ -37,11 +39,28 @@ EWMA_WEIGHT = 0.3  # weight of a new measurement: a few snapshots to follow a ch
 # The slowdown is the step time while a snapshot persists over the step time while none
 # does, from the stretches between two slow step() calls that a snapshot covered almost
 # wholly (BUSY_FRACTION) or hardly at all (QUIET_FRACTION); stretches in between say
-# nothing clear and are left out. Measured once each side has SLOWDOWN_MIN_STEPS steps.
+# nothing clear and are left out. Each side's step time is the mean over the steps of
+# its last SLOWDOWN_STRETCHES stretches, less the stretches slower than OUTLIER times
+# their median (one-off work: the run's first snapshot, which makes the job's groups;
+# a pause); measured once each side has SLOWDOWN_MIN_STEPS steps there.
 BUSY_FRACTION = 0.9
 QUIET_FRACTION = 0.1
+SLOWDOWN_STRETCHES = 64
 SLOWDOWN_MIN_STEPS = 50
+OUTLIER = 4.0
 MAX_SLOWDOWN = 0.9  # the cost model takes a slowdown below 1
+
+
+def _step_time(stretches: Iterable[tuple[float, int]]) -> float | None:
+    """The mean step time over ``stretches`` ((seconds, steps) each), less those slower
+    than ``OUTLIER`` times their median; None below ``SLOWDOWN_MIN_STEPS`` steps."""
+    kept = list(stretches)
+    if not kept:
+        return None
+    median = statistics.median(t / n for t, n in kept)
+    kept = [(t, n) for t, n in kept if t / n <= OUTLIER * median]
+    steps = sum(n for _, n in kept)
+    return None if steps < SLOWDOWN_MIN_STEPS else sum(t for t, _ in kept) / steps
 
 
 def restore_tier(tier: str) -> str:
@@ -92,10 +111,9 @@ class CostMeter:
         self._stall_since_mark = 0.0
         # when snapshots persisted: key -> (start, end), end None while in flight
         self._windows: dict[object, tuple[float, float | None]] = {}
-        self._busy_step_s: float | None = None  # step time while a snapshot persists
-        self._quiet_step_s: float | None = None  # ... while none does
-        self._busy_steps = 0
-        self._quiet_steps = 0
+        # (seconds, steps) of the last stretches while a snapshot persisted, and while none
+        self._busy: deque[tuple[float, int]] = deque(maxlen=SLOWDOWN_STRETCHES)
+        self._quiet: deque[tuple[float, int]] = deque(maxlen=SLOWDOWN_STRETCHES)
 
     def steps(self, step: int, now: float) -> None:
         """The clock ``now`` at training step ``step``: the step time is the time since the
@@ -104,16 +122,13 @@ class CostMeter:
         steps = step - self._mark_step
         if self._mark is not None and steps > 0:
             per_step = max(0.0, now - self._mark - self._stall_since_mark) / steps
-            weight = min(0.5, 0.05 * steps)
-            self.step_s = ewma(self.step_s, per_step, weight=weight)
+            self.step_s = ewma(self.step_s, per_step, weight=min(0.5, 0.05 * steps))
             if now > self._mark:
                 covered = self._persisting(self._mark, now) / (now - self._mark)
                 if covered >= BUSY_FRACTION:
-                    self._busy_step_s = ewma(self._busy_step_s, per_step, weight=weight)
-                    self._busy_steps += steps
+                    self._busy.append((per_step * steps, steps))
                 elif covered <= QUIET_FRACTION:
-                    self._quiet_step_s = ewma(self._quiet_step_s, per_step, weight=weight)
-                    self._quiet_steps += steps
+                    self._quiet.append((per_step * steps, steps))
         self._mark = now
         self._mark_step = step
         self._stall_since_mark = 0.0
@@ -143,13 +158,8 @@ class CostMeter:
 
     def slowdown(self) -> float | None:
         """The measured slowdown, None until each side has ``SLOWDOWN_MIN_STEPS`` steps."""
-        busy, quiet = self._busy_step_s, self._quiet_step_s
-        if (
-            busy is None
-            or quiet is None
-            or quiet <= 0.0
-            or min(self._busy_steps, self._quiet_steps) < SLOWDOWN_MIN_STEPS
-        ):
+        busy, quiet = _step_time(self._busy), _step_time(self._quiet)
+        if busy is None or quiet is None or quiet <= 0.0:
             return None
         return min(MAX_SLOWDOWN, max(0.0, busy / quiet - 1.0))
 
@@ -208,6 +218,7 @@ __all__ = [
     "DEFAULT_STALL_S",
     "EWMA_WEIGHT",
     "MAX_SLOWDOWN",
+    "OUTLIER",
     "PEER_TRANSFER_S",
     "CostMeter",
     "Costs",

@@ -390,3 +390,19 @@ def test_bench_distributed_goes_on_without_its_disk_probe(
     probe = tmp_path / "disk-probe.bin"
     assert len(errors) == 1 and "No space left" in errors[0] and str(probe) in errors[0]
     assert not probe.exists()
+
+
+def test_bench_slowdown(tmp_path: Path) -> None:
+    raw = tmp_path / "raw.json"
+    out = run("bench_slowdown.py", "--dir", tmp_path, "--json", raw, timeout=180)
+    report = json.loads(raw.read_text())
+    stores = report["stores"]
+    assert list(stores) == ["host", "host+peer", "host+peer paced"]
+    for kind, r in stores.items():
+        assert r["steps"] > 100 and r["snapshots"] >= 2 and r["quiet_steps"] > 0
+        assert set(r["per_tier"]) == ({"host"} if kind == "host" else {"host", "peer"})
+        assert r["slowdown"] is None or 0.0 <= r["slowdown"] <= 0.9
+        assert all(v > 0 for v in r["persist_s"].values())
+    # each store judged, or said not measured (a smoke run's snapshots are short)
+    assert [t["status"] in ("PASS", "FAIL", "N/A") for t in report["targets"]] == [True] * 3
+    assert "| host+peer paced |" in out

@@ -153,6 +153,27 @@ def test_meter_leaves_out_stretches_a_snapshot_covered_in_part():
     assert m.costs().slowdown == pytest.approx(0.2)
 
 
+def test_meter_leaves_out_one_off_slow_stretches():
+    # the run's first snapshot makes the job's groups: a stretch of one 1.5 s step, while
+    # it persists; then ten-step stretches of 12 ms while snapshots persist, 10 ms not
+    m = CostMeter(("host", "peer"), restart_s=0.0, slowdown=0.05)
+    t, step = 0.0, 0
+    m.steps(step, t)
+    for k in range(8):
+        m.persisting(k, t)
+        if k == 0:
+            t, step = t + 1.5, step + 1
+            m.steps(step, t)
+        for _ in range(2):
+            t, step = t + 0.12, step + 10
+            m.steps(step, t)
+        m.persisting(k, t - 0.24, t)
+        for _ in range(2):
+            t, step = t + 0.10, step + 10
+            m.steps(step, t)
+    assert m.costs().slowdown == pytest.approx(0.2)
+
+
 def test_meter_counts_overlapping_snapshots_once():
     m = CostMeter(("local",), restart_s=0.0, slowdown=0.0)
     m.steps(0, 0.0)  # the first call marks
