@@ -44,14 +44,13 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from common import cpu_model, free_port, targets_table, work_dir, write_figures
+from common import cpu_model, free_port, run_two_nodes, targets_table, work_dir, write_figures
 
 TENSORS = 8  # the state: this many rank-local tensors per rank
 TARGET = 0.8  # fetch rate >= TARGET x the loopback TCP probe's
@@ -340,57 +339,21 @@ def rank_main(args: argparse.Namespace) -> None:
 def run_job(
     role: str, args: argparse.Namespace, work: Path, areas: list[str], prepare: bool = False
 ) -> list[Any]:
-    port, probe_port = free_port(), free_port()
-    while probe_port + 1 == port:  # the second probe uses the next port
-        probe_port = free_port()
-    procs = []
+    probe_port = free_port()
     tag = "-prepared" if prepare else ""
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": "2",
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-            "BENCH_AREA": areas[rank],
-            "BENCH_PREPARE": "1" if prepare else "0",
-        }
-        cmd = [
-            sys.executable,
-            __file__,
-            "--role",
-            role,
-            "--size-mb",
-            str(args.size_mb),
-            "--probe-port",
-            str(probe_port),
-            "--train-mb",
-            str(args.train_mb),
-            "--train-steps",
-            str(args.train_steps),
-            "--every",
-            str(args.every),
-            "--pace-mbps",
-            str(args.pace_mbps),
-            "--train-rounds",
-            str(args.train_rounds),
-            "--modes",
-            args.modes,
-            "--out",
-            str(work / f"{role}{rank}{tag}.json"),
-        ]
-        log = open(work / f"{role}{rank}{tag}.log", "wb")  # noqa: SIM115 (the child keeps it)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + args.timeout_s
-    for p in procs:
-        p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    for rank, p in enumerate(procs):
-        if p.returncode != 0:
-            tail = (work / f"{role}{rank}{tag}.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{role}: rank {rank} exited {p.returncode}:\n{tail}")
+    cmd = [sys.executable, __file__, "--role", role, "--size-mb", str(args.size_mb)]
+    cmd += ["--probe-port", str(probe_port), "--train-mb", str(args.train_mb)]
+    cmd += ["--train-steps", str(args.train_steps), "--every", str(args.every)]
+    cmd += ["--pace-mbps", str(args.pace_mbps), "--train-rounds", str(args.train_rounds)]
+    cmd += ["--modes", args.modes]
+    run_two_nodes(
+        lambda rank: [*cmd, "--out", str(work / f"{role}{rank}{tag}.json")],
+        lambda rank: {"BENCH_AREA": areas[rank], "BENCH_PREPARE": "1" if prepare else "0"},
+        lambda rank: work / f"{role}{rank}{tag}.log",
+        args.timeout_s,
+        avoid=(probe_port, probe_port + 1),  # the probes' ports
+        what=role,
+    )
     return [json.loads((work / f"{role}{r}{tag}.json").read_text()) for r in range(2)]
 
 

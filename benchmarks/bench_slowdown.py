@@ -24,14 +24,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from common import cpu_model, free_port, work_dir, write_figures
+from common import cpu_model, run_two_nodes, work_dir, write_figures
 
 # the stores, and their areas' suffixes; paced: the peer tier at --pace-mbps
 STORES = {"host": "h", "host+peer": "p", "host+peer paced": "q"}
@@ -110,40 +109,16 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def run_job(args: argparse.Namespace, work: Path, areas: list[str]) -> dict[str, Any]:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "1",
-            "GROUP_RANK": str(rank),  # a node each
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-            "BENCH_AREA": areas[rank],
-        }
-        cmd = [sys.executable, __file__, "--role", "rank", "--out", str(work / "out.json")]
-        cmd += ["--size-mb", str(args.size_mb), "--seconds", str(args.seconds)]
-        cmd += ["--every", str(args.every), "--device-ms", str(args.device_ms)]
-        cmd += ["--pace-mbps", str(args.pace_mbps)]
-        log = open(work / f"rank{rank}.log", "wb")  # noqa: SIM115 (the child keeps it)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + args.timeout_s
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, p in enumerate(procs):
-        if p.returncode != 0:
-            tail = (work / f"rank{rank}.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"rank {rank} exited {p.returncode}:\n{tail}")
+    cmd = [sys.executable, __file__, "--role", "rank", "--out", str(work / "out.json")]
+    cmd += ["--size-mb", str(args.size_mb), "--seconds", str(args.seconds)]
+    cmd += ["--every", str(args.every), "--device-ms", str(args.device_ms)]
+    cmd += ["--pace-mbps", str(args.pace_mbps)]
+    run_two_nodes(
+        lambda rank: cmd,
+        lambda rank: {"BENCH_AREA": areas[rank]},
+        lambda rank: work / f"rank{rank}.log",
+        args.timeout_s,
+    )
     return dict(json.loads((work / "out.json").read_text()))
 
 

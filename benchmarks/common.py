@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -185,6 +186,52 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def run_two_nodes(
+    argv: Callable[[int], list[str]],
+    env: Callable[[int], dict[str, str]],
+    logs: Callable[[int], Path],
+    timeout_s: float,
+    avoid: Sequence[int] = (),
+    what: str = "job",
+) -> None:
+    """Run a job of 2 nodes x 1 rank on 127.0.0.1: rank ``r`` runs ``argv(r)`` with the
+    environment torchrun gives its workers plus ``env(r)``, its output in ``logs(r)``,
+    the job's port not one of ``avoid``. Waits for both (at most ``timeout_s``, then
+    kills them); raises with ``what`` and the log's tail of a rank that failed."""
+    port = free_port()
+    while port in avoid:
+        port = free_port()
+    procs = []
+    for rank in range(2):
+        full = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(rank),  # a node each
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            **env(rank),
+        }
+        log = open(logs(rank), "wb")  # noqa: SIM115 (the child keeps it)
+        procs.append(subprocess.Popen(argv(rank), env=full, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, p in enumerate(procs):
+        if p.returncode != 0:
+            tail = logs(rank).read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{what}: rank {rank} exited {p.returncode}:\n{tail}")
 
 
 # -- the machine and the figures --------------------------------------------------------------
