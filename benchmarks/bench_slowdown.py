@@ -6,15 +6,23 @@ Each rank runs the device-wait loop of benchmarks/bench_peer.py (each step sleep
 matmul and an all_reduce) for ``--seconds``, with a ``Checkpointer`` over a store of
 its own that snapshots ``--size-mb`` MiB per rank at least every ``--every`` seconds
 (``max_interval_s``), with a host tier, a host and a peer tier, and the same with the
-peer tier paced to ``--pace-mbps`` (``PeerSpec.max_bytes_per_s``: a longer transfer
-that slows training less while it runs, docs/peer.md). Rank
+peer tier paced to each rate of ``--pace-mbps`` (``PeerSpec.max_bytes_per_s``, and
+``piece_bytes`` where given: a longer transfer that slows training less while it runs,
+docs/peer.md). Rank
 0 reports the Checkpointer's measured slowdown (``stats().costs.slowdown``) and the
 loop's own: the mean step time of the steps that ended with a snapshot in flight over
 that of the others, less one (the same definition, measured by the loop itself). The
 step time excludes the ``step()`` call, where a snapshot's stall is.
 
+With ``--device cuda`` (a GPU machine: benchmarks/gpu_check.sh runs it) the state
+lives on the GPU and each step runs about ``--device-ms`` of bf16 matrix products there
+and waits for them instead of sleeping; both ranks share GPU 0. That is the case the
+peer tier is built for: the training thread waits on its GPU and the transfer's CPU
+work has cores of its own.
+
     python benchmarks/bench_slowdown.py              # 512 MiB per rank, 60 s per store
     python benchmarks/bench_slowdown.py --smoke      # 8 MiB, 6 s: does it run?
+    python benchmarks/bench_slowdown.py --device cuda --seconds 30   # on a GPU
 """
 
 from __future__ import annotations
@@ -32,8 +40,27 @@ from typing import Any
 
 from common import cpu_model, run_two_nodes, work_dir, write_figures
 
-# the stores, and their areas' suffixes; paced: the peer tier at --pace-mbps
-STORES = {"host": "h", "host+peer": "p", "host+peer paced": "q"}
+
+def stores(pace: str) -> dict[str, tuple[str, dict[str, Any] | None]]:
+    """The stores a run trains with, by name: their areas' suffixes and their PeerSpec's
+    arguments (None: no peer tier). ``pace``: the paced stores, ``MBPS[:PIECE_KIB]`` each,
+    comma-separated; one without a piece size is "host+peer paced", as in the docs."""
+    out: dict[str, tuple[str, dict[str, Any] | None]] = {"host": ("h", None)}
+    out["host+peer"] = ("p", {})
+    items = [x.strip() for x in pace.split(",") if x.strip()]
+    for i, item in enumerate(items):
+        rate, _, piece = item.partition(":")
+        spec: dict[str, Any] = {"max_bytes_per_s": float(rate) * 1e6}
+        name = "host+peer paced"
+        if len(items) > 1 or piece:
+            name += f" {float(rate):g} MB/s"
+        if piece:
+            spec["piece_bytes"] = int(float(piece) * 1024)
+            name += f", {float(piece):g} KiB pieces"
+        out[name] = (f"q{i}", spec)
+    return out
+
+
 # The Checkpointer's figure is judged against the loop's: within this much, absolute,
 # or this fraction of the loop's (whichever is larger); the Checkpointer caps at 0.9.
 TOLERANCE_ABS = 0.05
@@ -52,13 +79,12 @@ def rank_main(args: argparse.Namespace) -> None:
     a, b = torch.rand(384, 384), torch.rand(384, 384)
     g = torch.Generator().manual_seed(rank)
     per = int(args.size_mb * (1 << 20)) // 16  # four float32 tensors
-    state = {f"t{i}": torch.rand(per, generator=g) for i in range(4)}
+    state = {f"t{i}": torch.rand(per, generator=g).to(args.device) for i in range(4)}
+    device_wait = waiter(args.device, args.device_ms / 1000)
     out: dict[str, Any] = {}
-    for kind in STORES:
-        area = f"{os.environ['BENCH_AREA']}-{STORES[kind]}"
-        peer: Any = kind != "host"
-        if kind.endswith("paced"):
-            peer = snapcore.PeerSpec(max_bytes_per_s=args.pace_mbps * 1e6)
+    for kind, (suffix, spec) in stores(args.pace_mbps).items():
+        area = f"{os.environ['BENCH_AREA']}-{suffix}"
+        peer = None if spec is None else snapcore.PeerSpec(**spec)
         store = snapcore.Store(host=area, peer=peer)
         ckpt = snapcore.Checkpointer(
             store,
@@ -74,7 +100,7 @@ def rank_main(args: argparse.Namespace) -> None:
         while True:
             stop = torch.tensor([1.0 if time.monotonic() > end else 0.0])
             t0 = time.perf_counter()
-            time.sleep(args.device_ms / 1000)
+            device_wait()
             c = a @ b
             t = c[:1, :1].clone()
             dist.all_reduce(t)
@@ -108,11 +134,37 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def waiter(device: str, seconds: float) -> Any:
+    """What a step does before its matmul: sleep ``seconds`` (cpu), or run about that
+    long of bf16 matrix products on the GPU and wait for them (cuda; how many, measured
+    here once, while the other rank does the same on the same GPU)."""
+    import torch
+
+    if device == "cpu":
+        return lambda: time.sleep(seconds)
+    x = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        x @ x
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        x @ x
+    torch.cuda.synchronize()
+    reps = max(1, round(seconds / ((time.perf_counter() - t0) / 50)))
+
+    def wait() -> None:
+        for _ in range(reps):
+            x @ x
+        torch.cuda.synchronize()
+
+    return wait
+
+
 def run_job(args: argparse.Namespace, work: Path, areas: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--role", "rank", "--out", str(work / "out.json")]
     cmd += ["--size-mb", str(args.size_mb), "--seconds", str(args.seconds)]
     cmd += ["--every", str(args.every), "--device-ms", str(args.device_ms)]
-    cmd += ["--pace-mbps", str(args.pace_mbps)]
+    cmd += ["--pace-mbps", str(args.pace_mbps), "--device", args.device]
     run_two_nodes(
         lambda rank: cmd,
         lambda rank: {"BENCH_AREA": areas[rank]},
@@ -147,13 +199,33 @@ def judge(kind: str, r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def lost_per_snapshot(r: dict[str, Any]) -> float | None:
+    """The training time one snapshot cost the loop: the steps in flight's excess over
+    the others' mean step, over the snapshots."""
+    if not r["busy_step_s"] or not r["quiet_step_s"] or not r["snapshots"]:
+        return None
+    return float((r["busy_step_s"] - r["quiet_step_s"]) * r["busy_steps"] / r["snapshots"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-mb", type=float, default=512.0, help="state per rank (512 MiB)")
     p.add_argument("--seconds", type=float, default=60.0, help="training per store (60)")
     p.add_argument("--every", type=float, default=4.0, help="a snapshot at least every (4 s)")
     p.add_argument("--device-ms", type=float, default=4.0, help="sleep per step, ms (4)")
-    p.add_argument("--pace-mbps", type=float, default=200.0, help="the paced store's MB/s")
+    p.add_argument(
+        "--pace-mbps",
+        default="200",
+        help="the paced stores: MBPS[:PIECE_KIB], comma-separated (200: one store at 200 MB/s "
+        "in pieces of PeerSpec's default size)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: each step sleeps --device-ms (default); cuda: the state on GPU 0, each "
+        "step about --device-ms of matrix products there, waited for",
+    )
     p.add_argument("--smoke", action="store_true", help="8 MiB per rank, 6 s: does it run?")
     p.add_argument("--json")
     p.add_argument("--markdown")
@@ -167,36 +239,57 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.smoke:
         args.size_mb, args.seconds, args.every = 8.0, 6.0, 1.0
+    try:
+        stores(args.pace_mbps)
+    except ValueError as e:
+        p.error(f"--pace-mbps {args.pace_mbps!r}: {e}")
+    gpu = ""
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench_slowdown --device cuda needs one: CUDA is not available", file=sys.stderr)
+            return 2
+        gpu = torch.cuda.get_device_name(0)
     areas = [f"bench-slow-{uuid.uuid4().hex[:8]}-n{n}" for n in range(2)]
     try:
         with work_dir(args.dir) as work:
             res = run_job(args, work, areas)
     finally:
         for a in areas:
-            for x in STORES.values():
+            for x, _ in stores(args.pace_mbps).values():
                 shutil.rmtree(Path("/dev/shm") / f"snapcore-{a}-{x}", ignore_errors=True)
-    targets = [judge(kind, res[kind]) for kind in STORES]
+    kinds = list(stores(args.pace_mbps))
+    targets = [judge(kind, res[kind]) for kind in kinds]
+    wait = f"{args.device_ms:g} ms asleep"
+    on = ""
+    if gpu:
+        wait = f"about {args.device_ms:g} ms of bf16 matrix products on the GPU, waited for"
+        on = f", the state on {gpu} (both ranks on GPU 0)"
     lines = [
         f"# bench_slowdown: {args.size_mb:g} MiB per rank, 2 nodes x 1 rank on 127.0.0.1",
         "",
-        f"The device-wait loop ({args.device_ms:g} ms asleep, a 384x384 matmul and an "
-        f"all_reduce per step) for {args.seconds:g} s per store, a Checkpointer snapshotting "
-        f"at least every {args.every:g} s; machine: {os.cpu_count()} cores ({cpu_model()}).",
+        f"The device-wait loop ({wait}, a 384x384 matmul and an all_reduce per step) for "
+        f"{args.seconds:g} s per store, a Checkpointer snapshotting at least every "
+        f"{args.every:g} s; machine: {os.cpu_count()} cores ({cpu_model()}){on}.",
         "",
         "| store | steps | snapshots | persist (s) | steps in flight / not | ms per step "
-        "in flight / not | the loop's slowdown | the Checkpointer's |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "in flight / not | the loop's slowdown | the Checkpointer's | training lost per "
+        "snapshot (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for kind in STORES:
+    for kind in kinds:
         r = res[kind]
         busy, quiet = r["busy_step_s"], r["quiet_step_s"]
         loop = f"{busy / quiet - 1:.3f}" if busy and quiet else "-"
         mine = "not measured" if r["slowdown"] is None else f"{r['slowdown']:.3f}"
         persist = ", ".join(f"{t} {v:.2f}" for t, v in r["persist_s"].items())
         ms = f"{busy * 1e3:.2f} / {quiet * 1e3:.2f}" if busy and quiet else "-"
+        lost = lost_per_snapshot(r)
         lines.append(
             f"| {kind} | {r['steps']} | {r['snapshots']} | {persist} | "
-            f"{r['busy_steps']} / {r['quiet_steps']} | {ms} | {loop} | {mine} |"
+            f"{r['busy_steps']} / {r['quiet_steps']} | {ms} | {loop} | {mine} | "
+            f"{'-' if lost is None else f'{lost:.3f}'} |"
         )
     lines += ["", "| target | apart | allowed | result |", "| --- | --- | --- | --- |"]
     for t in targets:
@@ -212,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": args.seconds,
         "every_s": args.every,
         "device_ms": args.device_ms,
+        "device": args.device,
+        "gpu": gpu or None,
         "stores": res,
         "targets": targets,
     }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 12's GPU checks in one command, sized for one call of a 15-minute device lease
 # (under 10 minutes): build the native extension there, the GPU tests, the ABI check,
-# bench_gpu (4 and 16 GB) and the training scenario on the GPU. From a checkout, with the
+# bench_gpu (4 and 16 GB), the training scenario on the GPU, and (issue 13) bench_slowdown
+# with the training loop on the GPU, when 100 s are left. From a checkout, with the
 # device tool (docs/benchmarks.md, "On a GPU"):
 #
 #   make gpu-wheels      # once per checkout: zstandard for the GPU image's Python, in .whl/
@@ -11,13 +12,15 @@
 # Results in $OUT (the device tool brings back 8 files at most): summary.txt (versions,
 # build, ABI check, each step's exit status and time), pytest-gpu.txt, gpu.json and
 # gpu.png, training.json and training.png (the harness's documents: copy the JSON into
-# docs/figures/ and run `python -m benchmarks docs docs/figures`). Each step has its share
-# of the time and the script goes on after a failed step.
+# docs/figures/ and run `python -m benchmarks docs docs/figures`), and slowdown.json
+# (docs/figures/slowdown-gpu.json: the CPU run keeps slowdown.json). Each step has its
+# share of the time and the script goes on after a failed step.
 set -uo pipefail
 OUT=${OUT:-${1:-/tmp/gpu-check}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 end=$((SECONDS + ${GPU_CHECK_BUDGET_S:-560}))
+SLOWDOWN_S=${SLOWDOWN_S:-140} # kept for the last step (bench_slowdown on the GPU)
 summary="$OUT/summary.txt"
 say() { echo "$*" | tee -a "$summary"; }
 # at most $1 seconds, and never past the end of the budget (10 s kept for the summary)
@@ -56,7 +59,17 @@ timeout "$(limit 150)" python3 -m benchmarks run gpu --out "$OUT" >>"$summary" 2
 say "benchmarks run gpu: exit $? in $((SECONDS - t)) s"
 
 t=$SECONDS
-timeout "$(limit 600)" python3 -m benchmarks run training --out "$OUT" \
-    --opts "training=--rounds 2 --steps 40 --quiet-wait 0" >>"$summary" 2>&1
+timeout "$(limit $((end - SECONDS - SLOWDOWN_S)))" python3 -m benchmarks run training \
+    --out "$OUT" --opts "training=--rounds 2 --steps 40 --quiet-wait 0" >>"$summary" 2>&1
 say "benchmarks run training: exit $? in $((SECONDS - t)) s"
+
+# issue 13: does sending to a partner slow a training loop that waits on its GPU?
+t=$SECONDS
+if ((end - SECONDS > 100)); then
+    timeout "$(limit 200)" python3 -m benchmarks run slowdown --out "$OUT" \
+        --opts "slowdown=--device cuda --seconds 30" >>"$summary" 2>&1
+    say "benchmarks run slowdown: exit $? in $((SECONDS - t)) s"
+else
+    say "benchmarks run slowdown: not run, $((end - SECONDS)) s left"
+fi
 ls -la "$OUT" >>"$summary"

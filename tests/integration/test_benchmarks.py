@@ -406,3 +406,17 @@ def test_bench_slowdown(tmp_path: Path) -> None:
     # each store judged, or said not measured (a smoke run's snapshots are short)
     assert [t["status"] in ("PASS", "FAIL", "N/A") for t in report["targets"]] == [True] * 3
     assert "| host+peer paced |" in out
+    assert report["device"] == "cpu" and report["gpu"] is None and "ms asleep" in out
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA"
+)
+def test_bench_slowdown_on_the_gpu_refuses_to_run_without_one(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_slowdown.py"), "--device", "cuda",
+         "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "needs one" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []  # refused before any job started
