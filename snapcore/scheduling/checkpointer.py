@@ -84,6 +84,11 @@ StoreLike = Store | str | os.PathLike[str]
 DEFAULT_CHECKPOINTER_MAX_INTERVAL_S = 3600.0
 
 POLL_S = 0.5  # how often snapshots in flight are looked at (lazily, from step())
+# ... or a quarter of the time they are expected to persist, if shorter (not under
+# MIN_POLL_S): the stretches between two looks are what the slowdown is measured over
+# (CostMeter), and a snapshot that persists for one or two of them would be seen only
+# in its first, the one that holds the host copy's work
+MIN_POLL_S = 0.05
 HEARTBEAT_S = 300.0  # an "alive" journal event after MIN_RUN_S, then at least this often
 
 
@@ -648,7 +653,7 @@ class Checkpointer:
         if self._journal is not None:
             nxt = min(nxt, self._next_alive)
         if self._pending:
-            nxt = min(nxt, now + POLL_S)
+            nxt = min(nxt, now + self._poll_s())
         if math.isfinite(self.replan_s):
             nxt = min(nxt, now + max(self.replan_s, POLL_S))
         if nxt <= now:  # due but busy: look again soon
@@ -717,9 +722,18 @@ class Checkpointer:
         self._pending.append(_InFlight(h, number=self._snapshots, since=now))
         self._meter.persisting(self._snapshots, now)
         # look at it soon: under torch.distributed this save is not made at a slow call
-        self._next_check = min(self._next_check, now + POLL_S)
+        self._next_check = min(self._next_check, now + self._poll_s())
         log.debug("step %d: snapshot to %s (stall %.3fs)", step, ",".join(h.tiers), h.stats.stall_s)
         return h, earlier
+
+    def _poll_s(self) -> float:
+        """How soon to look at the snapshots in flight again: ``POLL_S``, or a quarter of
+        the longest persist time measured of their tiers if shorter (``MIN_POLL_S`` at
+        least; a tier not measured yet counts as long)."""
+        persist = self._meter.persist_s
+        tiers = {t for r in self._pending for t in r.handle.tiers if t not in r.seen}
+        expected = max((persist.get(t, math.inf) for t in tiers), default=math.inf)
+        return max(MIN_POLL_S, min(POLL_S, expected / 4))
 
     def _engine(self) -> Any:
         from ..write.engine import engine_for

@@ -220,6 +220,56 @@ def test_step_measures_the_slowdown_while_snapshots_persist(tmp_path, monkeypatc
     assert p.intervals_s["local"] > other.intervals_s["local"]
 
 
+def test_a_short_persist_is_measured_over_all_of_it(tmp_path, monkeypatch):
+    # Each snapshot persists for 0.8 s: training's steps take 30 ms in its first 0.1 s
+    # (the host copy's work), 12 ms in the rest, 10 ms when none persists. Over the steps
+    # in flight that is a slowdown of 0.32. Looking every POLL_S (0.5 s), the Checkpointer
+    # would measure only the first stretch of each (the second is 60% covered): 0.40.
+    # Once the persist time is measured it looks every 0.2 s, and measures all of it.
+    clock = FakeClock()
+    windows: list[float] = []
+    real = snapcore.api.async_save
+
+    def save(*args: Any, **kwargs: Any) -> Any:
+        h = real(*args, **kwargs)
+        h.wait()
+        since = clock.t
+        windows.append(since)
+        h.stats.stall_s = 0.0
+        h.stats.tiers = dict.fromkeys(h.stats.tiers, 0.8)
+        h.done = lambda tier=None: clock.t >= since + 0.8
+        return h
+
+    monkeypatch.setattr(snapcore.api, "async_save", save)
+    state = make_state()
+    ckpt = snapcore.Checkpointer(
+        tmp_path, devices=16384, max_interval_s=2.0, replan_s=5.0, clock=clock
+    )
+    looks: list[float] = []  # how long after a snapshot's call its first look came
+    tick = ckpt._tick
+
+    def spy(*args: Any) -> Any:
+        if windows and len(looks) < len(windows):
+            looks.append(clock.t - windows[-1])
+        return tick(*args)
+
+    monkeypatch.setattr(ckpt, "_tick", spy)
+    for step in range(20000):
+        age = clock.t - windows[-1] if windows else math.inf
+        clock.t += 0.03 if age < 0.1 else 0.012 if age < 0.8 else 0.01
+        ckpt.step(step, state)
+        if ckpt.stats().snapshots >= 20:
+            break
+    costs = ckpt.stats().costs
+    clock.t += 1.0
+    ckpt.close()
+    assert looks[0] == pytest.approx(0.5, abs=0.03)  # the persist time not known yet
+    assert looks[-1] == pytest.approx(0.2, abs=0.03)  # a quarter of the measured 0.8 s
+    assert "slowdown" in costs.measured
+    # the loop's own: 4 steps of 30 ms and 57 of 12 ms in each 0.8 s persist, 0.32
+    assert costs.slowdown == pytest.approx(0.32, abs=0.015)
+
+
 def test_several_tiers_share_one_staged_copy(tmp_path, host_name):
     clock = FakeClock()
     state = make_state()
