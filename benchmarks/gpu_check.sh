@@ -13,8 +13,8 @@
 # build, ABI check, each step's exit status and time), pytest-gpu.txt, gpu.json and
 # gpu.png, training.json and training.png (the harness's documents: copy the JSON into
 # docs/figures/ and run `python -m benchmarks docs docs/figures`), and slowdown.json
-# (docs/figures/slowdown-gpu.json: the CPU run keeps slowdown.json). Each step has its
-# share of the time and the script goes on after a failed step.
+# (as docs/figures/gpu/slowdown.json: docs/figures/slowdown.json is the CPU run). Each
+# step has its share of the time and the script goes on after a failed step.
 set -uo pipefail
 OUT=${OUT:-${1:-/tmp/gpu-check}}
 mkdir -p "$OUT"
