@@ -179,12 +179,11 @@ def test_step_measures_costs_and_replans(tmp_path, monkeypatch):
     assert ckpt.stats().replans >= 2
 
 
-def test_step_measures_the_slowdown_while_snapshots_persist(tmp_path, monkeypatch):
-    # Each snapshot persists for 30 s of the fake clock (its handle says done only then,
-    # and durable 30 s after the call); training's steps take 1.25 s meanwhile, 1 s
-    # otherwise. The Checkpointer measures a slowdown of 0.25 and plans with it.
-    clock = FakeClock()
-    windows: list[float] = []  # the clock at each snapshot's call
+def _persisting_for(seconds: float, clock: FakeClock, monkeypatch: Any) -> list[float]:
+    """Make every snapshot persist for ``seconds`` of the fake clock (its handle says done
+    only then, and durable ``seconds`` after the call, with no stall); returns the list
+    the clock at each snapshot's call goes into."""
+    windows: list[float] = []
     real = snapcore.api.async_save
 
     def save(*args: Any, **kwargs: Any) -> Any:
@@ -193,11 +192,20 @@ def test_step_measures_the_slowdown_while_snapshots_persist(tmp_path, monkeypatc
         since = clock.t
         windows.append(since)
         h.stats.stall_s = 0.0
-        h.stats.tiers = dict.fromkeys(h.stats.tiers, 30.0)
-        h.done = lambda tier=None: clock.t >= since + 30.0
+        h.stats.tiers = dict.fromkeys(h.stats.tiers, seconds)
+        h.done = lambda tier=None: clock.t >= since + seconds
         return h
 
     monkeypatch.setattr(snapcore.api, "async_save", save)
+    return windows
+
+
+def test_step_measures_the_slowdown_while_snapshots_persist(tmp_path, monkeypatch):
+    # Each snapshot persists for 30 s of the fake clock (its handle says done only then,
+    # and durable 30 s after the call); training's steps take 1.25 s meanwhile, 1 s
+    # otherwise. The Checkpointer measures a slowdown of 0.25 and plans with it.
+    clock = FakeClock()
+    windows = _persisting_for(30.0, clock, monkeypatch)
     state = make_state()
     ckpt = snapcore.Checkpointer(tmp_path, devices=16384, replan_s=5.0, clock=clock)
     assert ckpt.plan().costs.slowdown == 0.05  # the given one, until measured
@@ -227,20 +235,7 @@ def test_a_short_persist_is_measured_over_all_of_it(tmp_path, monkeypatch):
     # would measure only the first stretch of each (the second is 60% covered): 0.40.
     # Once the persist time is measured it looks every 0.2 s, and measures all of it.
     clock = FakeClock()
-    windows: list[float] = []
-    real = snapcore.api.async_save
-
-    def save(*args: Any, **kwargs: Any) -> Any:
-        h = real(*args, **kwargs)
-        h.wait()
-        since = clock.t
-        windows.append(since)
-        h.stats.stall_s = 0.0
-        h.stats.tiers = dict.fromkeys(h.stats.tiers, 0.8)
-        h.done = lambda tier=None: clock.t >= since + 0.8
-        return h
-
-    monkeypatch.setattr(snapcore.api, "async_save", save)
+    windows = _persisting_for(0.8, clock, monkeypatch)
     state = make_state()
     ckpt = snapcore.Checkpointer(
         tmp_path, devices=16384, max_interval_s=2.0, replan_s=5.0, clock=clock
