@@ -337,11 +337,24 @@ class Checkpointer:
         now = self._clock()
         self._last_step = step
         self._last_state = state
-        if self._decisions is not None and self._follow(step, state, now):
-            return
+        if self._decisions is not None:
+            followed = self._followed(step, state, now)
+            if followed is None:
+                return
+            now = followed
         if now < self._next_check:
             return
         self._tick(step, state, now)
+
+    def _followed(self, step: int, state: Any, now: float) -> float | None:
+        """``_follow``: None where it says to return (a rank other than 0), else the clock
+        to go on with, read again where rank 0 made saves: the stretch that its slow call
+        measures ends after their stalls, which are taken off it (not off the one
+        before, which would then read too fast, and the next too slow)."""
+        made = self._snapshots
+        if self._follow(step, state, now):
+            return None
+        return self._clock() if self._snapshots != made else now
 
     def _follow(self, step: int, state: Any, now: float) -> bool:
         """Under torch.distributed: take the snapshots every rank agreed to take at
@@ -559,8 +572,11 @@ class Checkpointer:
         if not self._begun:
             self._begin()
             # under torch.distributed from now on: this step follows the ranks' agreement
-            if self._decisions is not None and self._follow(step, state, now):
-                return
+            if self._decisions is not None:
+                followed = self._followed(step, state, now)
+                if followed is None:
+                    return
+                now = followed
         if self._decisions is not None:
             self._lead(step, state, now)
             return

@@ -2,9 +2,10 @@
 
 The Checkpointer feeds a ``CostMeter`` with what it sees (the clock at slow ``step()``
 calls, each snapshot's stall, when each snapshot persisted, each tier's persist time,
-each restore's time); the meter keeps an exponentially weighted mean of each (a few
-snapshots follow a change) and gives the ``Costs`` a plan is made with, the defaults
-standing in for what was not measured yet.
+each restore's time); the meter keeps an exponentially weighted mean of each time (a
+few snapshots follow a change), measures the slowdown over its last stretches between
+slow calls, and gives the ``Costs`` a plan is made with, the defaults standing in for
+what was not measured yet.
 Pure Python: no torch, no native extension, no other part of snapcore.
 """
 
@@ -37,13 +38,18 @@ DEFAULT_SLOWDOWN = 0.05
 EWMA_WEIGHT = 0.3  # weight of a new measurement: a few snapshots to follow a change
 
 # The slowdown is the step time while a snapshot persists over the step time while none
-# does, from the stretches between two slow step() calls that a snapshot covered almost
-# wholly (BUSY_FRACTION) or hardly at all (QUIET_FRACTION); stretches in between say
-# nothing clear and are left out. Each side's step time is the mean over the steps of
-# its last SLOWDOWN_STRETCHES stretches, less the stretches slower than OUTLIER times
-# their median (one-off work: the run's first snapshot, which makes the job's groups;
-# a pause); measured once each side has SLOWDOWN_MIN_STEPS steps there.
-BUSY_FRACTION = 0.9
+# does, from the stretches between two slow step() calls (their training time: the
+# stalls left out) that a snapshot covered mostly (BUSY_FRACTION) or hardly at all
+# (QUIET_FRACTION); stretches in between say nothing clear and are left out. The quiet
+# side's step time q is the mean over the steps of its last SLOWDOWN_STRETCHES
+# stretches; a busy stretch of T seconds and n steps, c of them covered, ran
+# n - (T - c) / q of its steps while a snapshot persisted (the rest at the quiet pace),
+# and the busy side's step time is its covered seconds over those steps, over its last
+# SLOWDOWN_STRETCHES stretches. A persist that spans one or two stretches (and ends
+# inside the last) is measured whole that way, not in its first stretch alone. Each
+# side leaves out the stretches slower than OUTLIER times their median (one-off work: a
+# pause), and is measured once it has SLOWDOWN_MIN_STEPS steps.
+BUSY_FRACTION = 0.5
 QUIET_FRACTION = 0.1
 SLOWDOWN_STRETCHES = 64
 SLOWDOWN_MIN_STEPS = 50
@@ -51,7 +57,7 @@ OUTLIER = 4.0
 MAX_SLOWDOWN = 0.9  # the cost model takes a slowdown below 1
 
 
-def _step_time(stretches: Iterable[tuple[float, int]]) -> float | None:
+def _step_time(stretches: Iterable[tuple[float, float]]) -> float | None:
     """The mean step time over ``stretches`` ((seconds, steps) each), less those slower
     than ``OUTLIER`` times their median; None below ``SLOWDOWN_MIN_STEPS`` steps."""
     kept = list(stretches)
@@ -111,8 +117,9 @@ class CostMeter:
         self._stall_since_mark = 0.0
         # when snapshots persisted: key -> (start, end), end None while in flight
         self._windows: dict[object, tuple[float, float | None]] = {}
-        # (seconds, steps) of the last stretches while a snapshot persisted, and while none
-        self._busy: deque[tuple[float, int]] = deque(maxlen=SLOWDOWN_STRETCHES)
+        # the last stretches while a snapshot persisted, (seconds, steps, seconds covered)
+        # each, and while none did, (seconds, steps)
+        self._busy: deque[tuple[float, int, float]] = deque(maxlen=SLOWDOWN_STRETCHES)
         self._quiet: deque[tuple[float, int]] = deque(maxlen=SLOWDOWN_STRETCHES)
 
     def steps(self, step: int, now: float) -> None:
@@ -123,12 +130,14 @@ class CostMeter:
         if self._mark is not None and steps > 0:
             per_step = max(0.0, now - self._mark - self._stall_since_mark) / steps
             self.step_s = ewma(self.step_s, per_step, weight=min(0.5, 0.05 * steps))
-            if now > self._mark:
-                covered = self._persisting(self._mark, now) / (now - self._mark)
-                if covered >= BUSY_FRACTION:
-                    self._busy.append((per_step * steps, steps))
-                elif covered <= QUIET_FRACTION:
-                    self._quiet.append((per_step * steps, steps))
+            train = per_step * steps  # the stretch less the stalls, which lie in windows
+            if train > 0.0:
+                persisting = self._persisting(self._mark, now) - self._stall_since_mark
+                covered = min(train, max(0.0, persisting))
+                if covered >= BUSY_FRACTION * train:
+                    self._busy.append((train, steps, covered))
+                elif covered <= QUIET_FRACTION * train:
+                    self._quiet.append((train, steps))
         self._mark = now
         self._mark_step = step
         self._stall_since_mark = 0.0
@@ -158,8 +167,13 @@ class CostMeter:
 
     def slowdown(self) -> float | None:
         """The measured slowdown, None until each side has ``SLOWDOWN_MIN_STEPS`` steps."""
-        busy, quiet = _step_time(self._busy), _step_time(self._quiet)
-        if busy is None or quiet is None or quiet <= 0.0:
+        quiet = _step_time(self._quiet)
+        if quiet is None or quiet <= 0.0:
+            return None
+        # each busy stretch: its covered seconds, over the steps that ran in them
+        ran = [(c, n - (t - c) / quiet) for t, n, c in self._busy]
+        busy = _step_time((c, k) for c, k in ran if k > 0.0)
+        if busy is None:
             return None
         return min(MAX_SLOWDOWN, max(0.0, busy / quiet - 1.0))
 

@@ -104,6 +104,11 @@ def rate_info(
     )
 
 
+# A measured slowdown under this is taken as this in the plan's inputs: noise about 0
+# (0.0002 then 0.0008) is not a material change, and would re-plan at every check.
+SLOWDOWN_FLOOR = 0.01
+
+
 def plan_inputs(costs: Costs, rate: RateInfo, tiers: Sequence[str]) -> tuple[float, ...]:
     """The numbers a schedule depends on, in a fixed order (for ``moved``)."""
     return (
@@ -113,7 +118,7 @@ def plan_inputs(costs: Costs, rate: RateInfo, tiers: Sequence[str]) -> tuple[flo
         *(costs.restore_s[t] for t in tiers),
         rate.conservative_per_hour,
         *(rate.rates_per_s[c] for c in sorted(rate.rates_per_s)),
-        costs.slowdown,
+        max(costs.slowdown, SLOWDOWN_FLOOR),
     )
 
 
@@ -205,6 +210,7 @@ def make_schedule(
 
 __all__ = [
     "MATERIAL_CHANGE",
+    "SLOWDOWN_FLOOR",
     "RateInfo",
     "Schedule",
     "make_schedule",

@@ -4,6 +4,7 @@ scheduling below the Checkpointer imports without torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -153,6 +154,44 @@ def test_meter_leaves_out_stretches_a_snapshot_covered_in_part():
     assert m.costs().slowdown == pytest.approx(0.2)
 
 
+def test_meter_measures_a_short_persist_whole():
+    # Each snapshot persists 21 s: 2 steps of 3 s (the host copy's work), then 10 of 1.5 s;
+    # 1 s a step otherwise. The slow calls come 15 s apart while it persists: the first
+    # stretch (15 s, 8 steps) is covered whole, the next (10 s, 8 steps) for its first
+    # 6 s. Over the steps in flight: 21 s / 12 steps = 1.75 s, a slowdown of 0.75. The
+    # first stretch alone would say 15 / 8 = 1.875 (0.875).
+    m = CostMeter(("host", "peer"), restart_s=0.0, slowdown=0.05)
+    t, step = 0.0, 0
+    m.steps(step, t)
+    for k in range(6):
+        m.persisting(k, t)
+        t, step = t + 15.0, step + 8
+        m.steps(step, t)
+        m.persisting(k, t - 15.0, t + 6.0)  # seen done at the next call
+        t, step = t + 10.0, step + 8
+        m.steps(step, t)
+        t, step = t + 20.0, step + 20  # quiet
+        m.steps(step, t)
+    assert m.costs().slowdown == pytest.approx(0.75)
+
+
+def test_meter_takes_a_stretchs_stall_out_of_its_coverage():
+    # a 4 s stall, then 0.3 s of persisting, in a 5 s stretch of 2 steps: 0.3 of its 1 s
+    # of training was covered, not 4.3 of 5 s (the stall is not training time)
+    m = CostMeter(("local",), restart_s=0.0, slowdown=0.05)
+    m.steps(0, 0.0)
+    m.persisting("a", 0.0)
+    m.stalled(4.0)
+    m.persisting("a", 0.0, 4.3)
+    m.steps(2, 5.0)
+    assert list(m._busy) == [] and list(m._quiet) == []  # 30% covered: neither side
+    m.persisting("b", 5.0)
+    m.stalled(4.0)
+    m.persisting("b", 5.0, 9.8)
+    m.steps(4, 10.0)  # 0.8 of its 1 s: busy, with 0.8 s covered
+    assert list(m._busy) == [(pytest.approx(1.0), 2, pytest.approx(0.8))]
+
+
 def test_meter_leaves_out_one_off_slow_stretches():
     # the run's first snapshot makes the job's groups: a stretch of one 1.5 s step, while
     # it persists; then ten-step stretches of 12 ms while snapshots persist, 10 ms not
@@ -241,6 +280,19 @@ def test_plan_inputs_cover_every_cost_and_rate():
     assert inputs[:6] == (2.0, 0.05, 0.5, 60.0, 0.7, 90.0)
     assert inputs[6] == r.conservative_per_hour
     assert moved(inputs, plan_inputs(costs({"host": 0.5, "local": 90.0}), r, ("host", "local")))
+
+
+def test_a_slowdown_about_zero_does_not_replan():
+    # a measured slowdown's noise about 0 is no material change (it re-planned at every
+    # check when it was); a real move still is
+    r = rate_info(PRIOR, DEFAULT_QUANTILE, NO_PAST, 0.0, NO_OWN, 0.0)
+    c = costs({"host": 0.5, "local": 60.0})
+
+    def inputs(slowdown: float) -> tuple[float, ...]:
+        return plan_inputs(dataclasses.replace(c, slowdown=slowdown), r, ("host", "local"))
+
+    assert not moved(inputs(0.0002), inputs(0.0008)) and not moved(inputs(0.0), inputs(0.004))
+    assert moved(inputs(0.05), inputs(0.03)) and moved(inputs(0.0), inputs(0.05))
 
 
 # -- the schedule ----------------------------------------------------------------------------
