@@ -44,7 +44,7 @@ bench-quick: install
 gpu-wheels:
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-	    --platform manylinux2014_x86_64 -d .whl zstandard
+	    --platform manylinux2014_x86_64 -d .whl zstandard fastjsonschema
 
 clean:
 	rm -rf build $(VENV)
