@@ -178,7 +178,7 @@ def measure(size_gb: float, args: argparse.Namespace, device: torch.device) -> R
     r: Result = {"size_gb": size_gb, **info}
     state = {"model": model, "optim": opt}
     nbytes = info["device_bytes"]
-    probe_bytes = min(nbytes, args.probe_gib * GIB)
+    probe_bytes = int(min(nbytes, args.probe_gib * GIB))
     r["probe_before"] = probe(device, probe_bytes, args.probe_reps)
     name = f"bench-gpu-{uuid.uuid4().hex[:8]}"
     # The host tier needs two steps of room in /dev/shm (the committed one and the next);

@@ -37,6 +37,7 @@ fi
 python3 -c "import zstandard, fastjsonschema" 2>/dev/null ||
     say "zstandard or fastjsonschema is missing: run 'make gpu-wheels' and carry .whl"
 
+say "compiler: $(c++ --version 2>&1 | head -1); CXXFLAGS='${CXXFLAGS:-}' LDFLAGS='${LDFLAGS:-}'"
 t=$SECONDS
 build() { CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps -e . "$@"; }
 if build >"$OUT/build.log" 2>&1; then
@@ -57,6 +58,8 @@ fi
 python3 -c "import torch, snapcore._native as n; print('torch', torch.__version__, 'CUDA',
 torch.version.cuda, '| snapcore CUDA:', n.cuda_status())" 2>&1 | tee -a "$summary"
 python3 benchmarks/abi.py 2>&1 | tee -a "$summary"
+python3 -c "import snapcore._native as n; print('GPU 0 NUMA node:', n.cuda_device_numa_node(0))" \
+    2>&1 | tail -3 | tee -a "$summary"
 
 # GPU_CHECK_STEPS picks the steps (a second call on the same warm machine reruns one:
 # the build is incremental there); each step's PNGs are dropped, since the JSON redraws
