@@ -96,13 +96,15 @@ def machine(device: torch.device) -> Result:
             info["nvidia_smi"] = smi.stdout.strip()
         except (OSError, subprocess.SubprocessError) as e:
             info["nvidia_smi"] = f"unavailable: {e}"
+    # gpu_check.sh names the commit: the GPU machine's .git can be older than its tree
+    commit = os.environ.get("SNAPCORE_COMMIT", "")[:7]
     try:
-        commit = subprocess.run(
+        commit = commit or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True, text=True, check=True, cwd=Path(__file__).parent,
         ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):  # no .git: the GPU machine's copy
-        commit = os.environ.get("SNAPCORE_COMMIT", "?")
+    except (OSError, subprocess.SubprocessError):
+        commit = "?"
     info["commit"] = commit
     return info
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import shutil
 import statistics
 import sys
@@ -163,14 +164,15 @@ class DCPMode(Mode):
 
         cuda = device.type == "cuda"
         # Pinned memory and non-blocking copies need an accelerator.
-        self.stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=False,
-                use_async_staging=True,
-                use_non_blocking_copy=cuda,
-            )
+        self.options = StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=cuda,
         )
+        self.new_stager = lambda: DefaultStager(self.options)
+        self.stager = self.new_stager()
+        self.fresh_stagers = 0  # stagers made again because torch spent the last one
         self.work, self.model, self.opt = work, model, opt
         self.resp: Any = None
         self.staging: Any = None  # the staging future the next optimizer step waits for
@@ -188,6 +190,9 @@ class DCPMode(Mode):
         if self.resp is not None:
             self.resp.upload_completion.result()
         waited = time.perf_counter() - t0
+        if self._spent():
+            self.stager = self.new_stager()
+            self.fresh_stagers += 1
         msd, osd = get_state_dict(self.model, self.opt)
         path = self.path(step)
         self.paths.append(path)
@@ -209,6 +214,15 @@ class DCPMode(Mode):
             )
         self.records.append(rec)
         self.staging = self.resp.staging_completion
+
+    def _spent(self) -> bool:
+        """Whether the reused stager is spent: torch 2.11's ``DefaultStager`` closes its
+        ``StateDictStager`` after each staging, emptying the table it copies with, and its
+        next use fails with ``KeyError: <class 'type'>`` (pytorch/pytorch#183413; seen on
+        the GPU machine's torch 2.11). Such a torch gets a fresh stager, and so fresh
+        pinned buffers, per snapshot: what its async_save does; later ones keep theirs."""
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        return inner is not None and not getattr(inner, "_deepcopy_dispatch", None)
 
     def before_update(self) -> None:
         if self.staging is not None:
@@ -499,6 +513,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="model preset (default: gpu on CUDA, small otherwise)",
     )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="sequences per step (default: the size's); longer steps, same state",
+    )
     p.add_argument("--steps", type=int, default=60, help="timed steps per segment")
     p.add_argument("--every", type=int, default=10, help="a snapshot every this many steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before each segment")
@@ -548,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     cfg = gpt.SIZES[size]
+    if args.batch:
+        cfg = dataclasses.replace(cfg, batch=args.batch)
     command = "python benchmarks/bench_training.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
@@ -621,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
                 "warmup": args.warmup,
                 "rounds": args.rounds,
                 "modes": modes,
+                "dcp_fresh_stagers": getattr(impl.get("dcp"), "fresh_stagers", 0),
             },
             "segments": segments,
             "summary": summary,

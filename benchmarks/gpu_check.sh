@@ -86,7 +86,7 @@ fi
 if has training; then
     t=$SECONDS
     timeout "$(limit $((end - SECONDS - SLOWDOWN_S)))" python3 -m benchmarks run training \
-        --out "$OUT" --opts "training=--rounds 2 --steps 40 --quiet-wait 0" >>"$summary" 2>&1
+        --out "$OUT" --opts "training=--rounds 2 --steps 30 --batch 32 --quiet-wait 0" >>"$summary" 2>&1
     say "benchmarks run training: exit $? in $((SECONDS - t)) s"
     rm -f "$OUT"/*.png
 fi

@@ -70,9 +70,15 @@ def machine() -> Result:
     mem = 0
     with contextlib.suppress(OSError), open("/proc/meminfo") as f:
         mem = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal")), 0)
-    # A copy of the tree without .git (the GPU machine's) is told its commit by the caller.
-    commit = _git("rev-parse", "HEAD") or os.environ.get("SNAPCORE_COMMIT", "")
-    dirty = bool(_git("status", "--porcelain", "-uno", "--", "snapcore", "csrc", "benchmarks"))
+    # The GPU machine's copy of the tree is told its commit by the caller: its .git can be
+    # older than the tree it came with (seen there: the session's first commit, "dirty").
+    given = os.environ.get("SNAPCORE_COMMIT", "")
+    commit = given or _git("rev-parse", "HEAD")
+    dirty = (
+        None
+        if given
+        else bool(_git("status", "--porcelain", "-uno", "--", "snapcore", "csrc", "benchmarks"))
+    )
     gpus = ""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)

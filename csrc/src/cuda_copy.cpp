@@ -12,10 +12,17 @@ cu::CUstream as_stream(std::uintptr_t handle) {
 }
 
 // The copies without the empty ones, each run of copies that continue one another (the
-// next starts where the last ended, at both ends) merged into one.
-std::vector<CopySpec> coalesce(const std::vector<CopySpec>& copies) {
+// next starts where the last ended, at both ends) merged into one, but only within one
+// device allocation: two allocations can be adjacent in the address space, and a copy
+// across both is invalid (CUDA_ERROR_INVALID_VALUE). `device_side` picks the device
+// address of a copy; the driver says which allocation holds it (asked only when a merge
+// is possible, in the current context). Where it cannot say, nothing is merged.
+std::vector<CopySpec> coalesce(const std::vector<CopySpec>& copies,
+                               std::uintptr_t CopySpec::*device_side) {
+  const shim::CudaDriver& cu = shim::CudaDriver::instance();
   std::vector<CopySpec> runs;
   runs.reserve(copies.size());
+  cu::CUdeviceptr end_of_alloc = 0;  // of the last run's allocation; 0: not asked yet
   for (const CopySpec& c : copies) {
     if (c.nbytes == 0) {
       continue;
@@ -23,11 +30,27 @@ std::vector<CopySpec> coalesce(const std::vector<CopySpec>& copies) {
     if (!runs.empty()) {
       CopySpec& last = runs.back();
       if (last.dst + last.nbytes == c.dst && last.src + last.nbytes == c.src) {
-        last.nbytes += c.nbytes;
-        continue;
+        if (end_of_alloc == 0) {
+          cu::CUdeviceptr base = 0;
+          size_t size = 0;
+          const cu::CUdeviceptr at = static_cast<cu::CUdeviceptr>(last.*device_side);
+          if (cu.MemGetAddressRange != nullptr &&
+              cu.MemGetAddressRange(&base, &size, at) == cu::CUDA_SUCCESS &&
+              size > 0) {
+            end_of_alloc = size > ~base ? ~cu::CUdeviceptr{0} : base + size;
+          } else {
+            end_of_alloc = at;  // unknown: merge nothing into this run
+          }
+        }
+        const cu::CUdeviceptr from = static_cast<cu::CUdeviceptr>(c.*device_side);
+        if (from + c.nbytes <= end_of_alloc && from + c.nbytes > from) {
+          last.nbytes += c.nbytes;
+          continue;
+        }
       }
     }
     runs.push_back(c);
+    end_of_alloc = 0;
   }
   return runs;
 }
@@ -159,7 +182,8 @@ std::unique_ptr<CudaEvent> CudaCopier::copy(Direction dir, const std::vector<Cop
     CU_TRY(cu.StreamWaitEvent(stream_, ready.get(), cu::CU_EVENT_WAIT_DEFAULT));
   }
   try {
-    const std::vector<CopySpec> runs = coalesce(copies);
+    const std::vector<CopySpec> runs =
+        coalesce(copies, dir == Direction::DeviceToHost ? &CopySpec::src : &CopySpec::dst);
     const bool batched = runs.size() > 1 && copy_batch(runs);
     for (std::size_t i = 0; !batched && i < runs.size(); ++i) {
       const CopySpec& c = runs[i];

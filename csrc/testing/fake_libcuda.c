@@ -17,6 +17,10 @@
  * context of its own; calls made in a context log it as "ctx<device>".
  * FAKE_CUDA_PCI_BUS_ID=<id> is device 0's PCI bus id (default 0000:01:00.0).
  * Built with -DFAKE_CUDA_BATCH it also has cuMemcpyBatchAsync_v2 (a CUDA 13 driver).
+ * fake_cuda_alloc(ptr, size) declares a device allocation (of host memory the test owns):
+ * once any is declared, a copy's device side must lie within one of them, as the real
+ * driver requires (CUDA_ERROR_INVALID_VALUE otherwise), and cuMemGetAddressRange_v2
+ * answers from them; before, it answers that everything is one allocation.
  */
 #include <pthread.h>
 #include <stdarg.h>
@@ -132,6 +136,35 @@ static CUresult destroy(void* h, char kind) {
   }
   pthread_mutex_unlock(&lock);
   return rc;
+}
+
+/* Device allocations the test declared (fake_cuda_alloc). */
+#define MAX_ALLOCS 64
+static CUdeviceptr alloc_base[MAX_ALLOCS];
+static size_t alloc_size[MAX_ALLOCS];
+static int n_allocs;
+
+void fake_cuda_alloc(CUdeviceptr base, size_t size) {
+  pthread_mutex_lock(&lock);
+  if (n_allocs < MAX_ALLOCS) {
+    alloc_base[n_allocs] = base;
+    alloc_size[n_allocs++] = size;
+  }
+  pthread_mutex_unlock(&lock);
+}
+
+/* The declared allocation holding p: its index, or -1. */
+static int alloc_of(CUdeviceptr p) {
+  for (int i = 0; i < n_allocs; ++i)
+    if (p >= alloc_base[i] && p < alloc_base[i] + alloc_size[i]) return i;
+  return -1;
+}
+
+/* Whether [p, p + n) may be copied: within one declared allocation, or none declared. */
+static int within_one(CUdeviceptr p, size_t n) {
+  if (n_allocs == 0) return 1;
+  int i = alloc_of(p);
+  return i >= 0 && p + n <= alloc_base[i] + alloc_size[i];
 }
 
 const char* fake_cuda_log(void) { return log_buf; }
@@ -291,6 +324,7 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void* stream
   char b[32];
   NEED_CONTEXT();
   if (failing("cuMemcpyDtoHAsync")) return OUT_OF_MEMORY;
+  if (!within_one(src, n)) return INVALID_VALUE;
   memcpy(dst, (const void*)src, n);
   note("MemcpyDtoHAsync %zu %s", n, name_of(stream, b, sizeof b));
   return SUCCESS;
@@ -299,6 +333,7 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void* stream
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* stream) {
   char b[32];
   NEED_CONTEXT();
+  if (!within_one(dst, n)) return INVALID_VALUE;
   memcpy((void*)dst, src, n);
   note("MemcpyHtoDAsync %zu %s", n, name_of(stream, b, sizeof b));
   return SUCCESS;
@@ -326,6 +361,8 @@ CUresult cuMemcpyBatchAsync_v2(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* siz
   if (count == 0 || num_attrs != 1 || attrs_idxs[0] != 0 || attrs[0].src_access_order != 1 ||
       stream == NULL)
     return INVALID_VALUE;
+  for (size_t i = 0; i < count; ++i) /* each copy's device side: within one allocation */
+    if (!within_one(srcs[i], sizes[i]) && !within_one(dsts[i], sizes[i])) return INVALID_VALUE;
   for (size_t i = 0; i < count; ++i) {
     memcpy((void*)dsts[i], (const void*)srcs[i], sizes[i]);
     total += sizes[i];
@@ -334,6 +371,20 @@ CUresult cuMemcpyBatchAsync_v2(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* siz
   return SUCCESS;
 }
 #endif
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr p) {
+  NEED_CONTEXT();
+  if (n_allocs == 0) { /* nothing declared: one allocation covers everything */
+    *base = 0;
+    *size = ~(size_t)0;
+    return SUCCESS;
+  }
+  int i = alloc_of(p);
+  if (i < 0) return INVALID_VALUE;
+  *base = alloc_base[i];
+  *size = alloc_size[i];
+  return SUCCESS;
+}
 
 CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned int flags) {
   NEED_CONTEXT();

@@ -1283,6 +1283,56 @@ print("batch-ok")
 )
 
 
+ADJACENT_ALLOCATIONS_SCENARIO = (
+    FAKE_LOG
+    + """
+from snapcore import _native
+src = _native.Arena(1 << 16, pin=False)  # "device memory": two allocations, end to end
+dst = _native.Arena(1 << 16)
+fake.fake_cuda_alloc.argtypes = [ctypes.c_ulonglong, ctypes.c_size_t]
+fake.fake_cuda_alloc(src.address, 1 << 15)
+fake.fake_cuda_alloc(src.address + (1 << 15), 1 << 15)
+for i in range(4):
+    ctypes.memset(src.address + (1 << 14) * i, i + 1, 1 << 14)
+copier = _native.CudaCopier(0)
+# four tensors of 16 KiB, two in each allocation, to adjacent places in the arena: one
+# run per allocation, none across the boundary (the real driver refuses such a copy)
+copies = [(dst.address + (1 << 14) * i, src.address + (1 << 14) * i, 1 << 14) for i in range(4)]
+start = len(log())
+copier.d2h(copies, 0).synchronize()
+calls = [c for c in log()[start:] if c.startswith("Memcpy")]
+assert calls in (
+    ["MemcpyBatchAsync 2 65536 s1"],  # a driver with cuMemcpyBatchAsync
+    ["MemcpyDtoHAsync 32768 s1", "MemcpyDtoHAsync 32768 s1"],
+), calls
+for i in range(4):
+    assert ctypes.string_at(dst.address + (1 << 14) * i, 1 << 14) == bytes([i + 1]) * (1 << 14)
+# and back (restore): the device side is the destination
+ctypes.memset(src.address, 0, 1 << 16)
+copier.h2d([(s, d, n) for d, s, n in copies], 0).synchronize()
+assert ctypes.string_at(src.address + (1 << 15) - 1, 2) == bytes([2, 3])
+copier.close()
+src.close()
+dst.close()
+print("adjacent-ok")
+"""
+)
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["per copy", "batch"])
+def test_copies_are_not_merged_across_two_adjacent_allocations(
+    batch, fake_driver_dir, fake_batch_driver_dir
+):
+    """Tensors of two device allocations that lie end to end in the address space (two
+    16 MiB cudaMallocs can) go to the arena end to end too: the copies are merged within
+    each allocation only. Merged across, the driver refused the copy with
+    CUDA_ERROR_INVALID_VALUE (seen on an H200, tests/gpu/test_gpu.py's freed-tensor test)."""
+    directory = fake_batch_driver_dir if batch else fake_driver_dir
+    result = run_with_fake_driver(directory, ADJACENT_ALLOCATIONS_SCENARIO)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"adjacent-ok" in result.stdout
+
+
 def test_many_small_copies_go_to_the_driver_in_one_batch(fake_batch_driver_dir):
     """One driver call for a whole window's copies where the driver has cuMemcpyBatchAsync
     (copies that continue one another merged first); one call per copy where it refuses."""

@@ -79,6 +79,7 @@ struct CudaDriverLoader {
     if (d.MemcpyBatchAsync == nullptr) {
       resolve_optional(lib, d.MemcpyBatchAsyncV1, "cuMemcpyBatchAsync");
     }
+    resolve(lib, d.MemGetAddressRange, "cuMemGetAddressRange_v2");
     resolve(lib, d.MemHostRegister, "cuMemHostRegister_v2");
     resolve(lib, d.MemHostUnregister, "cuMemHostUnregister");
     resolve(lib, d.GetErrorName, "cuGetErrorName");

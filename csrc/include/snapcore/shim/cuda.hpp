@@ -97,6 +97,11 @@ class CudaDriver {
                                  size_t count, cu::CUmemcpyAttributes* attrs,
                                  size_t* attrs_idxs, size_t num_attrs, size_t* fail_idx,
                                  cu::CUstream stream) = nullptr;
+  // The allocation holding a device address (its base and size): copies are merged only
+  // within one, since a copy that crosses two allocations is invalid even where they
+  // happen to be adjacent.
+  CUresult (*MemGetAddressRange)(cu::CUdeviceptr* base, size_t* size, cu::CUdeviceptr ptr) =
+      nullptr;
   CUresult (*MemHostRegister)(void* ptr, size_t nbytes, unsigned int flags) = nullptr;
   CUresult (*MemHostUnregister)(void* ptr) = nullptr;
   CUresult (*GetErrorName)(CUresult error, const char** name) = nullptr;
