@@ -190,6 +190,7 @@ class DCPMode(Mode):
         if self.resp is not None:
             self.resp.upload_completion.result()
         waited = time.perf_counter() - t0
+        self._prune(keep=1)  # the last durable checkpoint and the one now written
         if self._spent():
             self.stager = self.new_stager()
             self.fresh_stagers += 1
@@ -235,10 +236,13 @@ class DCPMode(Mode):
     def finish(self) -> None:
         if self.resp is not None:
             self.resp.upload_completion.result()
-        # keep the last two checkpoints, as snapcore's store keeps its last two
-        for p in self.paths[:-2]:
+        self._prune(keep=1)
+
+    def _prune(self, keep: int) -> None:
+        """Delete all but the last ``keep`` checkpoints (the store keeps its last one)."""
+        for p in self.paths[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
-        self.paths = self.paths[-2:]
+        self.paths = self.paths[-keep:]
 
     def verify(self, fresh: Callable[[], tuple[Any, Any]], expected: Result) -> bool:
         import torch.distributed.checkpoint as dcp
@@ -591,7 +595,17 @@ def main(argv: list[str] | None = None) -> int:
             for v in s.values()
             if torch.is_tensor(v)
         )
-        store = snapcore.Store(local=work / "snapcore", retention={"local": 2})
+        # At most two copies of the state per peer on disk (the last durable one and the
+        # one being written): a GPU's state of 11 GB and 4 copies fill most of a 64 GB disk.
+        copies = 2 * any(m.startswith("snapcore") for m in modes) + 2 * ("dcp" in modes)
+        free = shutil.disk_usage(work).free
+        if free < copies * state_bytes * 1.05:
+            raise SystemExit(
+                f"bench_training: {work} has {free / 1e9:.1f} GB free; {copies} copies of the "
+                f"{state_bytes / 1e9:.1f} GB state need {copies * state_bytes * 1.05 / 1e9:.1f}"
+                " GB (use --dir, --modes or a smaller --size)"
+            )
+        store = snapcore.Store(local=work / "snapcore", retention={"local": 1})
         impl: dict[str, Mode] = {"none": Mode()}
         impl["snapcore"] = SnapcoreMode(store, model, opt, overlap=False)
         impl["snapcore_overlap"] = SnapcoreMode(store, model, opt, overlap=True)

@@ -571,8 +571,12 @@ def scenarios() -> dict[str, Scenario]:
 
 
 # -- running ----------------------------------------------------------------------------------
-def _tail(text: str, n: int = 4000) -> str:
-    return text[-n:]
+def _tail(text: str, n: int = 4000, head: int = 4000) -> str:
+    """The end of a script's stderr, and its start where that is cut: a failure's
+    traceback comes last, the progress lines (the GPU machine's only log) first."""
+    if len(text) <= n + head:
+        return text
+    return text[:head] + "\n[...]\n" + text[-n:]
 
 
 def run_scenario(
@@ -902,6 +906,7 @@ TABLES: dict[str, tuple[str, Callable[[Result], str]]] = {
     "training-report": ("training", table_script_report),
     "plan-report": ("plan", table_script_report),
     "slowdown-report": ("slowdown", table_script_report),
+    "gpu-report": ("gpu", table_script_report),
     "manifest-report": ("manifest", table_manifest),
 }
 
