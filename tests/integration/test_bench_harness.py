@@ -273,7 +273,7 @@ def test_committed_figures_regenerate_the_docs_unchanged() -> None:
     generated = {"scaling", "tiers", "checkpointer", "codec-report"}
     generated |= {"distributed-report", "convert-report", "peer-report"}
     generated |= {"training-report", "plan-report", "manifest-report", "save-report"}
-    generated |= {"slowdown-report"}
+    generated |= {"slowdown-report", "gpu-report"}
     assert generated == set(done) == set(harness.TABLES)  # every region has its JSON
     assert new == text
 
