@@ -13,6 +13,7 @@ it), queued on the device's side stream after the work already on its current st
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,12 @@ from .arena import HostArena
 
 # One slot of the ring; a chunk larger than this gets a slot of its own size.
 RING_SLOT_BYTES = 256 << 20
+
+# Where the last restore to the GPU in this process spent its time (for benchmarks: see
+# bench_gpu.py): bytes, slots, slot_bytes, reads (calls of the reader), and seconds in
+# ring_s (making and pinning the ring), read_s (reading and checking chunks), queue_s
+# (queueing the copies), wait_s (waiting for a slot's copies), close_s, total_s.
+last_profile: dict[str, float] = {}
 
 
 @dataclass
@@ -61,20 +68,26 @@ def fill_devices(
     """
     if not chunks:
         return
+    t_start = time.perf_counter()
     devices = sorted({d for c in chunks for d, *_ in c.copies})
     total = sum(c.nbytes for c in chunks)
     slot = max(max(c.nbytes for c in chunks), min(RING_SLOT_BYTES, total))
     slots = 1 if total <= slot else 2
+    prof = {"bytes": total, "slots": slots, "slot_bytes": slot, "reads": 0}
+    prof.update(dict.fromkeys(("ring_s", "read_s", "queue_s", "wait_s", "close_s"), 0.0))
     # Pinned in the first device's context; portable, so every device's copies use it.
     ring = HostArena(slot * slots, device=devices[0])
+    prof["ring_s"] = time.perf_counter() - t_start
     copiers: dict[int, Any] = {}
     pending: list[list[Any]] = [[] for _ in range(slots)]
     try:
         for k, batch in enumerate(_batches(chunks, slot)):
             s = k % slots
+            t = time.perf_counter()
             for ev in pending[s]:  # the slot's previous copies have read it
                 ev.synchronize()
             pending[s] = []
+            prof["wait_s"] += time.perf_counter() - t
             base = ring.address + s * slot
             jobs: list[tuple[int, int, int]] = []
             per_device: dict[int, list[tuple[int, int, int]]] = {}
@@ -84,7 +97,11 @@ def fill_devices(
                 for device, dst, offset, n in c.copies:
                     per_device.setdefault(device, []).append((dst, base + pos + offset, n))
                 pos += c.nbytes
+            t = time.perf_counter()
             read(jobs)
+            prof["reads"] += 1
+            prof["read_s"] += time.perf_counter() - t
+            t = time.perf_counter()
             for device, copies in per_device.items():
                 if device not in copiers:
                     copiers[device] = _native.CudaCopier(device)
@@ -92,16 +109,24 @@ def fill_devices(
                 ev = copiers[device].h2d(copies, stream)
                 ev.make_stream_wait(stream)  # the state's next use waits on the GPU
                 pending[s].append(ev)
+            prof["queue_s"] += time.perf_counter() - t
+        t = time.perf_counter()
         for evs in pending:
             while evs:
                 evs[0].synchronize()
                 evs.pop(0)
+        prof["wait_s"] += time.perf_counter() - t
     finally:
         for evs in pending:  # after a failure: nothing queued may outlive the ring
             for ev in evs:
                 with contextlib.suppress(Exception):
                     ev.synchronize()
+        t = time.perf_counter()
         for copier in copiers.values():
             with contextlib.suppress(Exception):
                 copier.close()
         ring.close()
+        prof["close_s"] = time.perf_counter() - t
+        prof["total_s"] = time.perf_counter() - t_start
+        last_profile.clear()
+        last_profile.update(prof)

@@ -361,6 +361,28 @@ def test_bench_gpu_plumbing_on_a_cpu(tmp_path: Path) -> None:
     assert (tmp_path / "gpu.png").stat().st_size > 10_000
 
 
+def test_bench_gpu_reports_where_a_restore_to_the_gpu_spent_its_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The report breaks the best restore down from h2d.last_profile (the H200 run's
+    figures, with a profile of the kind a GPU restore records)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_gpu
+
+    figures = BENCHMARKS.parent / "docs" / "figures" / "gpu.json"
+    doc = json.loads(figures.read_text())["runs"][0]["result"]
+    size = doc["sizes"][0]
+    best = min(size["restores"], key=lambda x: x["wall_s"])
+    best["profile"] = {"bytes": 4e9, "slots": 2, "slot_bytes": 256 << 20, "reads": 15,
+                       "ring_s": 0.1, "read_s": 0.25, "queue_s": 0.01, "wait_s": 0.05,
+                       "close_s": 0.02, "total_s": 0.45}  # fmt: skip
+    text = bench_gpu.render(doc)
+    line = next(ln for ln in text.splitlines() if ln.startswith("Best restore of 4.0 GB"))
+    assert "(2 x 256 MiB) made in 0.100 s" in line and "15 reads" in line, line
+    assert "0.250 s (16.0 GB/s)" in line and f"{best['wall_s'] - 0.45:.3f} s." in line, line
+    assert sum(ln.startswith("Best restore") for ln in text.splitlines()) == 1  # 16 GB: none
+
+
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA"
 )

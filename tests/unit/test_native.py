@@ -1226,6 +1226,11 @@ expected = [
 ]
 assert calls == expected, calls
 assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
+p = h2d.last_profile  # where the restore spent its time, for bench_gpu
+assert (p["bytes"], p["slots"], p["slot_bytes"], p["reads"]) == (5 * MiB // 2 + 4000, 2, MiB, 3), p
+parts = sum(p[k] for k in ("ring_s", "read_s", "queue_s", "wait_s", "close_s"))
+assert min(p[k] for k in ("ring_s", "read_s", "queue_s", "wait_s", "close_s")) >= 0, p
+assert p["read_s"] > 0 and parts <= p["total_s"], p
 print("restore-h2d-ok")
 """
 )
