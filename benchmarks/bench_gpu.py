@@ -55,7 +55,7 @@ from common import fmt_s as _s
 
 import snapcore
 from snapcore import _native
-from snapcore.staging import h2d
+from snapcore.staging import h2d as restore_ring
 from snapcore.write.engine import close_all
 
 GB = 1e9
@@ -248,7 +248,9 @@ def measure(size_gb: float, args: argparse.Namespace, device: torch.device) -> R
         w = model[0].weight
         saved = w.detach().clone()
         restores = []
-        for _ in range(args.repeats):
+        default_slot = restore_ring.RING_SLOT_BYTES
+        for slot_mib, _ in [(m, i) for m in ring_slots(args) for i in range(args.repeats)]:
+            restore_ring.RING_SLOT_BYTES = slot_mib << 20  # the first: the library's own
             with torch.no_grad():
                 w.add_(1.0)
             sync(device)
@@ -259,8 +261,10 @@ def measure(size_gb: float, args: argparse.Namespace, device: torch.device) -> R
             restores.append(
                 {"wall_s": wall, "seconds": ri.seconds, "bytes_read": ri.bytes, "tier": ri.tier,
                  "step": ri.step, "matches": bool(torch.equal(w, saved)),
-                 "profile": dict(h2d.last_profile) if device.type == "cuda" else {}}
+                 "profile": dict(restore_ring.last_profile) if device.type == "cuda" else {},
+                 "slot_mib": slot_mib}
             )  # fmt: skip
+        restore_ring.RING_SLOT_BYTES = default_slot
         r["restores"] = restores
         del saved
     finally:
@@ -276,6 +280,15 @@ def measure(size_gb: float, args: argparse.Namespace, device: torch.device) -> R
     return r
 
 
+def _wall(restore: Result) -> float:
+    return float(restore["wall_s"])
+
+
+def ring_slots(args: argparse.Namespace) -> list[int]:
+    """The restore ring's slot sizes to try, in MiB (the first is judged)."""
+    return [int(x) for x in str(args.ring_slot_mib).split(",") if x.strip()]
+
+
 # -- verdicts ---------------------------------------------------------------------------------
 def figures(r: Result) -> Result:
     """The size's figures: best and median of the warm runs, and the probes' best."""
@@ -284,7 +297,11 @@ def figures(r: Result) -> Result:
     d2h = max(r["probe_before"]["d2h_Bps"] + r["probe_after"]["d2h_Bps"])
     h2d = max(r["probe_before"]["h2d_Bps"] + r["probe_after"]["h2d_Bps"])
     staged = [nbytes / s["staged_s"] for s in warm]
-    restore = [nbytes / x["wall_s"] for x in r["restores"]]
+    # the target is judged on the library's own ring slot (the first tried); others are
+    # experiments (--ring-slot-mib)
+    slots = list(dict.fromkeys(x.get("slot_mib") for x in r["restores"]))
+    own = [x for x in r["restores"] if x.get("slot_mib") == slots[0]]
+    restore = [nbytes / x["wall_s"] for x in own]
     blocked = [o["blocked_s"] for o in r["overlap"]]
     copy_s = nbytes / d2h
     return {
@@ -298,6 +315,11 @@ def figures(r: Result) -> Result:
         "restore_Bps": max(restore),
         "restore_median_Bps": statistics.median(restore),
         "restores_match": all(x["matches"] for x in r["restores"]),
+        "restore_by_slot_mib": {
+            str(m): max(nbytes / x["wall_s"] for x in r["restores"] if x.get("slot_mib") == m)
+            for m in slots
+            if m is not None
+        },
     }
 
 
@@ -380,8 +402,12 @@ def render(doc: Result) -> str:
             for r in doc["sizes"]
         ),
     ]
-    for r in doc["sizes"]:  # where the best restore to the GPU spent its time
-        best = min(r["restores"], key=lambda x: x["wall_s"])
+    bests = [  # where the best restore with each ring slot spent its time
+        (size, min((x for x in size["restores"] if x.get("slot_mib") == m), key=_wall))
+        for size in doc["sizes"]
+        for m in dict.fromkeys(x.get("slot_mib") for x in size["restores"])
+    ]
+    for r, best in bests:
         p = best.get("profile") or {}
         if not p:
             continue
@@ -405,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="warm runs of each measurement")
     p.add_argument("--probe-gib", type=float, default=2.0, help="the probes' copy size cap")
     p.add_argument("--probe-reps", type=int, default=5)
+    p.add_argument(
+        "--ring-slot-mib",
+        default=str(restore_ring.RING_SLOT_BYTES >> 20),
+        help="restores with each of these ring slot sizes (MiB, comma-separated; the "
+        "first is judged: the library's own by default); the others are experiments",
+    )
     p.add_argument("--device", default="cuda", help="cuda (default), or cpu for --smoke")
     p.add_argument("--dir", default=None, help="where a local store goes if /dev/shm is small")
     p.add_argument("--json", default=None, help="write the raw figures here")

@@ -346,6 +346,7 @@ def test_bench_gpu_plumbing_on_a_cpu(tmp_path: Path) -> None:
     assert len(size["saves"]) == 2 and size["saves"][0]["first"] and len(size["overlap"]) == 1
     assert all(s["staged_s"] > 0 for s in size["saves"])
     assert [r["matches"] for r in size["restores"]] == [True]  # the restore got the save back
+    assert [r["slot_mib"] for r in size["restores"]] == [256]  # the library's own ring slot
     f = size["figures"]
     assert f["d2h_probe_Bps"] > 0 and f["h2d_probe_Bps"] > 0 and f["staging_Bps"] > 0
     assert f["restore_Bps"] > 0 and f["blocked_s"] > 0 and f["copy_s"] > 0
