@@ -15,7 +15,13 @@ dynamic symbol table (binutils' ``readelf`` and ``nm``) and reports:
   ``cu[A-Z]*``): the driver's entry points are looked up at run time instead;
 - ``opened``: the library names the module's bytes hold (what it may ``dlopen``):
   libcuda.so.1 and libnuma.so.1 are expected; torch's, the CUDA runtime's or Python's
-  are ``forbidden_opened``.
+  are ``forbidden_opened``;
+- ``stdlib_exported``: strong definitions of the C++ runtime's symbols (``std::``,
+  ``__cxa_*``, ``__gnu_cxx::``) that the module exports, as one does that links
+  libstdc++ statically without hiding it: they interpose on the process's own
+  libstdc++ (torch's), and the two copies' state mixes (the GPU machine's build crashed
+  in ``std::ifstream`` so). Weak template instantiations of the module's own code are
+  not counted.
 
     python benchmarks/abi.py            # the installed snapcore._native; exit 1 if it fails
     python benchmarks/abi.py --json     # the report as JSON
@@ -35,6 +41,10 @@ FORBIDDEN_LIBS = re.compile(r"^(libtorch|libc10|libshm|libcudart|libcuda\.|libpy
 TORCH_NAMESPACE = re.compile(r"(^|[^\w:])(c10|at|torch|caffe2)::")
 CUDA_SYMBOL = re.compile(r"^(cuda[A-Z]\w*|cu[A-Z]\w*)(@|$)")
 LIBRARY_NAME = re.compile(rb"lib[\w.+-]*\.so(?:\.\d+)*")
+# mangled names of the C++ runtime: std:: (functions, members, typeinfo, vtables), the ABI
+STDLIB_SYMBOL = re.compile(
+    r"^(_Z(N|NK|T[ISV]N?)?St|_ZSt|__cxa_|__gxx_|_ZN9__gnu_cxx|_ZN10__cxxabiv1)"
+)
 
 
 def native_module() -> Path:
@@ -67,6 +77,13 @@ def report(path: Path | None = None) -> dict[str, Any]:
     cuda_symbols = [s for s in undefined if CUDA_SYMBOL.match(s)]
     opened = sorted({m.decode() for m in LIBRARY_NAME.findall(path.read_bytes())} - set(needed))
     bad_opened = [n for n in opened if FORBIDDEN_LIBS.match(n) and n != "libcuda.so.1"]
+    stdlib_exported = [
+        parts[2]
+        for parts in (
+            ln.split() for ln in _run("nm", "-D", "--defined-only", str(path)).splitlines()
+        )
+        if len(parts) == 3 and parts[1] in "TDBR" and STDLIB_SYMBOL.match(parts[2])
+    ]
     return {
         "module": str(path),
         "needed": needed,
@@ -76,7 +93,8 @@ def report(path: Path | None = None) -> dict[str, Any]:
         "cuda_symbols": cuda_symbols,
         "opened": opened,
         "forbidden_opened": bad_opened,
-        "ok": not (bad_libs or torch_symbols or cuda_symbols or bad_opened),
+        "stdlib_exported": stdlib_exported,
+        "ok": not (bad_libs or torch_symbols or cuda_symbols or bad_opened or stdlib_exported),
     }
 
 
@@ -94,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("forbidden_needed", "torch_symbols", "cuda_symbols", "forbidden_opened"):
             for item in r[key]:
                 print(f"  {key}: {item}")
-        print("OK: no torch C++ ABI, no CUDA runtime" if r["ok"] else "FAIL")
+        if r["stdlib_exported"]:
+            print(f"  stdlib_exported: {len(r['stdlib_exported'])} symbols of the C++ runtime, "
+                  f"e.g. {r['stdlib_exported'][0]}")  # fmt: skip
+        print(
+            "OK: no torch C++ ABI, no CUDA runtime, no C++ runtime exported" if r["ok"] else "FAIL"
+        )
     return 0 if r["ok"] else 1
 
 

@@ -1312,9 +1312,15 @@ assert calls in (
 ), calls
 for i in range(4):
     assert ctypes.string_at(dst.address + (1 << 14) * i, 1 << 14) == bytes([i + 1]) * (1 << 14)
-# and back (restore): the device side is the destination
+# and back (restore): the device side is the destination, merged within each allocation
 ctypes.memset(src.address, 0, 1 << 16)
+start = len(log())
 copier.h2d([(s, d, n) for d, s, n in copies], 0).synchronize()
+calls = [c for c in log()[start:] if c.startswith("Memcpy")]
+assert calls in (
+    ["MemcpyBatchAsync 2 65536 s1"],
+    ["MemcpyHtoDAsync 32768 s1", "MemcpyHtoDAsync 32768 s1"],
+), calls
 assert ctypes.string_at(src.address + (1 << 15) - 1, 2) == bytes([2, 3])
 copier.close()
 src.close()
