@@ -21,6 +21,7 @@
  * once any is declared, a copy's device side must lie within one of them, as the real
  * driver requires (CUDA_ERROR_INVALID_VALUE otherwise), and cuMemGetAddressRange_v2
  * answers from them; before, it answers that everything is one allocation.
+ * fake_cuda_state("range_queries") counts cuMemGetAddressRange_v2 calls.
  */
 #include <pthread.h>
 #include <stdarg.h>
@@ -53,6 +54,7 @@ static int next_id = 1;
 static int ctx_refs, streams, events;
 static long long registered;
 static int event_flags = -1; /* of the last cuEventCreate */
+static int range_queries;     /* cuMemGetAddressRange_v2 calls */
 #define MAX_DEVICES 8
 static __thread int depth;
 static __thread int stack[64]; /* the devices of this thread's current contexts */
@@ -167,6 +169,13 @@ static int within_one(CUdeviceptr p, size_t n) {
   return i >= 0 && p + n <= alloc_base[i] + alloc_size[i];
 }
 
+/* A side of a batched copy (direction unknown): host memory (in no declared allocation),
+ * or wholly within the declared allocation it starts in. */
+static int side_ok(CUdeviceptr p, size_t n) {
+  int i = alloc_of(p);
+  return i < 0 || p + n <= alloc_base[i] + alloc_size[i];
+}
+
 const char* fake_cuda_log(void) { return log_buf; }
 
 /* A line of the test's own in the log, to place host work among the driver calls. */
@@ -179,6 +188,7 @@ long long fake_cuda_state(const char* what) {
   if (strcmp(what, "registered") == 0) return registered;
   if (strcmp(what, "depth") == 0) return depth;
   if (strcmp(what, "event_flags") == 0) return event_flags;
+  if (strcmp(what, "range_queries") == 0) return range_queries;
   return -1;
 }
 
@@ -362,7 +372,7 @@ CUresult cuMemcpyBatchAsync_v2(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* siz
       stream == NULL)
     return INVALID_VALUE;
   for (size_t i = 0; i < count; ++i) /* each copy's device side: within one allocation */
-    if (!within_one(srcs[i], sizes[i]) && !within_one(dsts[i], sizes[i])) return INVALID_VALUE;
+    if (!side_ok(srcs[i], sizes[i]) || !side_ok(dsts[i], sizes[i])) return INVALID_VALUE;
   for (size_t i = 0; i < count; ++i) {
     memcpy((void*)dsts[i], (const void*)srcs[i], sizes[i]);
     total += sizes[i];
@@ -374,6 +384,8 @@ CUresult cuMemcpyBatchAsync_v2(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* siz
 
 CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr p) {
   NEED_CONTEXT();
+  __sync_fetch_and_add(&range_queries, 1);
+  if (failing("cuMemGetAddressRange")) return INVALID_VALUE;
   if (n_allocs == 0) { /* nothing declared: one allocation covers everything */
     *base = 0;
     *size = ~(size_t)0;

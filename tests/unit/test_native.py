@@ -1291,6 +1291,7 @@ print("batch-ok")
 ADJACENT_ALLOCATIONS_SCENARIO = (
     FAKE_LOG
     + """
+import os
 from snapcore import _native
 src = _native.Arena(1 << 16, pin=False)  # "device memory": two allocations, end to end
 dst = _native.Arena(1 << 16)
@@ -1303,13 +1304,14 @@ copier = _native.CudaCopier(0)
 # four tensors of 16 KiB, two in each allocation, to adjacent places in the arena: one
 # run per allocation, none across the boundary (the real driver refuses such a copy)
 copies = [(dst.address + (1 << 14) * i, src.address + (1 << 14) * i, 1 << 14) for i in range(4)]
-start = len(log())
+start, queries = len(log()), state("range_queries")[0]
 copier.d2h(copies, 0).synchronize()
 calls = [c for c in log()[start:] if c.startswith("Memcpy")]
 assert calls in (
     ["MemcpyBatchAsync 2 65536 s1"],  # a driver with cuMemcpyBatchAsync
     ["MemcpyDtoHAsync 32768 s1", "MemcpyDtoHAsync 32768 s1"],
 ), calls
+assert state("range_queries")[0] - queries == 2  # once per run, not once per copy
 for i in range(4):
     assert ctypes.string_at(dst.address + (1 << 14) * i, 1 << 14) == bytes([i + 1]) * (1 << 14)
 # and back (restore): the device side is the destination, merged within each allocation
@@ -1322,6 +1324,13 @@ assert calls in (
     ["MemcpyHtoDAsync 32768 s1", "MemcpyHtoDAsync 32768 s1"],
 ), calls
 assert ctypes.string_at(src.address + (1 << 15) - 1, 2) == bytes([2, 3])
+# a driver that cannot say which allocation holds an address: nothing is merged
+os.environ["FAKE_CUDA_FAIL"] = "cuMemGetAddressRange"
+start = len(log())
+copier.d2h(copies, 0).synchronize()
+calls = [c for c in log()[start:] if c.startswith("Memcpy")]
+assert calls in (["MemcpyBatchAsync 4 65536 s1"], ["MemcpyDtoHAsync 16384 s1"] * 4), calls
+del os.environ["FAKE_CUDA_FAIL"]
 copier.close()
 src.close()
 dst.close()
