@@ -78,11 +78,11 @@ fi
 
 if has gpu; then
     t=$SECONDS
-    # restores with the library's 256 MiB ring slots (judged) and with 1 GiB ones (an
-    # experiment: does reading more chunks at once help? h2d.last_profile says where
-    # each restore's time went)
+    # restores with the library's 64 MiB ring slots (judged) and with 256 MiB ones (an
+    # experiment: do larger batches per worker help? h2d.last_profile says where each
+    # restore's time went)
     timeout "$(limit 150)" python3 -m benchmarks run gpu --out "$OUT" \
-        --opts "gpu=--ring-slot-mib 256,1024" >>"$summary" 2>&1
+        --opts "gpu=--ring-slot-mib 64,256" >>"$summary" 2>&1
     say "benchmarks run gpu: exit $? in $((SECONDS - t)) s"
     rm -f "$OUT"/*.png
 fi

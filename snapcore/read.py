@@ -377,15 +377,16 @@ class Reader:
         """Read blobs into memory: ``targets`` are (blob index, destination address)."""
         self.read_chunks([job for b_i, addr in targets for job in self._chunk_jobs(b_i, addr)])
 
-    def read_chunks(self, jobs: list[tuple[int, int, int]]) -> None:
-        """Read chunks in parallel: ``jobs`` are (blob, chunk, destination address)."""
+    def read_chunks(self, jobs: list[tuple[int, int, int]], threads: int = 0) -> None:
+        """Read chunks in parallel: ``jobs`` are (blob, chunk, destination address);
+        ``threads`` at most (0: twice SNAPCORE_THREADS; 1: in the calling thread)."""
         if not jobs:
             return
         tasks: list[Callable[[], None]] = [partial(self._read_chunk, *job) for job in jobs]
         tier, m = self.sources[0]
         if tier.name == "remote" and self._maps[0] is None:  # a request per run of chunks
             tasks = [partial(self._read_run, run) for run in self._runs(m, jobs)]
-        threads = min(settings.threads() * 2, len(tasks))
+        threads = min(threads or settings.threads() * 2, len(tasks))
         if threads <= 1:
             for task in tasks:
                 task()
@@ -1129,8 +1130,9 @@ class Reader:
 
     def _fill_cuda(self, items: list[tuple[int, int, int]]) -> None:
         """Fill CUDA tensors: ``items`` are (saved tensor, device address, device). The
-        chunks holding their bytes are read into a pinned ring and copied on the side
-        stream of each device, whose current stream waits for them (staging/h2d.py)."""
+        chunks holding their bytes are read by parallel workers into a pinned ring and
+        copied on the side stream of each device, whose current stream waits for them
+        (staging/h2d.py)."""
         need: dict[tuple[int, int], ChunkCopies] = {}
         for i, dst, device in items:
             e = self.m.tensors[i]
@@ -1143,7 +1145,8 @@ class Reader:
                     cc = need.setdefault((p.blob, j), ChunkCopies(p.blob, j, c.raw_length))
                     cc.copies.append((device, dst + start - lo, start - pos, end - start))
                 pos += c.raw_length
-        fill_devices([need[k] for k in sorted(need)], self.read_chunks)
+        # fill_devices' workers each read one batch at a time, in their own thread
+        fill_devices([need[k] for k in sorted(need)], partial(self.read_chunks, threads=1))
 
     def _copy_batch(self, batch: list[tuple[int, torch.Tensor]]) -> None:
         if not batch:

@@ -90,6 +90,15 @@ def chunk_bytes() -> int:
     return mb << 20
 
 
+def restore_ring_bytes() -> int:
+    """SNAPCORE_RESTORE_RING_MB: the most pinned memory a restore to the GPU keeps for its
+    ring (staging/h2d.py), in MiB; a chunk larger than half of it still gets its slot."""
+    mb = int(_get("SNAPCORE_RESTORE_RING_MB", "1024"))
+    if mb <= 0:
+        raise ValueError("SNAPCORE_RESTORE_RING_MB must be a positive number of MiB")
+    return mb << 20
+
+
 def huge_pages() -> bool:
     """SNAPCORE_HUGE_PAGES: ask for transparent huge pages for the host arena (default on)."""
     return _get("SNAPCORE_HUGE_PAGES", "1") not in ("0", "off", "false", "no")

@@ -38,6 +38,7 @@ from ..peer.area import drop_mappings
 from ..peer.link import warm_parser
 from ..peer.restore import reserve as reserve_peer_fetch
 from ..planning.layout import Layout, align_up, plan
+from ..staging import h2d
 from ..staging.arena import HostArena, pin_device
 from ..staging.copy import Stager, refuse_overlap_in_graph_capture
 from ..staging.handle import SaveHandle, SaveStats
@@ -730,12 +731,16 @@ def close_store(store: Store | str | os.PathLike[str]) -> None:
 
 def close_all(*, raise_first: bool = False) -> None:
     """Wait for and close every engine of this process: the snapshots in flight become
-    durable (or fail), arenas are freed, remote connections closed, writer locks dropped.
+    durable (or fail), arenas (and the restore ring) are freed, remote connections closed,
+    writer locks dropped.
     A failure nobody saw is logged, or with ``raise_first`` raised once all are closed."""
     with _engines_lock:
         engines = list(_engines.values())
         _engines.clear()
-    _close_engines(engines, raise_first=raise_first)
+    try:
+        _close_engines(engines, raise_first=raise_first)
+    finally:
+        h2d.release_ring()  # the pinned ring restores to the GPU keep
 
 
 def _close_engines(engines: list[Engine], *, raise_first: bool) -> None:

@@ -1182,11 +1182,13 @@ reader = Reader([(tier, tier.read_manifest(1))])
 index = {p: i for i, p in reader.paths.items()}
 out = {k: torch.zeros_like(v) for k, v in saved.items()}  # "device memory" of GPUs 0 and 1
 read = reader.read_chunks
-def marked_read(jobs):  # the reader's parallel, verified reads, placed in the log
+def marked_read(jobs, threads=0):  # the reader's verified reads, placed in the log
+    assert threads == 1  # each worker reads its batch itself
     fake.fake_cuda_mark(f"read {len(jobs)}".encode())
-    read(jobs)
+    read(jobs, threads)
 reader.read_chunks = marked_read
-h2d.RING_SLOT_BYTES = 1 << 20  # two slots of 1 MiB: the first is read into twice
+h2d.RING_SLOT_BYTES = 1 << 20  # batches of 1 MiB
+h2d.SPARE_SLOTS = 1  # one worker (SNAPCORE_THREADS=1), two slots: the first read into twice
 start = len(log())
 reader._fill_cuda([(index["a"], out["a"].data_ptr(), 0), (index["b"], out["b"].data_ptr(), 1)])
 for k in saved:
@@ -1220,17 +1222,31 @@ expected = [
     "StreamCreate s2",
     "EventRecord e7 ext:1001", "StreamWaitEvent s2 e7",
     "MemcpyHtoDAsync 4000 s2", "EventRecord e8 s2", "StreamWaitEvent ext:1001 e8",
-    "EventSynchronize e6", "EventSynchronize e8", "EventSynchronize e4",  # before freeing
+    "EventSynchronize e4", "EventSynchronize e6", "EventSynchronize e8",  # all copies run
     "StreamSynchronize s1", "StreamDestroy s1", "StreamSynchronize s2", "StreamDestroy s2",
-    "MemHostUnregister ctx0",
-]
+]  # the ring stays registered for the next restore
 assert calls == expected, calls
-assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
+# the ring: 2 MiB registered, holding GPU 0's primary context
+assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 1, 0, 2 * MiB]
 p = h2d.last_profile  # where the restore spent its time, for bench_gpu
-assert (p["bytes"], p["slots"], p["slot_bytes"], p["reads"]) == (5 * MiB // 2 + 4000, 2, MiB, 3), p
-parts = sum(p[k] for k in ("ring_s", "read_s", "queue_s", "wait_s", "close_s"))
-assert min(p[k] for k in ("ring_s", "read_s", "queue_s", "wait_s", "close_s")) >= 0, p
-assert p["read_s"] > 0 and parts <= p["total_s"], p
+got = tuple(p[k] for k in ("bytes", "workers", "slots", "slot_bytes", "reads", "ring_made"))
+assert got == (5 * MiB // 2 + 4000, 1, 2, MiB, 3, 1), p
+phases = ("ring_s", "read_s", "queue_s", "wait_s", "drain_s", "close_s")
+assert min(p[k] for k in phases) >= 0, p
+assert p["read_s"] > 0 and sum(p[k] for k in phases) <= p["total_s"], p
+
+# A second restore reuses the ring: nothing allocated or registered again.
+again = {k: torch.zeros_like(v) for k, v in saved.items()}
+start = len(log())
+reader._fill_cuda([(index["a"], again["a"].data_ptr(), 0), (index["b"], again["b"].data_ptr(), 1)])
+for k in saved:
+    assert torch.equal(again[k], saved[k]), k
+assert not [c for c in log()[start:] if c.startswith(("MemHostRegister", "DeviceGetPCIBusId"))]
+assert h2d.last_profile["ring_made"] == 0
+start = len(log())
+snapcore.close()  # frees it
+assert [c for c in log()[start:] if c.startswith("MemHost")] == ["MemHostUnregister ctx0"]
+assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
 print("restore-h2d-ok")
 """
 )
@@ -1239,16 +1255,158 @@ print("restore-h2d-ok")
 def test_restore_to_the_gpu_reads_into_a_pinned_ring_and_copies_on_the_side_stream(
     fake_driver_dir, tmp_path
 ):
-    """Restore to CUDA tensors: chunks read into a registered ring of two slots, copied
-    host-to-device on each device's side stream after its current stream, which then waits
-    for them (no blocking copy_ per tensor, no torch pinned allocation); a slot is reused
-    only once its copies have run, and nothing is freed before every copy completed."""
+    """Restore to CUDA tensors: chunks read into a registered ring, copied host-to-device
+    on each device's side stream after its current stream, which then waits for them (no
+    blocking copy_ per tensor, no torch pinned allocation); a slot is reused only once its
+    copies have run, the restore returns once every copy completed, and the ring is kept
+    for the next restore (not registered again) until snapcore.close()."""
     code = RESTORE_H2D_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
     result = run_with_fake_driver(
-        fake_driver_dir, code, FAKE_CUDA_DEVICES="2", SNAPCORE_CHUNK_MB="1"
+        fake_driver_dir, code, FAKE_CUDA_DEVICES="2", SNAPCORE_CHUNK_MB="1", SNAPCORE_THREADS="1"
     )
     assert result.returncode == 0, result.stderr.decode()
     assert b"restore-h2d-ok" in result.stdout
+
+
+RESTORE_WORKERS_SCENARIO = (
+    FAKE_LOG
+    + """
+import gc, sys, threading, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import torch
+import snapcore
+from snapcore import _native
+from snapcore.errors import CorruptSnapshot
+from snapcore.read import Reader
+from snapcore.staging import h2d
+from snapcore.tiers import LocalTier
+
+class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch
+    def __init__(self, device=None): self.cuda_stream = 1000 + device
+torch.cuda.current_stream = Stream
+
+MiB = 1 << 20
+store = sys.argv[1]
+g = torch.Generator().manual_seed(1)
+saved = {f"t{i}": torch.randn(MiB // 4, generator=g) for i in range(12)}  # a chunk each
+snapcore.save(saved, store, step=1)
+snapcore.close()
+tier = LocalTier(store)
+reader = Reader([(tier, tier.read_manifest(1))])
+index = {p: i for i, p in reader.paths.items()}
+h2d.RING_SLOT_BYTES = MiB  # a batch per chunk: 12 batches, 4 workers, 6 slots
+
+events = []  # what happened, in order: ("read", slot), ("queue", id, slots), ("sync", id)
+lock = threading.Lock()
+def slot_of(address):
+    return (address - h2d._ring.address) // MiB
+
+class Event:
+    def __init__(self, ev, slots):
+        self.ev, self.slots = ev, slots
+    def synchronize(self):
+        self.ev.synchronize()
+        with lock:
+            events.append(("sync", id(self)))
+    def make_stream_wait(self, stream):
+        self.ev.make_stream_wait(stream)
+
+class Copier:  # the native copier, its events' slots noted
+    def __init__(self, device):
+        self.copier = _native.CudaCopier(device)
+    def h2d(self, copies, stream):
+        ev = Event(self.copier.h2d(copies, stream), {slot_of(src) for _, src, _ in copies})
+        with lock:
+            events.append(("queue", id(ev), ev.slots))
+        return ev
+    def close(self):
+        self.copier.close()
+h2d._native = type("Native", (), {"CudaCopier": Copier})
+
+both = threading.Barrier(2, timeout=60)  # the first two reads wait for each other
+busy = [0, 0]  # reads running now, the most at once
+read = reader.read_chunks
+fail_at = [None]
+def watched_read(jobs, threads=0):
+    with lock:
+        events.append(("read", slot_of(jobs[0][2])))
+        n = len([e for e in events if e[0] == "read"])
+        busy[0] += 1
+        busy[1] = max(busy)
+    try:
+        if n <= 2:
+            both.wait()  # only returns if two workers read at once
+        if n == fail_at[0]:
+            raise CorruptSnapshot("chunk damaged in every tier (the test's)")
+        read(jobs, threads)
+    finally:
+        with lock:
+            busy[0] -= 1
+reader.read_chunks = watched_read
+
+def restore():
+    out = {k: torch.zeros_like(v) for k, v in saved.items()}
+    items = [(index[k], out[k].data_ptr(), i % 2) for i, k in enumerate(saved)]
+    reader._fill_cuda(items)
+    return out
+
+out = restore()
+for k in saved:
+    assert torch.equal(out[k], saved[k]), k
+p = h2d.last_profile
+assert (p["workers"], p["slots"], p["reads"]) == (4, 6, 12), p
+assert busy[1] >= 2, busy
+flying = {s: set() for s in range(6)}  # each slot's copies not waited for yet
+slot_of_event = {}
+for e in events:
+    if e[0] == "read":
+        assert not flying[e[1]], f"slot {e[1]} read into before its copies ran: {events}"
+    elif e[0] == "queue":
+        for s in e[2]:
+            flying[s].add(e[1])
+    else:
+        for s in flying:
+            flying[s].discard(e[1])
+assert not any(flying.values()), flying  # every copy waited for before the restore returned
+reads = [e[1] for e in events if e[0] == "read"]
+assert len(set(reads)) == 6 and len(reads) == 12, reads  # every slot, some twice
+
+# A read failing in one worker: the others stop, every queued copy is waited for, the
+# error is raised, and the ring is freed (a driver error may have left it in any state).
+events.clear()
+both = threading.Barrier(2, timeout=60)
+fail_at[0] = 7
+try:
+    restore()
+    raise AssertionError("a damaged chunk restored")
+except CorruptSnapshot as e:
+    assert "the test's" in str(e), e
+queued = {e[1] for e in events if e[0] == "queue"}
+synced = {e[1] for e in events if e[0] == "sync"}
+assert queued and queued <= synced, (queued, synced)
+assert len([e for e in events if e[0] == "read"]) < 12, events  # the workers stopped
+assert h2d._ring is None
+e = None
+gc.collect()  # the failure's traceback held the failing worker's frame and its events
+assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
+print("restore-workers-ok")
+"""
+)
+
+
+def test_restore_to_the_gpu_reads_with_every_worker_and_reuses_a_slot_only_after_its_copies(
+    fake_driver_dir, tmp_path
+):
+    """With several workers (SNAPCORE_THREADS=4) batches are read at once, each slot read
+    into again only after the copies from it were waited for, and all copies waited for
+    before the restore returns; a read failing in one worker stops the others, waits for
+    every queued copy, frees the ring and raises."""
+    code = RESTORE_WORKERS_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
+    result = run_with_fake_driver(
+        fake_driver_dir, code, FAKE_CUDA_DEVICES="2", SNAPCORE_CHUNK_MB="1", SNAPCORE_THREADS="4"
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"restore-workers-ok" in result.stdout
 
 
 BATCH_SCENARIO = (
