@@ -468,7 +468,8 @@ def render(r: Result) -> str:
     lines = [
         f"Model: {c['model']['params'] / 1e6:.1f} M parameters ({c['state_bytes'] / 1e6:.0f} MB "
         f"of model and AdamW state), {c['model']['batch']} x {c['model']['context']} tokens per "
-        f"step, device {c['device']}, {c['threads']} torch thread(s); {c['steps']} timed steps "
+        f"step{' (activations recomputed)' if c['model'].get('recompute') else ''}, "
+        f"device {c['device']}, {c['threads']} torch thread(s); {c['steps']} timed steps "
         f"per segment, a snapshot every {c['every']}, {c['rounds']} round(s), modes rotated."
         + (
             f" DCP's stager was made again {c['dcp_fresh_stagers']} times (torch spent it "
@@ -509,6 +510,18 @@ def render(r: Result) -> str:
         "`none`, the same positions); persist steps: later steps that start before the "
         "previous snapshot is durable; stall: the snapshot call, the wait for the previous "
         "snapshot included; others: the most CPU (cores) other processes took in a segment.",
+    ]
+    base = s.get("none", {}).get("step_p50_s")
+    if base:
+        interval = base * c["every"]
+        lines += [
+            "",
+            f"What a snapshot every {c['every']} steps asks: the interval is {interval:.2f} s "
+            f"(the baseline's median step, {_ms(base)} ms), so the {c['state_bytes'] / 1e9:.2f}"
+            f" GB state must become durable at {c['state_bytes'] / interval / 1e9:.2f} GB/s or "
+            "more; a call that blocks for x s costs x / interval of the throughput.",
+        ]
+    lines += [
         "",
         "| target | measured | limit | status | where |",
         "| --- | ---: | ---: | --- | --- |",
@@ -533,6 +546,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="sequences per step (default: the size's); longer steps, same state",
+    )
+    p.add_argument(
+        "--recompute",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute each block's activations in the backward (default: the size's; "
+        "the gpu size does)",
     )
     p.add_argument("--steps", type=int, default=60, help="timed steps per segment")
     p.add_argument("--every", type=int, default=10, help="a snapshot every this many steps")
@@ -585,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = gpt.SIZES[size]
     if args.batch is not None:
         cfg = dataclasses.replace(cfg, batch=args.batch)
+    if args.recompute is not None:
+        cfg = dataclasses.replace(cfg, recompute=args.recompute)
     command = "python benchmarks/bench_training.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )

@@ -247,9 +247,11 @@ def test_simulate() -> None:
 def test_bench_training(tmp_path: Path) -> None:
     raw, table = tmp_path / "raw.json", tmp_path / "table.md"
     out = run(
-        "bench_training.py", "--dir", tmp_path, "--json", raw, "--markdown", table, timeout=120
-    )
+        "bench_training.py", "--dir", tmp_path, "--json", raw, "--markdown", table,
+        "--recompute", timeout=120,
+    )  # fmt: skip
     r = json.loads(raw.read_text())
+    assert r["config"]["model"]["recompute"] is True  # the gpu size's path, on the CPU
     modes = ["none", "snapcore", "snapcore_overlap", "dcp"]
     assert r["config"]["modes"] == modes and r["config"]["device"] in ("cpu", "cuda")
     steps, every = r["config"]["steps"], r["config"]["every"]
@@ -276,6 +278,39 @@ def test_bench_training(tmp_path: Path) -> None:
     assert "| mode | tokens/s | x no snapshots |" in text and "| target | measured |" in text
     assert text in out
     assert not list(tmp_path.glob("snapcore-bench-train-*"))  # its work directory is removed
+
+
+def test_gpt_recomputing_activations_gives_the_same_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gpu size recomputes each block's activations in the backward: the same loss
+    and gradients as keeping them, bit for bit (on the CPU, where the kernels are
+    deterministic), and fewer tensors saved for the backward."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import dataclasses
+
+    import gpt
+    import torch
+
+    assert gpt.SIZES["gpu"].recompute and gpt.SIZES["gpu"].batch == 64
+    grads, saved = [], []
+    for recompute in (False, True):
+        cfg = dataclasses.replace(gpt.SIZES["smoke"], recompute=recompute)
+        model, _ = gpt.build(cfg, torch.device("cpu"), seed=3)
+        x, y = gpt.Tokens(cfg, torch.device("cpu")).batch(0)
+        count = [0]
+
+        def pack(t: torch.Tensor, count: list[int] = count) -> torch.Tensor:
+            count[0] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = torch.nn.functional.cross_entropy(model(x).view(-1, cfg.vocab), y.reshape(-1))
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+        saved.append(count[0])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert saved[1] < saved[0], saved
 
 
 def test_bench_plan(tmp_path: Path) -> None:
