@@ -145,6 +145,7 @@ def train_step(
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
         logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+    del logits  # the backward does not need them (4.3 GB at the gpu size)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if before_update is not None:

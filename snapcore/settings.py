@@ -91,12 +91,19 @@ def chunk_bytes() -> int:
 
 
 def restore_ring_bytes() -> int:
-    """SNAPCORE_RESTORE_RING_MB: the most pinned memory a restore to the GPU keeps for its
-    ring (staging/h2d.py), in MiB; a chunk larger than half of it still gets its slot."""
+    """SNAPCORE_RESTORE_RING_MB: the pinned memory a restore to the GPU reads into (its
+    ring: staging/h2d.py), in MiB, at most; the ring has two slots at least, each as large
+    as the largest chunk, so a chunk of more than half of it makes the ring larger."""
     mb = int(_get("SNAPCORE_RESTORE_RING_MB", "1024"))
     if mb <= 0:
         raise ValueError("SNAPCORE_RESTORE_RING_MB must be a positive number of MiB")
     return mb << 20
+
+
+def restore_ring_keep() -> bool:
+    """SNAPCORE_RESTORE_RING_KEEP: keep the restore ring (pinned) for the next restore to
+    the GPU instead of freeing it when the restore returns (default off)."""
+    return _get("SNAPCORE_RESTORE_RING_KEEP", "0") not in ("0", "off", "false", "no", "")
 
 
 def huge_pages() -> bool:

@@ -9,9 +9,10 @@ batches read before run on the GPU. The ring has one slot per worker plus
 ``SPARE_SLOTS`` (in flight to the GPU), within ``SNAPCORE_RESTORE_RING_MB`` (fewer
 workers then); a slot is read into again only once its copies have completed.
 
-The ring is made (allocated, faulted, pinned) by the first restore to the GPU and kept
-for the next ones (``release_ring`` frees it; ``snapcore.close`` and the interpreter's
-exit do). No torch pinned allocation (torch caches those, rounded up to a power of two,
+Each restore makes the ring (allocated, faulted, pinned) and frees it when it returns,
+unless ``SNAPCORE_RESTORE_RING_KEEP`` asks to keep it for the next restore (a job that
+restores again and again; then ``release_ring``, ``snapcore.close`` or the interpreter's
+exit frees it). No torch pinned allocation (torch caches those, rounded up to a power of two,
 for the life of the process) and no blocking ``copy_`` per tensor: each slot's copies go
 to the native copier of each device at once (merged where they continue one another, one
 ``cuMemcpyBatchAsync`` where the driver has it), queued on the device's side stream after
@@ -22,6 +23,8 @@ start: torch's current stream is per thread).
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
 import time
 from collections import deque
@@ -50,31 +53,47 @@ SPARE_SLOTS = 2
 # copies), drain_s (waiting for the last copies), close_s, total_s (wall time).
 last_profile: dict[str, float] = {}
 
+log = logging.getLogger("snapcore")
+
 _ring_lock = threading.Lock()  # one restore to the GPU at a time uses the ring
-_ring: HostArena | None = None
+_ring: HostArena | None = None  # the ring kept (SNAPCORE_RESTORE_RING_KEEP)
+
+
+def _forget_in_child() -> None:
+    """A forked child: the parent's lock may be held, its ring is not the child's (the
+    arena is MADV_DONTFORK, and CUDA is unusable there)."""
+    global _ring_lock, _ring
+    _ring_lock = threading.Lock()
+    _ring = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def release_ring() -> None:
-    """Free the pinned ring that restores to the GPU keep between them (if any)."""
+    """Free the pinned ring kept for the next restore to the GPU (if any); a failure to
+    free it is logged."""
     global _ring
     with _ring_lock:
-        if _ring is not None:
-            _ring.close()
-            _ring = None
+        ring, _ring = _ring, None
+    if ring is not None:
+        try:
+            ring.close()
+        except Exception as e:
+            log.warning("freeing the restore ring (%d bytes): %s", ring.size, e)
 
 
 def _take_ring(size: int, device: int) -> tuple[HostArena, bool]:
-    """The kept ring if it holds ``size`` bytes, else a new one (the old one freed first);
-    and whether it was made now. Called with ``_ring_lock`` held."""
+    """The kept ring if it holds ``size`` bytes and is pinned, else a new one (the old one
+    freed first); and whether it was made now. Called with ``_ring_lock`` held."""
     global _ring
-    if _ring is not None and _ring.fits(size, device) and not _ring.native.closed:
-        return _ring, False
-    if _ring is not None:
-        _ring.close()
-        _ring = None
+    ring, _ring = _ring, None
+    if ring is not None and ring.fits(size, device) and ring.native.pinned:
+        return ring, False
+    if ring is not None:
+        ring.close()
     # Pinned in the first device's context; portable, so every device's copies use it.
-    _ring = HostArena(size, device=device)
-    return _ring, True
+    return HostArena(size, device=device), True
 
 
 @dataclass
@@ -127,19 +146,37 @@ class _Slots:
             self.free.append(slot)
 
     def wait_all(self, *, quiet: bool = False) -> None:
-        """Wait for every copy in flight (``quiet``: whatever an event raises)."""
+        """Wait for every copy in flight (``quiet``: whatever an event raises). A slot
+        leaves the list only once its copies were waited for: an interrupted wait is
+        taken up again by the next call."""
         while True:
             with self.lock:
                 if not self.flying:
                     return
-                s, events = self.flying.popleft()
-                self.free.append(s)
+                s, events = self.flying[0]
             for ev in events:
                 if quiet:
                     with contextlib.suppress(Exception):
                         ev.synchronize()
                 else:
                     ev.synchronize()
+            with self.lock:
+                if self.flying and self.flying[0][0] == s:
+                    self.flying.popleft()
+                    self.free.append(s)
+
+
+def _despite_interrupts(fn: Callable[[], object]) -> BaseException | None:
+    """Call ``fn`` until it returns, whatever interrupts it (a KeyboardInterrupt while the
+    workers still write into the ring, or the GPU still reads it, must not free the ring
+    under them); the first interruption is returned, to be raised once it is safe."""
+    first: BaseException | None = None
+    while True:
+        try:
+            fn()
+            return first
+        except BaseException as e:
+            first = first or e
 
 
 def fill_devices(
@@ -165,6 +202,7 @@ def fill_devices(
     count = min(len(batches), workers + SPARE_SLOTS, max(2, settings.restore_ring_bytes() // slot))
     if count < len(batches):  # slots are read into again: one at least is in flight
         workers = max(1, min(workers, count - 1))
+    global _ring
     with _ring_lock:
         ring, made = _take_ring(slot * count, devices[0])
         prof: dict[str, float] = {
@@ -177,23 +215,23 @@ def fill_devices(
             "ring_s": time.perf_counter() - t_start,
         }
         prof.update(dict.fromkeys(("read_s", "queue_s", "wait_s", "drain_s", "close_s"), 0.0))
+        ok = False
         try:
+            # Returns or raises only once no worker runs and every copy queued has
+            # completed (or the driver failed): the ring is then free to go.
             _run(batches, read, ring, slot, count, workers, streams, prof)
-        except BaseException:
-            _drop_ring()  # a driver error may have left the ring in any state
-            raise
+            ok = True
         finally:
+            if ok and settings.restore_ring_keep():
+                _ring = ring
+            else:  # not kept, or after a failure, which may have left it in any state
+                t = time.perf_counter()
+                with contextlib.suppress(Exception):
+                    ring.close()
+                prof["close_s"] += time.perf_counter() - t
             prof["total_s"] = time.perf_counter() - t_start
             last_profile.clear()
             last_profile.update(prof)
-
-
-def _drop_ring() -> None:
-    global _ring
-    if _ring is not None:
-        with contextlib.suppress(Exception):
-            _ring.close()
-        _ring = None
 
 
 def _run(
@@ -263,29 +301,88 @@ def _run(
             finally:
                 slots.fly(s, queued)
 
+    # Workers that began (and so may touch the ring) and have not ended; those that end.
+    count_of = {"running": 0, "ended": 0}
+    changed = threading.Condition(queue_lock)
+
     def guarded() -> None:
+        with changed:
+            if failed:  # stopped before it began: it touches nothing
+                count_of["ended"] += 1
+                changed.notify_all()
+                return
+            count_of["running"] += 1
         try:
             work()
         except BaseException as e:
             with queue_lock:
                 failed.append(e)
+        finally:
+            with changed:
+                count_of["running"] -= 1
+                count_of["ended"] += 1
+                changed.notify_all()
 
-    try:
+    def stop(e: BaseException) -> None:  # the workers take no further batch
+        with queue_lock:
+            failed.append(e)
+
+    def work_all() -> BaseException | None:
+        """Run the workers until none runs any more; an interruption of the wait (which is
+        returned) stops them at their next batch first."""
         if workers == 1:
-            guarded()
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="snapcore-h2d") as pool:
-                for f in [pool.submit(guarded) for _ in range(workers)]:
-                    f.result()
+            guarded()  # in this thread: it catches what interrupts it
+            return None
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="snapcore-h2d")
+        first: BaseException | None = None
+        try:
+            for _ in range(workers):
+                pool.submit(guarded)
+        except BaseException as e:  # a worker not yet begun stops at once
+            stop(e)
+            first = e
+        finally:
+            pool.shutdown(wait=False)
+
+        def wait() -> None:
+            try:
+                with changed:
+                    changed.wait_for(
+                        lambda: (
+                            count_of["ended"] == workers
+                            or (bool(failed) and count_of["running"] == 0)
+                        )
+                    )
+            except BaseException as e:
+                stop(e)
+                raise
+
+        interrupted = _despite_interrupts(wait) or first
+        # The workers have ended (or will without touching anything): their threads go.
+        return _despite_interrupts(lambda: pool.shutdown(wait=True)) or interrupted
+
+    def close_copiers() -> None:
+        while copiers:  # each waits for its side stream: a backstop for lost events
+            copier = copiers.pop(next(iter(copiers)))  # in the order they were made
+            with contextlib.suppress(Exception):
+                copier.close()
+
+    interrupted: BaseException | None = None
+    try:
+        interrupted = work_all()
+        if interrupted is not None:
+            raise interrupted
         if failed:
             raise failed[0]
         t = time.perf_counter()
         slots.wait_all()
         prof["drain_s"] = time.perf_counter() - t
     finally:
-        slots.wait_all(quiet=True)  # after a failure: nothing queued outlives this
+        # After a failure or an interruption too: nothing queued outlives this.
+        second = _despite_interrupts(lambda: slots.wait_all(quiet=True))
         t = time.perf_counter()
-        for copier in copiers.values():
-            with contextlib.suppress(Exception):
-                copier.close()
+        third = _despite_interrupts(close_copiers)
         prof["close_s"] = time.perf_counter() - t
+        late = second or third
+        if late is not None and interrupted is None:
+            raise late

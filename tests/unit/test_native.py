@@ -1160,7 +1160,7 @@ def test_streaming_gathers_a_strided_cuda_tensor_once_per_snapshot(fake_driver_d
 RESTORE_H2D_SCENARIO = (
     FAKE_LOG
     + """
-import re, sys, warnings
+import re, sys, threading, warnings
 warnings.simplefilter("ignore", DeprecationWarning)
 import torch
 import snapcore
@@ -1168,8 +1168,10 @@ from snapcore.read import Reader
 from snapcore.staging import h2d
 from snapcore.tiers import LocalTier
 
-class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch
-    def __init__(self, device=None): self.cuda_stream = 1000 + device
+class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch: per thread
+    def __init__(self, device=None):
+        main = threading.current_thread() is threading.main_thread()
+        self.cuda_stream = (1000 if main else 2000) + device
 torch.cuda.current_stream = Stream
 
 store = sys.argv[1]
@@ -1224,10 +1226,10 @@ expected = [
     "MemcpyHtoDAsync 4000 s2", "EventRecord e8 s2", "StreamWaitEvent ext:1001 e8",
     "EventSynchronize e4", "EventSynchronize e6", "EventSynchronize e8",  # all copies run
     "StreamSynchronize s1", "StreamDestroy s1", "StreamSynchronize s2", "StreamDestroy s2",
-]  # the ring stays registered for the next restore
+    "MemHostUnregister ctx0",  # the ring is freed when the restore returns
+]
 assert calls == expected, calls
-# the ring: 2 MiB registered, holding GPU 0's primary context
-assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 1, 0, 2 * MiB]
+assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
 p = h2d.last_profile  # where the restore spent its time, for bench_gpu
 got = tuple(p[k] for k in ("bytes", "workers", "slots", "slot_bytes", "reads", "ring_made"))
 assert got == (5 * MiB // 2 + 4000, 1, 2, MiB, 3, 1), p
@@ -1235,14 +1237,22 @@ phases = ("ring_s", "read_s", "queue_s", "wait_s", "drain_s", "close_s")
 assert min(p[k] for k in phases) >= 0, p
 assert p["read_s"] > 0 and sum(p[k] for k in phases) <= p["total_s"], p
 
-# A second restore reuses the ring: nothing allocated or registered again.
-again = {k: torch.zeros_like(v) for k, v in saved.items()}
-start = len(log())
-reader._fill_cuda([(index["a"], again["a"].data_ptr(), 0), (index["b"], again["b"].data_ptr(), 1)])
-for k in saved:
-    assert torch.equal(again[k], saved[k]), k
-assert not [c for c in log()[start:] if c.startswith(("MemHostRegister", "DeviceGetPCIBusId"))]
-assert h2d.last_profile["ring_made"] == 0
+# SNAPCORE_RESTORE_RING_KEEP: the ring is kept, a second restore registers nothing, and
+# snapcore.close() frees it.
+with snapcore.settings.override(SNAPCORE_RESTORE_RING_KEEP="1"):
+    registered = []
+    for _ in range(2):
+        again = {k: torch.zeros_like(v) for k, v in saved.items()}
+        start = len(log())
+        items = [(index["a"], again["a"].data_ptr(), 0), (index["b"], again["b"].data_ptr(), 1)]
+        reader._fill_cuda(items)
+        for k in saved:
+            assert torch.equal(again[k], saved[k]), k
+        registered.append([c for c in log()[start:] if c.startswith("MemHost")])
+        # kept: 2 MiB registered, holding GPU 0's primary context
+        assert state("streams", "events", "ctx_refs", "registered") == [0, 0, 1, 2 * MiB]
+    assert registered == [["MemHostRegister 2097152 ctx0"], []], registered
+    assert h2d.last_profile["ring_made"] == 0
 start = len(log())
 snapcore.close()  # frees it
 assert [c for c in log()[start:] if c.startswith("MemHost")] == ["MemHostUnregister ctx0"]
@@ -1258,8 +1268,9 @@ def test_restore_to_the_gpu_reads_into_a_pinned_ring_and_copies_on_the_side_stre
     """Restore to CUDA tensors: chunks read into a registered ring, copied host-to-device
     on each device's side stream after its current stream, which then waits for them (no
     blocking copy_ per tensor, no torch pinned allocation); a slot is reused only once its
-    copies have run, the restore returns once every copy completed, and the ring is kept
-    for the next restore (not registered again) until snapcore.close()."""
+    copies have run, and the restore returns once every copy completed, freeing the ring;
+    with SNAPCORE_RESTORE_RING_KEEP the ring is kept for the next restore (not registered
+    again) until snapcore.close()."""
     code = RESTORE_H2D_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
     result = run_with_fake_driver(
         fake_driver_dir, code, FAKE_CUDA_DEVICES="2", SNAPCORE_CHUNK_MB="1", SNAPCORE_THREADS="1"
@@ -1281,8 +1292,10 @@ from snapcore.read import Reader
 from snapcore.staging import h2d
 from snapcore.tiers import LocalTier
 
-class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch
-    def __init__(self, device=None): self.cuda_stream = 1000 + device
+class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch: per thread
+    def __init__(self, device=None):
+        main = threading.current_thread() is threading.main_thread()
+        self.cuda_stream = (1000 if main else 2000) + device
 torch.cuda.current_stream = Stream
 
 MiB = 1 << 20
@@ -1298,8 +1311,13 @@ h2d.RING_SLOT_BYTES = MiB  # a batch per chunk: 12 batches, 4 workers, 6 slots
 
 events = []  # what happened, in order: ("read", slot), ("queue", id, slots), ("sync", id)
 lock = threading.Lock()
+rings = []  # the rings the restores made
+def ring(*args, **kwargs):
+    rings.append(h2d_arena(*args, **kwargs))
+    return rings[-1]
+h2d_arena, h2d.HostArena = h2d.HostArena, ring
 def slot_of(address):
-    return (address - h2d._ring.address) // MiB
+    return (address - rings[-1].address) // MiB
 
 class Event:
     def __init__(self, ev, slots):
@@ -1311,6 +1329,7 @@ class Event:
     def make_stream_wait(self, stream):
         self.ev.make_stream_wait(stream)
 
+made = []  # every event made, so that no id is reused
 class Copier:  # the native copier, its events' slots noted
     def __init__(self, device):
         self.copier = _native.CudaCopier(device)
@@ -1318,6 +1337,7 @@ class Copier:  # the native copier, its events' slots noted
         ev = Event(self.copier.h2d(copies, stream), {slot_of(src) for _, src, _ in copies})
         with lock:
             events.append(("queue", id(ev), ev.slots))
+            made.append(ev)
         return ev
     def close(self):
         self.copier.close()
@@ -1353,6 +1373,9 @@ def restore():
 out = restore()
 for k in saved:
     assert torch.equal(out[k], saved[k]), k
+# every copy ordered after the restoring thread's streams (not a worker's): ext:100x only
+assert {c.split()[-1] for c in log() if c.startswith("EventRecord e")} >= {"ext:1000", "ext:1001"}
+assert not [c for c in log() if "ext:200" in c], log()
 p = h2d.last_profile
 assert (p["workers"], p["slots"], p["reads"]) == (4, 6, 12), p
 assert busy[1] >= 2, busy
@@ -1385,8 +1408,9 @@ queued = {e[1] for e in events if e[0] == "queue"}
 synced = {e[1] for e in events if e[0] == "sync"}
 assert queued and queued <= synced, (queued, synced)
 assert len([e for e in events if e[0] == "read"]) < 12, events  # the workers stopped
-assert h2d._ring is None
+assert h2d._ring is None and len(rings) == 2 and rings[-1].native.closed
 e = None
+made.clear()
 gc.collect()  # the failure's traceback held the failing worker's frame and its events
 assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
 print("restore-workers-ok")
@@ -1407,6 +1431,103 @@ def test_restore_to_the_gpu_reads_with_every_worker_and_reuses_a_slot_only_after
     )
     assert result.returncode == 0, result.stderr.decode()
     assert b"restore-workers-ok" in result.stdout
+
+
+RESTORE_INTERRUPT_SCENARIO = (
+    FAKE_LOG
+    + """
+import gc, signal, sys, threading, time, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import torch
+import snapcore
+from snapcore.read import Reader
+from snapcore.staging import h2d
+from snapcore.tiers import LocalTier
+
+class Stream:
+    def __init__(self, device=None): self.cuda_stream = 1000 + device
+torch.cuda.current_stream = Stream
+
+MiB = 1 << 20
+store = sys.argv[1]
+g = torch.Generator().manual_seed(2)
+saved = {f"t{i}": torch.randn(MiB // 4, generator=g) for i in range(24)}  # a chunk each
+snapcore.save(saved, store, step=1)
+snapcore.close()
+tier = LocalTier(store)
+reader = Reader([(tier, tier.read_manifest(1))])
+index = {p: i for i, p in reader.paths.items()}
+h2d.RING_SLOT_BYTES = MiB
+
+seen = threading.Event()
+def on_sigint(signum, frame):  # Ctrl-C, noted
+    seen.set()
+    raise KeyboardInterrupt
+signal.signal(signal.SIGINT, on_sigint)
+main = threading.main_thread().ident
+
+lock = threading.Lock()
+reads, busy, registered_late = [0], [0], []
+read = reader.read_chunks
+def slow_read(jobs, threads=0):
+    with lock:
+        reads[0] += 1
+        n = reads[0]
+        busy[0] += 1
+    try:
+        if n == 3:  # Ctrl-C twice while this worker reads, the second during the cleanup
+            signal.pthread_kill(main, signal.SIGINT)
+            seen.wait(30)
+            time.sleep(0.2)
+            signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.3)
+            registered_late.append(state("registered")[0])  # the ring, under this read
+        elif n > 3:
+            seen.wait(30)
+            time.sleep(0.2)  # the restoring thread stops the workers meanwhile
+        else:
+            time.sleep(0.05)
+        read(jobs, threads)
+    finally:
+        with lock:
+            busy[0] -= 1
+reader.read_chunks = slow_read
+
+out = {k: torch.zeros_like(v) for k, v in saved.items()}
+items = [(index[k], out[k].data_ptr(), 0) for k in saved]
+try:
+    reader._fill_cuda(items)
+    raise AssertionError("the restore was not interrupted")
+except KeyboardInterrupt:
+    at_return = (busy[0], reads[0])
+assert at_return[0] == 0, at_return  # no worker still reading into the ring
+assert registered_late and registered_late[0] > 0, registered_late  # not freed under it
+assert 3 <= at_return[1] < 24, at_return  # the workers stopped at their next batch
+time.sleep(0.5)
+assert reads[0] == at_return[1], (reads, at_return)  # and none started since
+syncs = {c.split()[1] for c in log() if c.startswith("EventSynchronize")}
+records = {c.split()[1] for c in log() if c.startswith("EventRecord") and c.endswith(" s1")}
+assert records and records <= syncs, (records, syncs)  # every copy queued was waited for
+gc.collect()
+assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
+print("restore-interrupt-ok")
+"""
+)
+
+
+def test_an_interrupted_restore_to_the_gpu_stops_its_workers_before_freeing_the_ring(
+    fake_driver_dir, tmp_path
+):
+    """Ctrl-C during a restore to the GPU (twice: the second while the restore cleans up)
+    stops the workers at their next batch; KeyboardInterrupt is raised only once no worker
+    reads into the ring and every queued copy was waited for, and the ring is freed after
+    that, not under a worker's read."""
+    code = RESTORE_INTERRUPT_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
+    result = run_with_fake_driver(
+        fake_driver_dir, code, FAKE_CUDA_DEVICES="1", SNAPCORE_CHUNK_MB="1", SNAPCORE_THREADS="4"
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"restore-interrupt-ok" in result.stdout
 
 
 BATCH_SCENARIO = (
