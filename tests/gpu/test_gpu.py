@@ -277,6 +277,27 @@ def test_copies_are_ordered_after_the_callers_current_stream(tmp_path):
     assert torch.equal(out["w"], torch.full((n,), 5.0))
 
 
+def test_restore_is_ordered_after_and_before_the_restoring_threads_current_stream(tmp_path):
+    """Restore inside ``torch.cuda.stream(user)``: the copies (queued by the restore's
+    worker threads, whose own current stream is the default one) wait for the work
+    already on ``user`` (a late ``zero_`` does not overwrite them), and ``user`` waits for
+    them (a read queued on it after the restore sees the restored values)."""
+    n = 1 << 26  # 256 MiB: 4 chunks, batches of the ring read by several workers
+    saved = torch.randn(n, device="cuda")
+    snapcore.save({"t": saved}, tmp_path, step=1)
+    target = torch.ones(n, device="cuda")
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(user):
+        torch.cuda._sleep(2_000_000_000)  # about a second: longer than the reads
+        target.zero_()  # pending on `user` when the restore starts
+        snapcore.restore({"t": target}, tmp_path)
+        total = target.sum()  # queued on `user` after the restore
+    user.synchronize()
+    assert torch.equal(target, saved)
+    assert torch.equal(total, saved.sum())
+
+
 DEVICE_FAILURE = r"""
 import sys, torch, snapcore
 root = sys.argv[1]
