@@ -357,6 +357,40 @@ def test_copy_host_pool_survives_fork():
     assert result.returncode == 0, result.stderr.decode()
 
 
+def test_a_child_forked_during_a_restore_to_the_gpu_can_close_snapcore():
+    """A fork while another thread holds the restore ring's lock (a restore to the GPU
+    in progress): the child gets a lock of its own and no ring (the parent's is not
+    mapped there), so snapcore.close() in the child returns instead of waiting forever."""
+    code = (
+        "import os, signal, threading, warnings\n"
+        "warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "import snapcore\n"
+        "from snapcore.staging import h2d\n"
+        "h2d._ring = object()  # a ring kept by the parent (never touched in the child)\n"
+        "held, release = threading.Event(), threading.Event()\n"
+        "def restore():  # holds the lock as a restore does\n"
+        "    with h2d._ring_lock:\n"
+        "        held.set()\n"
+        "        release.wait(60)\n"
+        "t = threading.Thread(target=restore)\n"
+        "t.start()\n"
+        "held.wait(60)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    signal.alarm(20)  # a child that hangs is killed: the test fails, no orphan\n"
+        "    snapcore.close()\n"
+        "    os._exit(0 if h2d._ring is None else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "release.set()\n"
+        "t.join()\n"
+        "raise SystemExit(os.waitstatus_to_exitcode(status))\n"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        result = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()
+
+
 # --- FileWriter and read_into -----------------------------------------------------------
 
 
