@@ -447,14 +447,15 @@ def _restore_line(r: Result, best: Result, p: Result) -> str:
     workers = p.get("workers", 1)
     read_Bps = p["bytes"] / p["read_s"] * workers if p["read_s"] > 0 else 0.0
     ring = (
-        f"made in {_s(p['ring_s'])} s"
+        f"{p['ring_made']:.0f} of them made in {_s(p['ring_s'])} worker-s"
         if p.get("ring_made", 1)
-        else f"kept from the last restore ({_s(p['ring_s'])} s to take)"
+        else "kept from the last restore"
     )
     way = "the ring kept" if best.get("ring_kept") else "the ring made by each restore"
     return (
         f"Best restore of {r['state_bytes'] / GB:.1f} GB ({way}), {_s(best['wall_s'])} s: "
-        f"the pinned ring ({p['slots']:.0f} x {p['slot_bytes'] / 2**20:.0f} MiB) {ring}; "
+        f"the pinned ring ({p['slots']:.0f} slots of {p['slot_bytes'] / 2**20:.0f} MiB, "
+        f"{ring}); "
         f"{workers:.0f} workers read and checked {p['reads']:.0f} batches in "
         f"{_s(p['read_s'])} worker-s ({read_Bps / GB:.1f} GB/s all together), queued the "
         f"copies in {_s(p['queue_s'])} worker-s, waited for a slot's copies "

@@ -43,7 +43,14 @@ class HostArena:
     and not pinned at all when it is None.
     """
 
-    def __init__(self, size: int, shm_path: Path | None = None, device: int | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        shm_path: Path | None = None,
+        device: int | None = None,
+        *,
+        threads: int | None = None,
+    ) -> None:
         self.native = _native.Arena(
             size,
             shm_path=str(shm_path) if shm_path else None,
@@ -52,7 +59,7 @@ class HostArena:
             device=device or 0,
             numa_node=numa_node(device),
             prefault=True,
-            threads=settings.threads(),
+            threads=settings.threads() if threads is None else threads,  # to fault it
         )
         if self.native.pin_error is not None:
             warnings.warn(

@@ -9,10 +9,12 @@ batches read before run on the GPU. The ring has one slot per worker plus
 ``SPARE_SLOTS`` (in flight to the GPU), within ``SNAPCORE_RESTORE_RING_MB`` (fewer
 workers then); a slot is read into again only once its copies have completed.
 
-Each restore makes the ring (allocated, faulted, pinned) and frees it when it returns,
-unless ``SNAPCORE_RESTORE_RING_KEEP`` asks to keep it for the next restore (a job that
-restores again and again; then ``release_ring``, ``snapcore.close`` or the interpreter's
-exit frees it). No torch pinned allocation (torch caches those, rounded up to a power of two,
+Each slot is an arena of its own, made (allocated, faulted, pinned) by the worker that
+first reads into it: making the ring runs in parallel and overlaps the reads. Each
+restore makes its ring and frees it when it returns, unless
+``SNAPCORE_RESTORE_RING_KEEP`` asks to keep it for the next restore (a job that restores
+again and again; then ``release_ring``, ``snapcore.close`` or the interpreter's exit
+frees it). No torch pinned allocation (torch caches those, rounded up to a power of two,
 for the life of the process) and no blocking ``copy_`` per tensor: each slot's copies go
 to the native copier of each device at once (merged where they continue one another, one
 ``cuMemcpyBatchAsync`` where the driver has it), queued on the device's side stream after
@@ -46,22 +48,71 @@ RING_SLOT_BYTES = 64 << 20
 SPARE_SLOTS = 2
 
 # Where the last restore to the GPU in this process spent its time (for benchmarks: see
-# bench_gpu.py): bytes, workers, slots, slot_bytes, reads (batches read), ring_made (1
-# when this restore made the ring, 0 when it reused the last one's), and seconds:
-# ring_s (making and pinning the ring), read_s, queue_s and wait_s summed over the
-# workers (reading and checking chunks, queueing the copies, waiting for a slot's
-# copies), drain_s (waiting for the last copies), close_s, total_s (wall time).
+# bench_gpu.py): bytes, workers, slots, slot_bytes, reads (batches read), ring_made (the
+# slots this restore made: 0 when it reused a kept ring), and seconds: ring_s, read_s,
+# queue_s and wait_s summed over the workers (making and pinning slots, reading and
+# checking chunks, queueing the copies, waiting for a slot's copies), drain_s (waiting
+# for the last copies), close_s (closing the copiers, freeing the ring), total_s (wall).
 last_profile: dict[str, float] = {}
 
 log = logging.getLogger("snapcore")
 
+
+class _Ring:
+    """The ring: its slots, each an arena of its own (pinned in the first target device's
+    context; portable, so every device's copies use it), made by the worker that first
+    reads into it, so that making the ring overlaps the reads instead of preceding them."""
+
+    def __init__(self, slot_bytes: int, device: int) -> None:
+        self.slot_bytes, self.device = slot_bytes, device
+        self.lock = threading.Lock()
+        self.arenas: dict[int, HostArena] = {}
+
+    def fits(self, slot_bytes: int) -> bool:
+        """Whether it serves slots of ``slot_bytes``: large enough, and pinned (a ring
+        whose pinning failed is not kept: the next restore tries again)."""
+        with self.lock:
+            pinned = all(a.native.pinned for a in self.arenas.values())
+        return self.slot_bytes >= slot_bytes and pinned
+
+    def address(self, s: int) -> tuple[int, bool]:
+        """Slot ``s``'s address, and whether it was made now (by the one worker that
+        holds the slot)."""
+        with self.lock:
+            arena = self.arenas.get(s)
+        if arena is not None:
+            return arena.address, False
+        arena = HostArena(self.slot_bytes, device=self.device, threads=1)  # workers: parallel
+        with self.lock:
+            self.arenas[s] = arena
+        return arena.address, True
+
+    @property
+    def size(self) -> int:
+        with self.lock:
+            return sum(a.size for a in self.arenas.values())
+
+    def close(self) -> None:
+        """Free every slot; the first failure is raised once all were tried."""
+        first: Exception | None = None
+        with self.lock:
+            arenas, self.arenas = list(self.arenas.values()), {}
+        for arena in arenas:
+            try:
+                arena.close()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+
 _ring_lock = threading.Lock()  # one restore to the GPU at a time uses the ring
-_ring: HostArena | None = None  # the ring kept (SNAPCORE_RESTORE_RING_KEEP)
+_ring: _Ring | None = None  # the ring kept (SNAPCORE_RESTORE_RING_KEEP)
 
 
 def _forget_in_child() -> None:
     """A forked child: the parent's lock may be held, its ring is not the child's (the
-    arena is MADV_DONTFORK, and CUDA is unusable there)."""
+    arenas are MADV_DONTFORK, and CUDA is unusable there)."""
     global _ring_lock, _ring
     _ring_lock = threading.Lock()
     _ring = None
@@ -83,17 +134,16 @@ def release_ring() -> None:
             log.warning("freeing the restore ring (%d bytes): %s", ring.size, e)
 
 
-def _take_ring(size: int, device: int) -> tuple[HostArena, bool]:
-    """The kept ring if it holds ``size`` bytes and is pinned, else a new one (the old one
-    freed first); and whether it was made now. Called with ``_ring_lock`` held."""
+def _take_ring(slot_bytes: int, device: int) -> _Ring:
+    """The kept ring if it serves slots of ``slot_bytes``, else a new one (the old one
+    freed first). Called with ``_ring_lock`` held."""
     global _ring
     ring, _ring = _ring, None
-    if ring is not None and ring.fits(size, device) and ring.native.pinned:
-        return ring, False
+    if ring is not None and ring.fits(slot_bytes):
+        return ring
     if ring is not None:
         ring.close()
-    # Pinned in the first device's context; portable, so every device's copies use it.
-    return HostArena(size, device=device), True
+    return _Ring(slot_bytes, device)
 
 
 @dataclass
@@ -204,22 +254,23 @@ def fill_devices(
         workers = max(1, min(workers, count - 1))
     global _ring
     with _ring_lock:
-        ring, made = _take_ring(slot * count, devices[0])
+        ring = _take_ring(slot, devices[0])
         prof: dict[str, float] = {
             "bytes": total,
             "workers": workers,
             "slots": count,
-            "slot_bytes": slot,
+            "slot_bytes": ring.slot_bytes,
             "reads": 0,
-            "ring_made": int(made),
-            "ring_s": time.perf_counter() - t_start,
+            "ring_made": 0,
         }
-        prof.update(dict.fromkeys(("read_s", "queue_s", "wait_s", "drain_s", "close_s"), 0.0))
+        prof.update(
+            dict.fromkeys(("ring_s", "read_s", "queue_s", "wait_s", "drain_s", "close_s"), 0.0)
+        )
         ok = False
         try:
             # Returns or raises only once no worker runs and every copy queued has
             # completed (or the driver failed): the ring is then free to go.
-            _run(batches, read, ring, slot, count, workers, streams, prof)
+            _run(batches, read, ring, count, workers, streams, prof)
             ok = True
         finally:
             if ok and settings.restore_ring_keep():
@@ -237,8 +288,7 @@ def fill_devices(
 def _run(
     batches: list[list[ChunkCopies]],
     read: Callable[[list[tuple[int, int, int]]], None],
-    ring: HostArena,
-    slot: int,
+    ring: _Ring,
     count: int,
     workers: int,
     streams: dict[int, int],
@@ -270,7 +320,16 @@ def _run(
                 raise
             events = []  # a failure's traceback keeps this frame: no event in it
             add("wait_s", time.perf_counter() - t)
-            base = ring.address + s * slot
+            t = time.perf_counter()
+            try:
+                base, made = ring.address(s)
+            except BaseException:
+                slots.drop(s)
+                raise
+            if made:
+                with queue_lock:
+                    prof["ring_made"] += 1
+                    prof["ring_s"] += time.perf_counter() - t
             jobs: list[tuple[int, int, int]] = []
             per_device: dict[int, list[tuple[int, int, int]]] = {}
             pos = 0

@@ -412,7 +412,7 @@ def test_bench_gpu_reports_where_a_restore_to_the_gpu_spent_its_time(
     doc = json.loads(figures.read_text())["runs"][0]["result"]
     size = doc["sizes"][0]
     made = {"bytes": 4e9, "workers": 14, "slots": 16, "slot_bytes": 64 << 20, "reads": 60,
-            "ring_made": 1, "ring_s": 0.3, "read_s": 1.0, "queue_s": 0.01, "wait_s": 0.05,
+            "ring_made": 16, "ring_s": 0.3, "read_s": 1.0, "queue_s": 0.01, "wait_s": 0.05,
             "drain_s": 0.004, "close_s": 0.02, "total_s": 0.45}  # fmt: skip
     base = {k: v for k, v in size["restores"][0].items() if k != "wall_s"}
     size["restores"] = [
@@ -430,10 +430,11 @@ def test_bench_gpu_reports_where_a_restore_to_the_gpu_spent_its_time(
     lines = [ln for ln in text.splitlines() if ln.startswith("Best restore of 4.0 GB")]
     assert len(lines) == 2, lines
     assert "(the ring made by each restore), 0.500 s" in lines[0], lines[0]
-    assert "(16 x 64 MiB) made in 0.300 s" in lines[0] and "60 batches" in lines[0], lines[0]
+    assert "(16 slots of 64 MiB, 16 of them made in 0.300 worker-s)" in lines[0], lines[0]
+    assert "60 batches" in lines[0], lines[0]
     assert "1.000 worker-s (56.0 GB/s all together)" in lines[0], lines[0]
     assert "(the ring kept), 0.200 s" in lines[1], lines[1]
-    assert "kept from the last restore" in lines[1] and "1.400 worker-s" in lines[1], lines[1]
+    assert "MiB, kept from the last restore)" in lines[1] and "1.400 worker-s" in lines[1]
     assert "the last copies took 0.004 s" in lines[1] and "manifest) -0.250 s." in lines[1]
     kept = next(ln for ln in text.splitlines() if "with the ring kept between" in ln)
     ratio = size["device_bytes"] / 0.2 / f["h2d_probe_Bps"]

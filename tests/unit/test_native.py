@@ -1241,13 +1241,14 @@ def norm(line):  # handles named by first appearance: e1, e2, ... and s1, s2, ..
 calls = [norm(c) for c in log()[start:] if not c.startswith("PrimaryCtx")]
 MiB = 1 << 20
 expected = [
-    "DeviceGetPCIBusId 0",  # the ring is placed on GPU 0's NUMA node (none here)
-    "MemHostRegister 2097152 ctx0",  # the ring: two pinned slots, registered once
+    "DeviceGetPCIBusId 0",  # slot 0 is placed on GPU 0's NUMA node (none here)
+    f"MemHostRegister {MiB} ctx0",  # and pinned, by the worker, when first read into
     "read 1",  # chunk 0 of "a" into slot 0
     "StreamCreate s1",
     "EventRecord e1 ext:1000", "StreamWaitEvent s1 e1",  # after GPU 0's current stream
     f"MemcpyHtoDAsync {MiB} s1", "EventRecord e2 s1",
     "StreamWaitEvent ext:1000 e2",  # GPU 0's current stream waits: no host block
+    "DeviceGetPCIBusId 0", f"MemHostRegister {MiB} ctx0",  # slot 1
     "read 1",  # chunk 1 into slot 1, while slot 0 is copied
     "EventRecord e3 ext:1000", "StreamWaitEvent s1 e3",
     f"MemcpyHtoDAsync {MiB} s1", "EventRecord e4 s1", "StreamWaitEvent ext:1000 e4",
@@ -1260,13 +1261,13 @@ expected = [
     "MemcpyHtoDAsync 4000 s2", "EventRecord e8 s2", "StreamWaitEvent ext:1001 e8",
     "EventSynchronize e4", "EventSynchronize e6", "EventSynchronize e8",  # all copies run
     "StreamSynchronize s1", "StreamDestroy s1", "StreamSynchronize s2", "StreamDestroy s2",
-    "MemHostUnregister ctx0",  # the ring is freed when the restore returns
+    "MemHostUnregister ctx0", "MemHostUnregister ctx0",  # the ring goes with the restore
 ]
 assert calls == expected, calls
 assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
 p = h2d.last_profile  # where the restore spent its time, for bench_gpu
 got = tuple(p[k] for k in ("bytes", "workers", "slots", "slot_bytes", "reads", "ring_made"))
-assert got == (5 * MiB // 2 + 4000, 1, 2, MiB, 3, 1), p
+assert got == (5 * MiB // 2 + 4000, 1, 2, MiB, 3, 2), p
 phases = ("ring_s", "read_s", "queue_s", "wait_s", "drain_s", "close_s")
 assert min(p[k] for k in phases) >= 0, p
 assert p["read_s"] > 0 and sum(p[k] for k in phases) <= p["total_s"], p
@@ -1283,13 +1284,13 @@ with snapcore.settings.override(SNAPCORE_RESTORE_RING_KEEP="1"):
         for k in saved:
             assert torch.equal(again[k], saved[k]), k
         registered.append([c for c in log()[start:] if c.startswith("MemHost")])
-        # kept: 2 MiB registered, holding GPU 0's primary context
-        assert state("streams", "events", "ctx_refs", "registered") == [0, 0, 1, 2 * MiB]
-    assert registered == [["MemHostRegister 2097152 ctx0"], []], registered
+        # kept: 2 slots of 1 MiB registered, each holding GPU 0's primary context
+        assert state("streams", "events", "ctx_refs", "registered") == [0, 0, 2, 2 * MiB]
+    assert registered == [[f"MemHostRegister {MiB} ctx0"] * 2, []], registered
     assert h2d.last_profile["ring_made"] == 0
 start = len(log())
 snapcore.close()  # frees it
-assert [c for c in log()[start:] if c.startswith("MemHost")] == ["MemHostUnregister ctx0"]
+assert [c for c in log()[start:] if c.startswith("MemHost")] == ["MemHostUnregister ctx0"] * 2
 assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
 print("restore-h2d-ok")
 """
@@ -1345,13 +1346,14 @@ h2d.RING_SLOT_BYTES = MiB  # a batch per chunk: 12 batches, 4 workers, 6 slots
 
 events = []  # what happened, in order: ("read", slot), ("queue", id, slots), ("sync", id)
 lock = threading.Lock()
-rings = []  # the rings the restores made
+rings = []  # the slots the restores made, each an arena
 def ring(*args, **kwargs):
     rings.append(h2d_arena(*args, **kwargs))
     return rings[-1]
 h2d_arena, h2d.HostArena = h2d.HostArena, ring
-def slot_of(address):
-    return (address - rings[-1].address) // MiB
+def slot_of(address):  # which slot (arena) holds ``address``
+    (i,) = [i for i, a in enumerate(rings) if a.address <= address < a.address + a.size]
+    return i
 
 class Event:
     def __init__(self, ev, slots):
@@ -1413,6 +1415,7 @@ assert not [c for c in log() if "ext:200" in c], log()
 p = h2d.last_profile
 assert (p["workers"], p["slots"], p["reads"]) == (4, 6, 12), p
 assert busy[1] >= 2, busy
+assert len(rings) == 6 and all(a.native.closed for a in rings)  # made, then freed
 flying = {s: set() for s in range(6)}  # each slot's copies not waited for yet
 slot_of_event = {}
 for e in events:
@@ -1442,7 +1445,7 @@ queued = {e[1] for e in events if e[0] == "queue"}
 synced = {e[1] for e in events if e[0] == "sync"}
 assert queued and queued <= synced, (queued, synced)
 assert len([e for e in events if e[0] == "read"]) < 12, events  # the workers stopped
-assert h2d._ring is None and len(rings) == 2 and rings[-1].native.closed
+assert h2d._ring is None and all(a.native.closed for a in rings)
 e = None
 made.clear()
 gc.collect()  # the failure's traceback held the failing worker's frame and its events
