@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,53 @@ def probe(device: torch.device, nbytes: int, reps: int) -> Result:
         out[f"{name}_Bps"] = rates
     del host, dev
     return out
+
+
+def read_check_probe(root: Path, chunk: int, workers: int, reps: int) -> Result:
+    """What a restore's workers do to each chunk, without the GPU: ``pread`` of a chunk
+    from a file in ``root`` (the host tier's /dev/shm) into a faulted buffer, then xxh3-128
+    of the buffer; bytes/s with one thread and with ``workers`` at once (each on its own
+    chunk), the best of ``reps``. The restore from the host tier cannot go faster than
+    the second (whatever the H2D copy can do)."""
+    import xxhash
+
+    path = root / f"snapcore-bench-read-{uuid.uuid4().hex[:8]}.bin"
+    bufs = [torch.empty(chunk, dtype=torch.uint8) for _ in range(workers)]
+    for b in bufs:
+        b.fill_(7)
+    try:
+        with open(path, "wb") as f:
+            for b in bufs:
+                f.write(memoryview(b.numpy()))
+
+        def one(i: int) -> None:
+            _native.read_into(str(path), i * chunk, chunk, bufs[i].data_ptr())
+            xxhash.xxh3_128_hexdigest(memoryview(bufs[i].numpy()))
+
+        out: Result = {"chunk_bytes": chunk, "workers": workers, "root": str(root)}
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(one, range(workers)))  # the threads started, the file read once
+            for name, n in (("one_Bps", 1), ("all_Bps", workers)):
+                best = 0.0
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    list(pool.map(one, range(n)))
+                    best = max(best, n * chunk / (time.perf_counter() - t0))
+                out[name] = best
+        return out
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def run_read_check(args: argparse.Namespace) -> Result:
+    """The read-and-check probe as a restore would run it here: SNAPCORE_THREADS workers,
+    SNAPCORE_CHUNK_MB chunks (4 MiB for --smoke), in /dev/shm where it has room."""
+    workers = snapcore.settings.threads()
+    chunk = snapcore.settings.chunk_bytes() if not args.smoke else 4 << 20
+    shm = Path("/dev/shm")
+    room = shm.is_dir() and shutil.disk_usage(shm).free > 2 * workers * chunk
+    root = shm if room else Path(tempfile.gettempdir())
+    return read_check_probe(root, chunk, workers, max(1, args.probe_reps))
 
 
 # -- the state --------------------------------------------------------------------------------
@@ -418,6 +466,17 @@ def render(doc: Result) -> str:
             for r in doc["sizes"]
         ),
     ]
+    rc = doc.get("read_check")
+    if rc:
+        probe_h2d = max(r["figures"]["h2d_probe_Bps"] for r in doc["sizes"])
+        lines += [
+            "",
+            f"Read and check, the restore workers' work without the GPU (`pread` of a "
+            f"{rc['chunk_bytes'] / 2**20:.0f} MiB chunk from {rc['root']} into memory, then "
+            f"xxh3-128 of it): 1 thread {rc['one_Bps'] / GB:.1f} GB/s; {rc['workers']} at "
+            f"once {rc['all_Bps'] / GB:.1f} GB/s, {rc['all_Bps'] / probe_h2d:.2f} x the "
+            "pinned H2D probe: a restore from the host tier cannot go faster.",
+        ]
     for r in doc["sizes"]:
         f = r["figures"]
         if f.get("restore_kept_Bps"):
@@ -482,8 +541,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the raw figures here")
     p.add_argument("--markdown", default=None, help="write the report (markdown) here")
     p.add_argument("--smoke", action="store_true", help="a tiny run: does it work?")
+    p.add_argument(
+        "--read-check-only",
+        action="store_true",
+        help="only the read-and-check probe (any machine): what the restore's workers can do",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.read_check_only:
+        rc = run_read_check(args)
+        print(
+            f"read and check: {rc['chunk_bytes'] >> 20} MiB chunks from {rc['root']}: 1 thread "
+            f"{rc['one_Bps'] / GB:.2f} GB/s; {rc['workers']} at once {rc['all_Bps'] / GB:.2f} "
+            f"GB/s (best of {args.probe_reps}; {datetime.date.today()}, {common.cpu_model()}, "
+            f"{os.cpu_count()} CPUs)"
+        )
+        return 0
     if args.smoke:
         args.sizes_gb, args.repeats, args.probe_reps = "0.02", 1, 1
     if device.type == "cuda":
@@ -504,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         "abi": abi.report(),
         "sizes": [],
     }  # fmt: skip
+    doc["read_check"] = run_read_check(args)
     for gb in (float(x) for x in args.sizes_gb.split(",")):
         print(f"[bench_gpu] {gb:g} GB ...", flush=True)
         r = measure(gb, args, device)

@@ -388,6 +388,10 @@ def test_bench_gpu_plumbing_on_a_cpu(tmp_path: Path) -> None:
     assert f["restore_Bps"] > 0 and f["blocked_s"] > 0 and f["copy_s"] > 0
     assert [t["status"] for t in report["targets"]] == ["N/A", "N/A", "N/A", "PASS"]
     assert report["abi"]["ok"] is True
+    rc = report["read_check"]  # the restore workers' work without the GPU, a machine limit
+    assert rc["chunk_bytes"] == 4 << 20 and rc["one_Bps"] > 0 and rc["all_Bps"] > 0
+    assert f"then xxh3-128 of it): 1 thread {rc['one_Bps'] / 1e9:.1f} GB/s" in out
+    assert not list(Path(rc["root"]).glob("snapcore-bench-read-*"))  # its file is gone
     assert "| target | measured |" in out and table.read_text() in out
     sys.path.insert(0, str(BENCHMARKS.parent))
     from benchmarks import harness
