@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from .. import _native, settings
+from ..errors import SnapcoreError
 from .arena import HostArena
 
 # The bytes of one batch (one slot of the ring); a chunk larger than this gets a slot of
@@ -49,7 +50,7 @@ SPARE_SLOTS = 2
 
 # Where the last restore to the GPU in this process spent its time (for benchmarks: see
 # bench_gpu.py): bytes, workers, slots, slot_bytes, reads (batches read), ring_made (the
-# slots this restore made: 0 when it reused a kept ring), and seconds: ring_s, read_s,
+# slots this restore made; those of a kept ring are not made again), and seconds: ring_s, read_s,
 # queue_s and wait_s summed over the workers (making and pinning slots, reading and
 # checking chunks, queueing the copies, waiting for a slot's copies), drain_s (waiting
 # for the last copies), close_s (closing the copiers, freeing the ring), total_s (wall).
@@ -69,11 +70,12 @@ class _Ring:
         self.arenas: dict[int, HostArena] = {}
 
     def fits(self, slot_bytes: int) -> bool:
-        """Whether it serves slots of ``slot_bytes``: large enough, and pinned (a ring
-        whose pinning failed is not kept: the next restore tries again)."""
+        """Whether it serves slots of ``slot_bytes``: of that size (larger slots would
+        take the ring past SNAPCORE_RESTORE_RING_MB), and pinned (a ring whose pinning
+        failed is not kept: the next restore tries again)."""
         with self.lock:
             pinned = all(a.native.pinned for a in self.arenas.values())
-        return self.slot_bytes >= slot_bytes and pinned
+        return self.slot_bytes == slot_bytes and pinned
 
     def address(self, s: int) -> tuple[int, bool]:
         """Slot ``s``'s address, and whether it was made now (by the one worker that
@@ -108,6 +110,16 @@ class _Ring:
 
 _ring_lock = threading.Lock()  # one restore to the GPU at a time uses the ring
 _ring: _Ring | None = None  # the ring kept (SNAPCORE_RESTORE_RING_KEEP)
+_leaked: list[_Ring] = []  # rings an interruption left possibly in use: never freed
+
+
+def _close_ring(ring: _Ring) -> None:
+    """Free ``ring``; a failure (pinned memory that stays) is logged, not raised."""
+    size = ring.size
+    try:
+        ring.close()
+    except Exception as e:
+        log.warning("freeing the restore ring (%d bytes): %s", size, e)
 
 
 def _forget_in_child() -> None:
@@ -128,10 +140,7 @@ def release_ring() -> None:
     with _ring_lock:
         ring, _ring = _ring, None
     if ring is not None:
-        try:
-            ring.close()
-        except Exception as e:
-            log.warning("freeing the restore ring (%d bytes): %s", ring.size, e)
+        _close_ring(ring)
 
 
 def _take_ring(slot_bytes: int, device: int) -> _Ring:
@@ -142,7 +151,7 @@ def _take_ring(slot_bytes: int, device: int) -> _Ring:
     if ring is not None and ring.fits(slot_bytes):
         return ring
     if ring is not None:
-        ring.close()
+        _close_ring(ring)
     return _Ring(slot_bytes, device)
 
 
@@ -266,19 +275,23 @@ def fill_devices(
         prof.update(
             dict.fromkeys(("ring_s", "read_s", "queue_s", "wait_s", "drain_s", "close_s"), 0.0)
         )
-        ok = False
+        ok, settled = False, [False]
         try:
-            # Returns or raises only once no worker runs and every copy queued has
-            # completed (or the driver failed): the ring is then free to go.
-            _run(batches, read, ring, count, workers, streams, prof)
+            _run(batches, read, ring, count, workers, streams, prof, settled)
             ok = True
         finally:
-            if ok and settings.restore_ring_keep():
+            if not settled[0]:  # interrupted before the workers were known to be done
+                _leaked.append(ring)  # never freed: a worker or a copy may still use it
+                log.error(
+                    "restore to the GPU interrupted before its workers ended: its ring "
+                    "(%d bytes) is left allocated",
+                    ring.size,
+                )
+            elif ok and settings.restore_ring_keep():
                 _ring = ring
             else:  # not kept, or after a failure, which may have left it in any state
                 t = time.perf_counter()
-                with contextlib.suppress(Exception):
-                    ring.close()
+                _close_ring(ring)
                 prof["close_s"] += time.perf_counter() - t
             prof["total_s"] = time.perf_counter() - t_start
             last_profile.clear()
@@ -293,7 +306,11 @@ def _run(
     workers: int,
     streams: dict[int, int],
     prof: dict[str, float],
+    settled: list[bool],
 ) -> None:
+    """The workers' run. ``settled[0]`` is set once no worker can touch the ring any more
+    and every copy queued was waited for (or the driver failed): only then may the ring
+    be freed; an interruption that leaves it unset leaves the ring to be leaked."""
     slots = _Slots(count)
     queue_lock = threading.Lock()  # the copiers, the profile, the failure
     copiers: dict[int, Any] = {}
@@ -413,6 +430,14 @@ def _run(
                         )
                     )
             except BaseException as e:
+                with changed:
+                    running = count_of["running"]
+                if first is None and not failed:
+                    log.warning(
+                        "restore to the GPU interrupted: waiting for %d worker(s) to end "
+                        "their batch",
+                        running,
+                    )
                 stop(e)
                 raise
 
@@ -426,6 +451,14 @@ def _run(
             with contextlib.suppress(Exception):
                 copier.close()
 
+    def settle() -> None:
+        """No worker runs, and none will begin: whatever left ``work_all`` early (an
+        interruption between the submits and the wait), the workers stop here."""
+        with changed:
+            if count_of["ended"] < workers and not failed:
+                failed.append(SnapcoreError("the restore to the GPU was interrupted"))
+            changed.wait_for(lambda: count_of["running"] == 0)
+
     interrupted: BaseException | None = None
     try:
         interrupted = work_all()
@@ -437,11 +470,14 @@ def _run(
         slots.wait_all()
         prof["drain_s"] = time.perf_counter() - t
     finally:
-        # After a failure or an interruption too: nothing queued outlives this.
+        # After a failure or an interruption too: no worker runs, nothing queued
+        # outlives this, whatever interrupts it.
+        first_late = _despite_interrupts(settle)
         second = _despite_interrupts(lambda: slots.wait_all(quiet=True))
         t = time.perf_counter()
         third = _despite_interrupts(close_copiers)
         prof["close_s"] = time.perf_counter() - t
-        late = second or third
+        settled[0] = True
+        late = first_late or second or third
         if late is not None and interrupted is None:
             raise late

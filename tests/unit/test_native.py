@@ -1288,6 +1288,14 @@ with snapcore.settings.override(SNAPCORE_RESTORE_RING_KEEP="1"):
         assert state("streams", "events", "ctx_refs", "registered") == [0, 0, 2, 2 * MiB]
     assert registered == [[f"MemHostRegister {MiB} ctx0"] * 2, []], registered
     assert h2d.last_profile["ring_made"] == 0
+    # Other slot sizes (2 MiB batches): a new ring, the kept one freed first; never a
+    # kept ring of other slots, which could take the ring past SNAPCORE_RESTORE_RING_MB.
+    h2d.RING_SLOT_BYTES = 2 * MiB
+    start = len(log())
+    reader._fill_cuda([(index["a"], again["a"].data_ptr(), 0)])
+    assert [c for c in log()[start:] if c.startswith("MemHost")] == (
+        ["MemHostUnregister ctx0"] * 2 + [f"MemHostRegister {2 * MiB} ctx0"] * 2
+    ), log()[start:]
 start = len(log())
 snapcore.close()  # frees it
 assert [c for c in log()[start:] if c.startswith("MemHost")] == ["MemHostUnregister ctx0"] * 2
@@ -1317,7 +1325,7 @@ def test_restore_to_the_gpu_reads_into_a_pinned_ring_and_copies_on_the_side_stre
 RESTORE_WORKERS_SCENARIO = (
     FAKE_LOG
     + """
-import gc, sys, threading, warnings
+import gc, sys, threading, time, warnings
 warnings.simplefilter("ignore", DeprecationWarning)
 import torch
 import snapcore
@@ -1394,6 +1402,8 @@ def watched_read(jobs, threads=0):
             both.wait()  # only returns if two workers read at once
         if n == fail_at[0]:
             raise CorruptSnapshot("chunk damaged in every tier (the test's)")
+        if fail_at[0] is not None and n > fail_at[0]:
+            time.sleep(0.2)  # the failing worker has recorded its failure meanwhile
         read(jobs, threads)
     finally:
         with lock:
@@ -1434,6 +1444,7 @@ assert len(set(reads)) == 6 and len(reads) == 12, reads  # every slot, some twic
 # A read failing in one worker: the others stop, every queued copy is waited for, the
 # error is raised, and the ring is freed (a driver error may have left it in any state).
 events.clear()
+rings.clear()  # a new slot may be mapped where a freed one was
 both = threading.Barrier(2, timeout=60)
 fail_at[0] = 7
 try:
@@ -1445,7 +1456,7 @@ queued = {e[1] for e in events if e[0] == "queue"}
 synced = {e[1] for e in events if e[0] == "sync"}
 assert queued and queued <= synced, (queued, synced)
 assert len([e for e in events if e[0] == "read"]) < 12, events  # the workers stopped
-assert h2d._ring is None and all(a.native.closed for a in rings)
+assert h2d._ring is None and rings and all(a.native.closed for a in rings)
 e = None
 made.clear()
 gc.collect()  # the failure's traceback held the failing worker's frame and its events
@@ -1547,6 +1558,29 @@ records = {c.split()[1] for c in log() if c.startswith("EventRecord") and c.ends
 assert records and records <= syncs, (records, syncs)  # every copy queued was waited for
 gc.collect()
 assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
+
+# Ctrl-C in the instant after the workers were started, before the restoring thread
+# waits for them (here: in the pool's shutdown(wait=False)): they are stopped and waited
+# for all the same before the ring goes.
+class Pool(h2d.ThreadPoolExecutor):
+    def shutdown(self, wait=True, **kwargs):
+        super().shutdown(wait, **kwargs)
+        if not wait:
+            raise KeyboardInterrupt
+h2d.ThreadPoolExecutor = Pool
+reader.read_chunks = lambda jobs, threads=0: (busy.__setitem__(0, busy[0] + 1),
+                                              time.sleep(0.1), read(jobs, threads),
+                                              busy.__setitem__(0, busy[0] - 1))
+busy[0] = 0
+try:
+    reader._fill_cuda(items)
+    raise AssertionError("the restore was not interrupted")
+except KeyboardInterrupt:
+    at_return = busy[0]
+assert at_return == 0, at_return
+assert not h2d._leaked  # the workers were known to be done: the ring was freed
+gc.collect()
+assert state("streams", "events", "ctx_refs", "depth", "registered") == [0, 0, 0, 0, 0]
 print("restore-interrupt-ok")
 """
 )
@@ -1555,10 +1589,11 @@ print("restore-interrupt-ok")
 def test_an_interrupted_restore_to_the_gpu_stops_its_workers_before_freeing_the_ring(
     fake_driver_dir, tmp_path
 ):
-    """Ctrl-C during a restore to the GPU (twice: the second while the restore cleans up)
-    stops the workers at their next batch; KeyboardInterrupt is raised only once no worker
-    reads into the ring and every queued copy was waited for, and the ring is freed after
-    that, not under a worker's read."""
+    """Ctrl-C during a restore to the GPU (twice: the second while the restore waits for
+    its workers) stops the workers at their next batch; KeyboardInterrupt is raised only
+    once no worker reads into the ring and every queued copy was waited for, and the ring
+    is freed after that, not under a worker's read. The same for a Ctrl-C in the instant
+    between starting the workers and waiting for them."""
     code = RESTORE_INTERRUPT_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
     result = run_with_fake_driver(
         fake_driver_dir, code, FAKE_CUDA_DEVICES="1", SNAPCORE_CHUNK_MB="1", SNAPCORE_THREADS="4"
