@@ -1191,16 +1191,22 @@ def test_streaming_gathers_a_strided_cuda_tensor_once_per_snapshot(fake_driver_d
     assert b"streaming-gather-ok" in result.stdout
 
 
-RESTORE_H2D_SCENARIO = (
+# What the restore-to-the-GPU scenarios share: a CPU build of torch told it has CUDA
+# streams (per thread, as torch's current stream is), and a reader of a saved state.
+RESTORE_PRELUDE = (
     FAKE_LOG
     + """
-import re, sys, threading, warnings
+import gc, re, signal, sys, threading, time, warnings
 warnings.simplefilter("ignore", DeprecationWarning)
 import torch
 import snapcore
+from snapcore import _native
+from snapcore.errors import CorruptSnapshot
 from snapcore.read import Reader
 from snapcore.staging import h2d
 from snapcore.tiers import LocalTier
+
+MiB = 1 << 20
 
 class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch: per thread
     def __init__(self, device=None):
@@ -1208,14 +1214,32 @@ class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch: per 
         self.cuda_stream = (1000 if main else 2000) + device
 torch.cuda.current_stream = Stream
 
-store = sys.argv[1]
+def reader_of(saved):
+    \"\"\"``saved`` saved to the test's store, and a reader of it with its tensor index.\"\"\"
+    snapcore.save(saved, sys.argv[1], step=1)
+    snapcore.close()
+    tier = LocalTier(sys.argv[1])
+    reader = Reader([(tier, tier.read_manifest(1))])
+    return reader, {p: i for i, p in reader.paths.items()}
+"""
+)
+
+
+def run_restore_scenario(directory: Path, tmp_path: Path, code: str, ok: bytes, **env: str):
+    """A RESTORE_PRELUDE scenario against the fake driver, its store in ``tmp_path``, with
+    1 MiB chunks; it must print ``ok``."""
+    code = code.replace("sys.argv[1]", repr(str(tmp_path / "store")))
+    result = run_with_fake_driver(directory, code, SNAPCORE_CHUNK_MB="1", **env)
+    assert result.returncode == 0, result.stderr.decode()
+    assert ok in result.stdout
+
+
+RESTORE_H2D_SCENARIO = (
+    RESTORE_PRELUDE
+    + """
 g = torch.Generator().manual_seed(0)
 saved = {"a": torch.randn(5 << 17, generator=g), "b": torch.randn(1000, generator=g)}
-snapcore.save(saved, store, step=1)  # 1 MiB chunks: "a" is three, "b" one
-snapcore.close()
-tier = LocalTier(store)
-reader = Reader([(tier, tier.read_manifest(1))])
-index = {p: i for i, p in reader.paths.items()}
+reader, index = reader_of(saved)  # 1 MiB chunks: "a" is three, "b" one
 out = {k: torch.zeros_like(v) for k, v in saved.items()}  # "device memory" of GPUs 0 and 1
 read = reader.read_chunks
 def marked_read(jobs, threads=0):  # the reader's verified reads, placed in the log
@@ -1239,7 +1263,6 @@ def norm(line):  # handles named by first appearance: e1, e2, ... and s1, s2, ..
         return names[key]
     return re.sub(r"\\b[es]\\d+\\b", sub, line)
 calls = [norm(c) for c in log()[start:] if not c.startswith("PrimaryCtx")]
-MiB = 1 << 20
 expected = [
     "DeviceGetPCIBusId 0",  # slot 0 is placed on GPU 0's NUMA node (none here)
     f"MemHostRegister {MiB} ctx0",  # and pinned, by the worker, when first read into
@@ -1314,42 +1337,18 @@ def test_restore_to_the_gpu_reads_into_a_pinned_ring_and_copies_on_the_side_stre
     copies have run, and the restore returns once every copy completed, freeing the ring;
     with SNAPCORE_RESTORE_RING_KEEP the ring is kept for the next restore (not registered
     again) until snapcore.close()."""
-    code = RESTORE_H2D_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
-    result = run_with_fake_driver(
-        fake_driver_dir, code, FAKE_CUDA_DEVICES="2", SNAPCORE_CHUNK_MB="1", SNAPCORE_THREADS="1"
-    )
-    assert result.returncode == 0, result.stderr.decode()
-    assert b"restore-h2d-ok" in result.stdout
+    run_restore_scenario(
+        fake_driver_dir, tmp_path, RESTORE_H2D_SCENARIO, b"restore-h2d-ok",
+        FAKE_CUDA_DEVICES="2", SNAPCORE_THREADS="1",
+    )  # fmt: skip
 
 
 RESTORE_WORKERS_SCENARIO = (
-    FAKE_LOG
+    RESTORE_PRELUDE
     + """
-import gc, sys, threading, time, warnings
-warnings.simplefilter("ignore", DeprecationWarning)
-import torch
-import snapcore
-from snapcore import _native
-from snapcore.errors import CorruptSnapshot
-from snapcore.read import Reader
-from snapcore.staging import h2d
-from snapcore.tiers import LocalTier
-
-class Stream:  # torch.cuda.current_stream(device) of a CPU build of torch: per thread
-    def __init__(self, device=None):
-        main = threading.current_thread() is threading.main_thread()
-        self.cuda_stream = (1000 if main else 2000) + device
-torch.cuda.current_stream = Stream
-
-MiB = 1 << 20
-store = sys.argv[1]
 g = torch.Generator().manual_seed(1)
 saved = {f"t{i}": torch.randn(MiB // 4, generator=g) for i in range(12)}  # a chunk each
-snapcore.save(saved, store, step=1)
-snapcore.close()
-tier = LocalTier(store)
-reader = Reader([(tier, tier.read_manifest(1))])
-index = {p: i for i, p in reader.paths.items()}
+reader, index = reader_of(saved)
 h2d.RING_SLOT_BYTES = MiB  # a batch per chunk: 12 batches, 4 workers, 6 slots
 
 events = []  # what happened, in order: ("read", slot), ("queue", id, slots), ("sync", id)
@@ -1473,38 +1472,18 @@ def test_restore_to_the_gpu_reads_with_every_worker_and_reuses_a_slot_only_after
     into again only after the copies from it were waited for, and all copies waited for
     before the restore returns; a read failing in one worker stops the others, waits for
     every queued copy, frees the ring and raises."""
-    code = RESTORE_WORKERS_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
-    result = run_with_fake_driver(
-        fake_driver_dir, code, FAKE_CUDA_DEVICES="2", SNAPCORE_CHUNK_MB="1", SNAPCORE_THREADS="4"
-    )
-    assert result.returncode == 0, result.stderr.decode()
-    assert b"restore-workers-ok" in result.stdout
+    run_restore_scenario(
+        fake_driver_dir, tmp_path, RESTORE_WORKERS_SCENARIO, b"restore-workers-ok",
+        FAKE_CUDA_DEVICES="2", SNAPCORE_THREADS="4",
+    )  # fmt: skip
 
 
 RESTORE_INTERRUPT_SCENARIO = (
-    FAKE_LOG
+    RESTORE_PRELUDE
     + """
-import gc, signal, sys, threading, time, warnings
-warnings.simplefilter("ignore", DeprecationWarning)
-import torch
-import snapcore
-from snapcore.read import Reader
-from snapcore.staging import h2d
-from snapcore.tiers import LocalTier
-
-class Stream:
-    def __init__(self, device=None): self.cuda_stream = 1000 + device
-torch.cuda.current_stream = Stream
-
-MiB = 1 << 20
-store = sys.argv[1]
 g = torch.Generator().manual_seed(2)
 saved = {f"t{i}": torch.randn(MiB // 4, generator=g) for i in range(24)}  # a chunk each
-snapcore.save(saved, store, step=1)
-snapcore.close()
-tier = LocalTier(store)
-reader = Reader([(tier, tier.read_manifest(1))])
-index = {p: i for i, p in reader.paths.items()}
+reader, index = reader_of(saved)
 h2d.RING_SLOT_BYTES = MiB
 
 seen = threading.Event()
@@ -1594,12 +1573,10 @@ def test_an_interrupted_restore_to_the_gpu_stops_its_workers_before_freeing_the_
     once no worker reads into the ring and every queued copy was waited for, and the ring
     is freed after that, not under a worker's read. The same for a Ctrl-C in the instant
     between starting the workers and waiting for them."""
-    code = RESTORE_INTERRUPT_SCENARIO.replace("sys.argv[1]", repr(str(tmp_path / "store")))
-    result = run_with_fake_driver(
-        fake_driver_dir, code, FAKE_CUDA_DEVICES="1", SNAPCORE_CHUNK_MB="1", SNAPCORE_THREADS="4"
-    )
-    assert result.returncode == 0, result.stderr.decode()
-    assert b"restore-interrupt-ok" in result.stdout
+    run_restore_scenario(
+        fake_driver_dir, tmp_path, RESTORE_INTERRUPT_SCENARIO, b"restore-interrupt-ok",
+        FAKE_CUDA_DEVICES="1", SNAPCORE_THREADS="4",
+    )  # fmt: skip
 
 
 BATCH_SCENARIO = (
