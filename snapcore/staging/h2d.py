@@ -228,13 +228,16 @@ class _Slots:
 def _despite_interrupts(fn: Callable[[], object]) -> BaseException | None:
     """Call ``fn`` until it returns, whatever interrupts it (a KeyboardInterrupt while the
     workers still write into the ring, or the GPU still reads it, must not free the ring
-    under them); the first interruption is returned, to be raised once it is safe."""
+    under them); the first interruption is returned, to be raised once it is safe. An
+    error (an ``Exception``) is raised at once: it would come again."""
     first: BaseException | None = None
     while True:
         try:
             fn()
             return first
-        except BaseException as e:
+        except Exception:
+            raise
+        except BaseException as e:  # KeyboardInterrupt, SystemExit from a signal handler
             first = first or e
 
 
