@@ -29,8 +29,9 @@ class GPTConfig:
     heads: int = 4
     batch: int = 4  # sequences per step
     # Recompute each block's activations in the backward (activation checkpointing, as
-    # large-model training does): only the blocks' inputs are kept, so that a batch of
-    # 64 x 1024 tokens fits, and a step does a third more work.
+    # large-model training does): only the blocks' inputs are kept (by estimate, a batch
+    # of 64 x 1024 tokens would otherwise fill most of an H100), and a step does about a
+    # third more work.
     recompute: bool = False
 
     def params(self) -> int:
