@@ -394,8 +394,7 @@ def _run(
         try:
             work()
         except BaseException as e:
-            with queue_lock:
-                failed.append(e)
+            stop(e)
         finally:
             with changed:
                 count_of["running"] -= 1
@@ -406,47 +405,28 @@ def _run(
         with queue_lock:
             failed.append(e)
 
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="snapcore-h2d") if workers > 1 else None
+
     def work_all() -> BaseException | None:
-        """Run the workers until none runs any more; an interruption of the wait (which is
-        returned) stops them at their next batch first."""
-        if workers == 1:
+        """Run the workers until every one has ended; an interruption is returned at once
+        (``settle``, in the cleanup, stops the workers and waits for them)."""
+        if pool is None:
             guarded()  # in this thread: it catches what interrupts it
             return None
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="snapcore-h2d")
-        first: BaseException | None = None
         try:
             for _ in range(workers):
                 pool.submit(guarded)
-        except BaseException as e:  # a worker not yet begun stops at once
-            stop(e)
-            first = e
-        finally:
             pool.shutdown(wait=False)
-
-        def wait() -> None:
-            try:
-                with changed:
-                    changed.wait_for(
-                        lambda: (
-                            count_of["ended"] == workers
-                            or (bool(failed) and count_of["running"] == 0)
-                        )
+            with changed:
+                changed.wait_for(
+                    lambda: (
+                        count_of["ended"] == workers or (bool(failed) and count_of["running"] == 0)
                     )
-            except BaseException as e:
-                with changed:
-                    running = count_of["running"]
-                if first is None and not failed:
-                    log.warning(
-                        "restore to the GPU interrupted: waiting for %d worker(s) to end "
-                        "their batch",
-                        running,
-                    )
-                stop(e)
-                raise
-
-        interrupted = _despite_interrupts(wait) or first
-        # The workers have ended (or will without touching anything): their threads go.
-        return _despite_interrupts(lambda: pool.shutdown(wait=True)) or interrupted
+                )
+            return None
+        except BaseException as e:
+            log.warning("restore to the GPU interrupted: waiting for its workers' batches")
+            return e
 
     def close_copiers() -> None:
         while copiers:  # each waits for its side stream: a backstop for lost events
@@ -456,11 +436,13 @@ def _run(
 
     def settle() -> None:
         """No worker runs, and none will begin: whatever left ``work_all`` early (an
-        interruption between the submits and the wait), the workers stop here."""
+        interruption), the workers stop here at their next batch, and their threads go."""
         with changed:
             if count_of["ended"] < workers and not failed:
                 failed.append(SnapcoreError("the restore to the GPU was interrupted"))
             changed.wait_for(lambda: count_of["running"] == 0)
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     interrupted: BaseException | None = None
     try:
